@@ -1,0 +1,67 @@
+# mlxgate: `make serve` and `make test` are all a fresh machine needs. `make help` lists the rest.
+
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+UV_VERSION := 0.13.9
+TOOLS := .tools
+UV := $(TOOLS)/bin/uv
+VENV := .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8080
+ARGS ?=
+
+export UV_PYTHON_DOWNLOADS := never
+export UV_PROJECT_ENVIRONMENT := $(VENV)
+
+.PHONY: help
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(UV):
+	python3 -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install --quiet --disable-pip-version-check "uv==$(UV_VERSION)"
+
+.PHONY: system-deps
+system-deps: ## install the C runtime OpenBLAS needs (libgfortran5) if it is missing (Linux)
+	@if [ "$$(uname)" = Linux ] && ! ldconfig -p | grep -q 'libgfortran.so.5 '; then \
+		echo "installing libgfortran5 (OpenBLAS needs it)"; \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libgfortran5 >/dev/null; \
+	fi
+
+.PHONY: env
+env: system-deps $(UV) ## create .venv from uv.lock and build the Rust extension into it
+	$(UV) sync --locked --python python3
+
+.PHONY: lock
+lock: $(UV) ## re-resolve uv.lock after changing dependencies in pyproject.toml
+	$(UV) lock --python python3
+
+.PHONY: serve
+serve: env ## serve the embedded model on http://$(HOST):$(PORT) (extra flags: ARGS="--model ...")
+	$(VENV)/bin/mlxgate serve --host $(HOST) --port $(PORT) $(ARGS)
+
+.PHONY: test
+test: env ## run every Rust and Python test
+	cargo test --locked
+	$(VENV)/bin/pytest $(ARGS)
+
+.PHONY: lint
+lint: env ## ruff, mypy, stub check and clippy
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/mypy
+	$(PY) -m mypy.stubtest mlxgate._native
+	cargo clippy --all-targets --locked -- -D warnings
+	cargo clippy --features python --locked -- -D warnings
+
+.PHONY: bench
+bench: env ## run the benchmarks (criterion and pytest-benchmark)
+	cargo bench --locked
+	$(VENV)/bin/pytest benches --benchmark-enable $(ARGS)
+
+.PHONY: clean
+clean: ## remove build outputs and environments
+	rm -rf $(VENV) $(TOOLS) target python/mlxgate/*.so

@@ -1,0 +1,162 @@
+//! Criterion benches of the stream core: one engine step over 256 streams, end to end to bytes.
+
+use std::hint::black_box;
+use std::sync::Arc;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use mlxgate::channel::Channel;
+use mlxgate::detok::Detok;
+use mlxgate::events::anthropic::AnthropicParams;
+use mlxgate::router::Router;
+use mlxgate::vocab::Vocab;
+
+const STREAMS: usize = 256;
+
+/// Word-like tokens plus the pieces of multi-byte chars, like a real BPE vocab.
+fn vocab() -> Arc<Vocab> {
+    let mut tokens: Vec<Vec<u8>> = vec![b"<eos>".to_vec()];
+    for i in 0..2000 {
+        tokens.push(format!(" w{i}").into_bytes());
+    }
+    for text in ["😀", "你好", "é", "\n", "\"q\""] {
+        let b = text.as_bytes();
+        let mid = b.len() / 2;
+        tokens.push(b[..mid].to_vec());
+        tokens.push(b[mid..].to_vec());
+    }
+    Arc::new(Vocab::from_token_bytes(&tokens, &[0]).unwrap())
+}
+
+fn params(stream: bool) -> AnthropicParams {
+    AnthropicParams {
+        model: "smollm2-135m-instruct".into(),
+        message_id: "msg_01XFDUDYJgAACzvnptvVoYEL".into(),
+        input_tokens: 100,
+        cache_read_input_tokens: 0,
+        stream,
+    }
+}
+
+struct Batch {
+    router: Router<()>,
+    readers: Vec<Arc<Channel<()>>>,
+    ids: Vec<u64>,
+    codes: Vec<u32>,
+    tokens: Vec<Vec<u32>>,
+    step: usize,
+}
+
+fn batch(stops: &[&str], stream: bool) -> Batch {
+    let vocab = vocab();
+    let n = vocab.len() as u32;
+    let mut router = Router::new(vocab, 1 << 20);
+    let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+    let readers = (0..STREAMS as u64)
+        .map(|id| {
+            router
+                .open_anthropic(id, params(stream), stops.clone())
+                .unwrap()
+        })
+        .collect();
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let tokens = (0..64)
+        .map(|_| {
+            (0..STREAMS)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    1 + (seed % u64::from(n - 1)) as u32
+                })
+                .collect()
+        })
+        .collect();
+    Batch {
+        router,
+        readers,
+        ids: (0..STREAMS as u64).collect(),
+        codes: vec![0; STREAMS],
+        tokens,
+        step: 0,
+    }
+}
+
+impl Batch {
+    /// One engine step, then every reader takes its bytes (as the asyncio side would).
+    fn run(&mut self, dropped: &mut Vec<u64>, wake: &mut Vec<()>) -> usize {
+        let tokens = &self.tokens[self.step % self.tokens.len()];
+        self.step += 1;
+        dropped.clear();
+        wake.clear();
+        self.router
+            .step(&self.ids, tokens, &self.codes, dropped, wake)
+            .unwrap();
+        self.readers
+            .iter()
+            .map(|r| r.take_with(|b| b.len()).unwrap_or(0))
+            .sum()
+    }
+}
+
+fn bench_step(c: &mut Criterion) {
+    let mut group = c.benchmark_group("router_step_256");
+    group.throughput(Throughput::Elements(STREAMS as u64));
+    for (name, stops, stream) in [
+        ("stream", &[][..], true),
+        ("stream_2_stops", &["</answer>", "\n\nHuman:"][..], true),
+        ("nonstream", &[][..], false),
+    ] {
+        let mut b = batch(stops, stream);
+        let (mut dropped, mut wake) = (Vec::new(), Vec::new());
+        group.bench_function(name, |bench| {
+            bench.iter(|| black_box(b.run(&mut dropped, &mut wake)));
+        });
+    }
+    group.finish();
+}
+
+fn bench_open_finish(c: &mut Criterion) {
+    let mut group = c.benchmark_group("lifecycle");
+    group.bench_function("open_10_tokens_end_turn", |bench| {
+        let vocab = vocab();
+        bench.iter_batched(
+            || Router::<()>::new(vocab.clone(), 1 << 20),
+            |mut router| {
+                let reader = router.open_anthropic(1, params(true), vec![]).unwrap();
+                let (mut dropped, mut wake) = (Vec::new(), Vec::new());
+                for t in 1..=10 {
+                    let code = u32::from(t == 10);
+                    router
+                        .step(&[1], &[t], &[code], &mut dropped, &mut wake)
+                        .unwrap();
+                }
+                black_box(reader.take_with(|b| b.len()))
+            },
+            BatchSize::SmallInput,
+        );
+    });
+    group.finish();
+}
+
+fn bench_detok(c: &mut Criterion) {
+    let text = "Streaming text with some naïve café 😀 and 你好 mixed in. ".repeat(16);
+    let bytes = text.as_bytes();
+    let mut group = c.benchmark_group("detok");
+    group.throughput(Throughput::Bytes(bytes.len() as u64));
+    group.bench_function("3_byte_tokens", |bench| {
+        let mut out = String::with_capacity(bytes.len() * 2);
+        bench.iter(|| {
+            out.clear();
+            let mut detok = Detok::new(false);
+            for chunk in bytes.chunks(3) {
+                detok.push(chunk, &mut out);
+            }
+            detok.finish(&mut out);
+            black_box(out.len())
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench_step, bench_open_finish, bench_detok);
+criterion_main!(benches);

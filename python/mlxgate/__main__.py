@@ -1,0 +1,3 @@
+from mlxgate.cli import main
+
+main()

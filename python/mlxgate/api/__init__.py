@@ -1,0 +1,1 @@
+"""HTTP API dialects served over the one engine."""

@@ -1,0 +1,126 @@
+"""ASGI plumbing shared by the API dialects: bodies, JSON responses, streamed responses."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+
+from mlxgate._native import Reader
+from mlxgate.streams import chunks
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class BodyTooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body is larger than the {limit // (1024 * 1024)} MB limit")
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        body = message.get("body", b"")
+        size += len(body)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        parts.append(body)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+async def send_bytes(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = b"application/json",
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": headers + (extra_headers or []),
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_json(
+    send: Send, status: int, payload: Any, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await send_bytes(send, status, orjson.dumps(payload), extra_headers=extra_headers)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    # granian drops writes after a disconnect silently; only receive() reports it.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(receive: Receive, reader: Reader, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client disconnects first, cancel the generation and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            reader.cancel()
+            task.cancel()
+        watcher.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
+async def _stream(send: Send, reader: Reader) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            # Lowercase text/event-stream: granian flushes headers at once only for this type.
+            "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"),
+            ],
+        }
+    )
+    async for data in chunks(reader):
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def send_event_stream(send: Send, receive: Receive, reader: Reader) -> None:
+    """Stream SSE frames as the engine produces them; a disconnect cancels the generation."""
+    await _unless_disconnected(receive, reader, _stream(send, reader))
+
+
+async def _join(reader: Reader) -> bytes:
+    return b"".join([data async for data in chunks(reader)])
+
+
+async def collect(receive: Receive, reader: Reader) -> bytes | None:
+    """The whole non-streamed body, or None if the client left first (generation cancelled)."""
+    result: bytes | None = await _unless_disconnected(receive, reader, _join(reader))
+    return result

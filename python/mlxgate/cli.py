@@ -1,0 +1,71 @@
+"""The `mlxgate` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mlxgate.config import Config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxgate", description=__doc__)
+    commands = parser.add_subparsers(dest="command")
+    serve = commands.add_parser("serve", help="serve a model over the Anthropic and OpenAI APIs")
+    defaults = Config()
+    serve.add_argument(
+        "--host", default=defaults.host, help="address to bind (default %(default)s)"
+    )
+    serve.add_argument("--port", type=int, default=defaults.port, help="port (default %(default)s)")
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file, an mlx-lm model directory or a Hugging Face org/repo id "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    serve.add_argument(
+        "--temperature",
+        type=float,
+        default=defaults.temperature,
+        help="sampling temperature for requests that set none; 0 is greedy (default %(default)s)",
+    )
+    serve.add_argument(
+        "--top-p", type=float, default=defaults.top_p, help="default top-p (default %(default)s)"
+    )
+    serve.add_argument(
+        "--top-k",
+        type=int,
+        default=defaults.top_k,
+        help="default top-k, 0 = off (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-queued",
+        type=int,
+        default=defaults.max_queued,
+        help="requests that may wait (default %(default)s)",
+    )
+    serve.add_argument(
+        "--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"]
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in ("serve", "-h", "--help"):
+        argv = ["serve", *argv]  # `mlxgate` and `python -m mlxgate` serve by default
+    args = _parser().parse_args(argv)
+    from mlxgate.server import serve
+
+    serve(
+        Config(
+            host=args.host,
+            port=args.port,
+            model=args.model,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_queued=args.max_queued,
+            log_level=args.log_level,
+        )
+    )

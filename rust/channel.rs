@@ -1,0 +1,252 @@
+//! Per-stream byte channel from the engine thread to one reader: never blocks the producer.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Stream ids whose readers cancelled, shared by all channels of one router. Each entry carries
+/// the channel serial so a late cancel never hits a newer stream that reuses the id.
+pub type CancelInbox = Mutex<Vec<(u64, u64)>>;
+
+/// Bytes queued for one reader, plus the waker the reader parked.
+///
+/// `W` is whatever wakes the reader; the core never calls it. Every method that takes a waker out
+/// returns it so the caller can call (or drop) it after the lock is released.
+#[derive(Debug)]
+pub struct Channel<W> {
+    state: Mutex<State<W>>,
+    bound: usize,
+    stream_id: u64,
+    serial: u64,
+    inbox: Arc<CancelInbox>,
+}
+
+#[derive(Debug)]
+struct State<W> {
+    buf: Vec<u8>,
+    /// The consumer's last buffer, kept so the producer reuses its capacity.
+    spare: Vec<u8>,
+    closed: bool,
+    cancelled: bool,
+    waker: Option<W>,
+}
+
+/// Result of [`Channel::park`].
+#[derive(Debug)]
+pub enum Park<W> {
+    /// Stored; the previous waker (if any) comes back to be dropped outside the lock.
+    Parked(Option<W>),
+    /// Data is pending or the stream is closed: not stored, read instead.
+    Ready(W),
+}
+
+/// Capacity above which a drained buffer is released instead of kept for reuse.
+const KEEP_CAPACITY: usize = 64 * 1024;
+
+impl<W> Channel<W> {
+    pub fn new(stream_id: u64, serial: u64, bound: usize, inbox: Arc<CancelInbox>) -> Self {
+        let state = State {
+            buf: Vec::new(),
+            spare: Vec::new(),
+            closed: false,
+            cancelled: false,
+            waker: None,
+        };
+        Self {
+            state: Mutex::new(state),
+            bound,
+            stream_id,
+            serial,
+            inbox,
+        }
+    }
+
+    pub fn stream_id(&self) -> u64 {
+        self.stream_id
+    }
+
+    pub fn serial(&self) -> u64 {
+        self.serial
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<W>> {
+        // A panic elsewhere cannot leave State inconsistent (plain field writes), so ignore poison.
+        self.state
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    // Producer side.
+
+    /// Lets `f` append frames. Returns the parked waker if anything was appended.
+    /// Nothing is written to a closed or cancelled channel.
+    pub fn append_with(&self, f: impl FnOnce(&mut Vec<u8>)) -> Option<W> {
+        let mut state = self.lock();
+        if state.closed {
+            return None;
+        }
+        let before = state.buf.len();
+        f(&mut state.buf);
+        if state.buf.len() > before {
+            state.waker.take()
+        } else {
+            None
+        }
+    }
+
+    /// Lets `f` append the final frames, then marks end of stream. Returns the parked waker.
+    pub fn close_with(&self, f: impl FnOnce(&mut Vec<u8>)) -> Option<W> {
+        let mut state = self.lock();
+        if state.closed {
+            return None;
+        }
+        f(&mut state.buf);
+        state.closed = true;
+        state.waker.take()
+    }
+
+    /// Unread bytes exceed the bound: the reader is lagging.
+    pub fn is_over_bound(&self) -> bool {
+        self.lock().buf.len() > self.bound
+    }
+
+    // Consumer side.
+
+    /// Runs `f` on all pending bytes (an empty slice if none yet) and consumes them; `None` once
+    /// the stream is closed and drained. `f` runs without the lock held.
+    pub fn take_with<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Option<R> {
+        let mut data = {
+            let mut state = self.lock();
+            if state.buf.is_empty() {
+                let closed = state.closed;
+                drop(state);
+                return if closed { None } else { Some(f(&[])) };
+            }
+            let spare = std::mem::take(&mut state.spare);
+            std::mem::replace(&mut state.buf, spare)
+        };
+        let result = f(&data);
+        if data.capacity() <= KEEP_CAPACITY {
+            data.clear();
+            let mut state = self.lock();
+            if state.spare.capacity() < data.capacity() {
+                state.spare = data;
+            }
+        }
+        Some(result)
+    }
+
+    /// Stores `waker` unless data is pending or the stream is closed.
+    pub fn park(&self, waker: W) -> Park<W> {
+        let mut state = self.lock();
+        if !state.buf.is_empty() || state.closed {
+            return Park::Ready(waker);
+        }
+        Park::Parked(state.waker.replace(waker))
+    }
+
+    /// The reader went away: drop pending bytes, close, and tell the router. Returns the parked
+    /// waker so a task waiting on this reader sees end of stream.
+    pub fn cancel(&self) -> Option<W> {
+        let waker = {
+            let mut state = self.lock();
+            state.buf = Vec::new();
+            if state.closed {
+                return state.waker.take();
+            }
+            state.closed = true;
+            state.cancelled = true;
+            state.waker.take()
+        };
+        self.inbox
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .push((self.stream_id, self.serial));
+        waker
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.lock().cancelled
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    pub fn unread_bytes(&self) -> usize {
+        self.lock().buf.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn channel() -> (Channel<&'static str>, Arc<CancelInbox>) {
+        let inbox = Arc::new(CancelInbox::default());
+        (Channel::new(7, 1, 4, inbox.clone()), inbox)
+    }
+
+    fn take(ch: &Channel<&'static str>) -> Option<Vec<u8>> {
+        ch.take_with(<[u8]>::to_vec)
+    }
+
+    #[test]
+    fn frames_coalesce_and_take_drains_all() {
+        let (ch, _) = channel();
+        assert_eq!(take(&ch), Some(vec![]));
+        assert!(ch.append_with(|b| b.extend_from_slice(b"ab")).is_none());
+        ch.append_with(|b| b.extend_from_slice(b"cd"));
+        assert_eq!(ch.unread_bytes(), 4);
+        assert!(!ch.is_over_bound());
+        ch.append_with(|b| b.push(b'e'));
+        assert!(ch.is_over_bound());
+        assert_eq!(take(&ch), Some(b"abcde".to_vec()));
+        assert_eq!(ch.unread_bytes(), 0);
+        assert_eq!(take(&ch), Some(vec![]));
+    }
+
+    #[test]
+    fn park_then_wake_once_on_append() {
+        let (ch, _) = channel();
+        assert!(matches!(ch.park("w1"), Park::Parked(None)));
+        assert!(matches!(ch.park("w2"), Park::Parked(Some("w1"))));
+        assert_eq!(ch.append_with(|_| {}), None, "no bytes, no wake");
+        assert_eq!(ch.append_with(|b| b.push(b'x')), Some("w2"));
+        assert_eq!(ch.append_with(|b| b.push(b'y')), None, "woken once");
+        assert!(matches!(ch.park("w3"), Park::Ready("w3")), "data pending");
+    }
+
+    #[test]
+    fn close_wakes_and_reads_to_eof() {
+        let (ch, _) = channel();
+        ch.append_with(|b| b.push(b'a'));
+        assert_eq!(take(&ch), Some(b"a".to_vec()));
+        assert!(matches!(ch.park("w"), Park::Parked(None)));
+        assert_eq!(ch.close_with(|b| b.push(b'z')), Some("w"));
+        assert_eq!(ch.append_with(|b| b.push(b'!')), None);
+        assert!(matches!(ch.park("late"), Park::Ready(_)));
+        assert_eq!(take(&ch), Some(b"z".to_vec()));
+        assert_eq!(take(&ch), None);
+        assert_eq!(take(&ch), None);
+    }
+
+    #[test]
+    fn cancel_drops_data_reports_once_and_wakes() {
+        let (ch, inbox) = channel();
+        assert!(matches!(ch.park("w"), Park::Parked(None)));
+        assert_eq!(ch.cancel(), Some("w"));
+        assert_eq!(ch.cancel(), None);
+        assert!(ch.is_cancelled() && ch.is_closed());
+        assert_eq!(*inbox.lock().unwrap(), [(7, 1)]);
+        assert_eq!(ch.append_with(|b| b.push(b'x')), None);
+        assert_eq!(take(&ch), None);
+    }
+
+    #[test]
+    fn cancel_after_close_is_not_reported() {
+        let (ch, inbox) = channel();
+        ch.close_with(|b| b.push(b'x'));
+        ch.cancel();
+        assert!(inbox.lock().unwrap().is_empty());
+        assert_eq!(take(&ch), None);
+    }
+}

@@ -1,0 +1,46 @@
+//! The one error type of the core; rust/py/ turns it into `NativeError`.
+
+use std::fmt;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CoreError {
+    UnknownVocabKind(String),
+    SpecialIdOutOfRange {
+        id: u32,
+        vocab_len: usize,
+    },
+    DuplicateStream(u64),
+    LengthMismatch {
+        stream_ids: usize,
+        token_ids: usize,
+        finish_codes: usize,
+    },
+    InvalidFinishCode {
+        stream_id: u64,
+        code: u32,
+    },
+}
+
+impl fmt::Display for CoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::UnknownVocabKind(kind) => {
+                write!(f, "unknown vocab kind {kind:?} (expected \"byte_level\" or \"sentencepiece\")")
+            }
+            Self::SpecialIdOutOfRange { id, vocab_len } => {
+                write!(f, "special token id {id} is out of range for a vocab of {vocab_len} tokens")
+            }
+            Self::DuplicateStream(id) => write!(f, "stream {id} is already open"),
+            Self::LengthMismatch { stream_ids, token_ids, finish_codes } => write!(
+                f,
+                "step arguments differ in length: {stream_ids} stream ids, {token_ids} token ids, {finish_codes} finish codes"
+            ),
+            Self::InvalidFinishCode { stream_id, code } => write!(
+                f,
+                "invalid finish code {code} for stream {stream_id} (expected 0 running, 1 end_turn, 2 max_tokens)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for CoreError {}

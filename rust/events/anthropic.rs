@@ -1,0 +1,413 @@
+//! Anthropic Messages: streaming event sequence and the non-streaming Message body.
+
+use serde::Serialize;
+
+use super::Finish;
+use crate::sse::{write_event, write_json};
+
+/// What `open_anthropic` was given.
+#[derive(Debug, Clone)]
+pub struct AnthropicParams {
+    pub model: String,
+    pub message_id: String,
+    pub input_tokens: u64,
+    pub cache_read_input_tokens: u64,
+    pub stream: bool,
+}
+
+/// Kinds of content block. Thinking and tool_use blocks join here; a change of kind closes the
+/// open block and opens the next index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockKind {
+    Text,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct OpenBlock {
+    index: u32,
+    kind: BlockKind,
+}
+
+/// One stream's position in the event sequence (streaming) or its assembled content (not).
+#[derive(Debug)]
+pub struct AnthropicStream {
+    params: AnthropicParams,
+    open: Option<OpenBlock>,
+    next_index: u32,
+    /// Non-streaming only: the content blocks so far.
+    content: Vec<Block>,
+}
+
+impl AnthropicStream {
+    pub fn new(params: AnthropicParams) -> Self {
+        Self {
+            params,
+            open: None,
+            next_index: 0,
+            content: Vec::new(),
+        }
+    }
+
+    pub fn start(&mut self, out: &mut Vec<u8>) {
+        if !self.params.stream {
+            return;
+        }
+        let message = self.message(&[], None, None, 0);
+        write(out, &Event::MessageStart { message });
+        write(out, &Event::Ping);
+    }
+
+    pub fn ping(&mut self, out: &mut Vec<u8>) {
+        if self.params.stream {
+            write(out, &Event::Ping);
+        }
+    }
+
+    pub fn text(&mut self, text: &str, out: &mut Vec<u8>) {
+        if text.is_empty() {
+            return;
+        }
+        let index = self.enter_block(BlockKind::Text, out);
+        if self.params.stream {
+            write_text_delta(out, index, text);
+        } else if let Some(Block::Text { text: body }) = self.content.last_mut() {
+            body.push_str(text);
+        }
+    }
+
+    pub fn finish(&mut self, finish: Finish<'_>, output_tokens: u64, out: &mut Vec<u8>) {
+        self.close_block(out);
+        let (stop_reason, stop_sequence) = match finish {
+            Finish::EndTurn => ("end_turn", None),
+            Finish::MaxTokens => ("max_tokens", None),
+            Finish::StopSequence(stop) => ("stop_sequence", Some(stop)),
+        };
+        if self.params.stream {
+            write(
+                out,
+                &Event::MessageDelta {
+                    delta: StopInfo {
+                        stop_reason: Some(stop_reason),
+                        stop_sequence,
+                    },
+                    usage: OutputUsage { output_tokens },
+                },
+            );
+            write(out, &Event::MessageStop);
+        } else {
+            let content = std::mem::take(&mut self.content);
+            let message = self.message(&content, Some(stop_reason), stop_sequence, output_tokens);
+            write_json(out, &message);
+        }
+    }
+
+    /// Streaming: an `error` event (open blocks stay unclosed, as Anthropic does). Non-streaming:
+    /// the error envelope replaces the body.
+    pub fn error(&mut self, error_type: &str, message: &str, out: &mut Vec<u8>) {
+        let event = Event::Error {
+            error: ErrorBody {
+                kind: error_type,
+                message,
+            },
+        };
+        if self.params.stream {
+            write(out, &event);
+        } else {
+            write_json(out, &event);
+        }
+    }
+
+    /// Returns the index of an open block of `kind`, closing another kind and opening one.
+    fn enter_block(&mut self, kind: BlockKind, out: &mut Vec<u8>) -> u32 {
+        if let Some(open) = self.open {
+            if open.kind == kind {
+                return open.index;
+            }
+            self.close_block(out);
+        }
+        let index = self.next_index;
+        self.next_index += 1;
+        self.open = Some(OpenBlock { index, kind });
+        let block = match kind {
+            BlockKind::Text => Block::Text {
+                text: String::new(),
+            },
+        };
+        if self.params.stream {
+            write(
+                out,
+                &Event::ContentBlockStart {
+                    index,
+                    content_block: &block,
+                },
+            );
+        } else {
+            self.content.push(block);
+        }
+        index
+    }
+
+    fn close_block(&mut self, out: &mut Vec<u8>) {
+        if let Some(open) = self.open.take() {
+            if self.params.stream {
+                write(out, &Event::ContentBlockStop { index: open.index });
+            }
+        }
+    }
+
+    fn message<'a>(
+        &'a self,
+        content: &'a [Block],
+        stop_reason: Option<&'a str>,
+        stop_sequence: Option<&'a str>,
+        output_tokens: u64,
+    ) -> Message<'a> {
+        Message {
+            id: &self.params.message_id,
+            kind: "message",
+            role: "assistant",
+            model: &self.params.model,
+            content,
+            stop_reason,
+            stop_sequence,
+            usage: Usage {
+                input_tokens: self.params.input_tokens,
+                cache_creation_input_tokens: 0,
+                cache_read_input_tokens: self.params.cache_read_input_tokens,
+                output_tokens,
+            },
+        }
+    }
+}
+
+fn write(out: &mut Vec<u8>, event: &Event<'_>) {
+    write_event(out, event.name(), event);
+}
+
+/// The per-token frame, written by hand so only the text itself goes through JSON escaping.
+/// Byte-identical to `write(out, &Event::ContentBlockDelta { .. })` (checked by a test).
+fn write_text_delta(out: &mut Vec<u8>, index: u32, text: &str) {
+    out.extend_from_slice(
+        b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":",
+    );
+    write_json(out, &index);
+    out.extend_from_slice(b",\"delta\":{\"type\":\"text_delta\",\"text\":");
+    write_json(out, text);
+    out.extend_from_slice(b"}}\n\n");
+}
+
+// Field order below is the wire order of Anthropic's API; `type` comes first.
+
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Event<'a> {
+    MessageStart {
+        message: Message<'a>,
+    },
+    Ping,
+    ContentBlockStart {
+        index: u32,
+        content_block: &'a Block,
+    },
+    // Written by `write_text_delta`; the derive stays as its reference (and for other deltas).
+    #[cfg_attr(not(test), expect(dead_code))]
+    ContentBlockDelta {
+        index: u32,
+        delta: Delta<'a>,
+    },
+    ContentBlockStop {
+        index: u32,
+    },
+    MessageDelta {
+        delta: StopInfo<'a>,
+        usage: OutputUsage,
+    },
+    MessageStop,
+    Error {
+        error: ErrorBody<'a>,
+    },
+}
+
+impl Event<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::MessageStart { .. } => "message_start",
+            Self::Ping => "ping",
+            Self::ContentBlockStart { .. } => "content_block_start",
+            Self::ContentBlockDelta { .. } => "content_block_delta",
+            Self::ContentBlockStop { .. } => "content_block_stop",
+            Self::MessageDelta { .. } => "message_delta",
+            Self::MessageStop => "message_stop",
+            Self::Error { .. } => "error",
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Message<'a> {
+    id: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    role: &'static str,
+    model: &'a str,
+    content: &'a [Block],
+    stop_reason: Option<&'a str>,
+    stop_sequence: Option<&'a str>,
+    usage: Usage,
+}
+
+#[derive(Serialize)]
+struct Usage {
+    input_tokens: u64,
+    cache_creation_input_tokens: u64,
+    cache_read_input_tokens: u64,
+    output_tokens: u64,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Block {
+    Text { text: String },
+}
+
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+#[cfg_attr(not(test), expect(dead_code))]
+enum Delta<'a> {
+    TextDelta { text: &'a str },
+}
+
+#[derive(Serialize)]
+struct StopInfo<'a> {
+    stop_reason: Option<&'a str>,
+    stop_sequence: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct OutputUsage {
+    output_tokens: u64,
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    message: &'a str,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(stream: bool) -> AnthropicParams {
+        AnthropicParams {
+            model: "smol".into(),
+            message_id: "msg_1".into(),
+            input_tokens: 5,
+            cache_read_input_tokens: 2,
+            stream,
+        }
+    }
+
+    fn frames(out: &[u8]) -> Vec<String> {
+        let text = std::str::from_utf8(out).unwrap();
+        text.split_terminator("\n\n").map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn streaming_sequence() {
+        let mut s = AnthropicStream::new(params(true));
+        let mut out = Vec::new();
+        s.start(&mut out);
+        s.text("", &mut out);
+        s.text("Hi", &mut out);
+        s.text(" \"you\"", &mut out);
+        s.finish(Finish::StopSequence("\n"), 3, &mut out);
+        assert_eq!(
+            frames(&out),
+            [
+                "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"smol\",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{\"input_tokens\":5,\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":2,\"output_tokens\":0}}}",
+                "event: ping\ndata: {\"type\":\"ping\"}",
+                "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}",
+                "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}",
+                "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\" \\\"you\\\"\"}}",
+                "event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}",
+                "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"stop_sequence\",\"stop_sequence\":\"\\n\"},\"usage\":{\"output_tokens\":3}}",
+                "event: message_stop\ndata: {\"type\":\"message_stop\"}",
+            ]
+        );
+    }
+
+    #[test]
+    fn hand_written_delta_matches_serde() {
+        let texts = [
+            "",
+            "plain",
+            "q\"uo\\te",
+            "\n\r\t\u{1}\u{1f}\u{7f}",
+            "😀 你好 \u{2028}",
+            "</x>",
+        ];
+        for index in [0, 7, 4_000_000_000] {
+            for text in texts {
+                let mut hand = Vec::new();
+                write_text_delta(&mut hand, index, text);
+                let mut derived = Vec::new();
+                write(
+                    &mut derived,
+                    &Event::ContentBlockDelta {
+                        index,
+                        delta: Delta::TextDelta { text },
+                    },
+                );
+                assert_eq!(
+                    String::from_utf8(hand).unwrap(),
+                    String::from_utf8(derived).unwrap()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn streaming_without_text_has_no_block() {
+        let mut s = AnthropicStream::new(params(true));
+        let mut out = Vec::new();
+        s.finish(Finish::EndTurn, 1, &mut out);
+        let frames = frames(&out);
+        assert_eq!(frames.len(), 2);
+        assert!(frames[0].starts_with("event: message_delta\n"));
+    }
+
+    #[test]
+    fn non_streaming_body() {
+        let mut s = AnthropicStream::new(params(false));
+        let mut out = Vec::new();
+        s.start(&mut out);
+        s.text("Hel", &mut out);
+        s.text("lo", &mut out);
+        assert!(out.is_empty());
+        s.finish(Finish::MaxTokens, 2, &mut out);
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            "{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"smol\",\"content\":[{\"type\":\"text\",\"text\":\"Hello\"}],\"stop_reason\":\"max_tokens\",\"stop_sequence\":null,\"usage\":{\"input_tokens\":5,\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":2,\"output_tokens\":2}}"
+        );
+    }
+
+    #[test]
+    fn non_streaming_empty_content_and_error() {
+        let mut s = AnthropicStream::new(params(false));
+        let mut out = Vec::new();
+        s.finish(Finish::EndTurn, 1, &mut out);
+        assert!(std::str::from_utf8(&out)
+            .unwrap()
+            .contains("\"content\":[],"));
+        let mut s = AnthropicStream::new(params(false));
+        let mut out = Vec::new();
+        s.text("partial", &mut out);
+        s.error("overloaded_error", "Overloaded", &mut out);
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            "{\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}"
+        );
+    }
+}

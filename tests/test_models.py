@@ -1,0 +1,56 @@
+"""The embedded GGUF model: tokenizer rebuilt from metadata, weights loaded, greedy generation."""
+
+from __future__ import annotations
+
+import pytest
+
+import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from mlxgate import blas
+from mlxgate.models import LoadedModel, load
+
+
+@pytest.fixture(scope="module")
+def smollm() -> LoadedModel:
+    return load(None)
+
+
+def test_openblas_is_in_use() -> None:
+    assert blas.blas_in_use() == "OpenBLAS"
+
+
+def test_metadata(smollm: LoadedModel) -> None:
+    assert smollm.name == "SmolLM2-135M-Instruct"
+    assert smollm.context_length == 8192
+    assert smollm.tokenizer.vocab_size == 49152
+    assert smollm.tokenizer.eos_ids == {2}  # <|im_end|>
+
+
+def test_tokenizer_round_trips_and_knows_special_tokens(smollm: LoadedModel) -> None:
+    tok = smollm.tokenizer
+    text = "Hello, wörld! 12345 😀 東京"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("<|im_start|>user")[0] == 1
+    assert tok.encode("123") == [tok.encode("1")[0], tok.encode("2")[0], tok.encode("3")[0]]
+
+
+def test_chat_template_renders_chatml(smollm: LoadedModel) -> None:
+    rendered = smollm.tokenizer.render([{"role": "user", "content": "hi"}])
+    assert rendered.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_greedy_generation_is_sensible(smollm: LoadedModel) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tok = smollm.tokenizer
+    prompt = tok.encode(tok.render([{"role": "user", "content": "What is the capital of France?"}]))
+    cache = make_prompt_cache(smollm.model)
+    logits = smollm.model(mx.array(prompt)[None], cache=cache)[:, -1, :]
+    out: list[int] = []
+    for _ in range(24):
+        token = int(mx.argmax(logits, axis=-1).item())
+        if token in tok.eos_ids:
+            break
+        out.append(token)
+        logits = smollm.model(mx.array([[token]]), cache=cache)[:, -1, :]
+    assert "Paris" in tok.decode(out)

@@ -1,0 +1,403 @@
+"""mlxgate._native: the golden wire transcripts cargo test also checks; Reader under asyncio."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import functools
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxgate._native import NativeError, Reader, Router, Vocab
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+INPUTS = sorted(p for p in FIXTURES.glob("*.json") if not p.name.endswith(".body.json"))
+
+
+def vocab_from(spec: dict[str, Any]) -> Vocab:
+    return Vocab.from_token_strings(
+        spec["tokens"],
+        spec["kind"],
+        spec["special_ids"],
+        trim_leading_space=spec.get("trim_leading_space", False),
+    )
+
+
+def open_from(router: Router, spec: dict[str, Any]) -> Reader:
+    return router.open_anthropic(
+        spec["stream_id"],
+        model=spec["model"],
+        message_id=spec["message_id"],
+        input_tokens=spec["input_tokens"],
+        cache_read_input_tokens=spec.get("cache_read_input_tokens", 0),
+        stop_sequences=spec.get("stop_sequences", []),
+        stream=spec.get("stream", True),
+    )
+
+
+def golden_path(input_path: Path, fixture: dict[str, Any]) -> Path:
+    suffix = ".sse" if fixture["open"].get("stream", True) else ".body.json"
+    return input_path.with_name(input_path.stem + suffix)
+
+
+def test_fixtures_present() -> None:
+    names = {p.stem for p in INPUTS}
+    assert {
+        "anthropic_text",
+        "anthropic_stop_sequence",
+        "anthropic_max_tokens",
+        "anthropic_error",
+        "anthropic_text_nonstream",
+    } <= names
+
+
+@pytest.mark.parametrize("input_path", INPUTS, ids=lambda p: p.stem)
+def test_golden_transcript(input_path: Path) -> None:
+    fixture = json.loads(input_path.read_text(encoding="utf-8"))
+    router = Router(vocab_from(fixture["vocab"]))
+    reader = open_from(router, fixture["open"])
+    sid = fixture["open"]["stream_id"]
+    out = bytearray()
+
+    def drain() -> None:
+        data = reader.take()
+        if data is not None:
+            out.extend(data)
+
+    drain()
+    for i, step in enumerate(fixture["steps"]):
+        if "fail" in step:
+            router.fail(sid, step["fail"]["type"], step["fail"]["message"])
+        else:
+            dropped = router.step([sid], [step["token"]], [step.get("finish", 0)])
+            assert (sid in dropped) == step.get("expect_dropped", False), f"step {i}"
+        drain()
+    assert len(router) == 0
+    assert reader.take() is None
+    assert bytes(out) == golden_path(input_path, fixture).read_bytes()
+
+
+def test_goldens_are_valid_anthropic_sse() -> None:
+    order = {"message_start": 0, "ping": 1, "content_block_start": 2, "content_block_delta": 3}
+    for input_path in INPUTS:
+        fixture = json.loads(input_path.read_text(encoding="utf-8"))
+        golden = golden_path(input_path, fixture).read_text(encoding="utf-8")
+        if not fixture["open"].get("stream", True):
+            body = json.loads(golden)
+            assert list(body)[:2] == ["id", "type"]
+            continue
+        assert golden.endswith("\n\n")
+        events = []
+        for frame in golden.split("\n\n")[:-1]:
+            event_line, data_line = frame.split("\n")
+            event = event_line.removeprefix("event: ")
+            data = json.loads(data_line.removeprefix("data: "))
+            assert next(iter(data)) == "type" and data["type"] == event
+            events.append(event)
+        assert events[:2] == ["message_start", "ping"]
+        assert [order.get(e, 9) for e in events[:4]] == sorted(order.get(e, 9) for e in events[:4])
+        assert events[-1] in ("message_stop", "error")
+
+
+def text_vocab() -> Vocab:
+    return Vocab.from_token_bytes(
+        [b"<eos>", b"Hi", b" there", "😀".encode()[:2], "😀".encode()[2:], b"END"], [0]
+    )
+
+
+def open_text(router: Router, sid: int, **kw: Any) -> Reader:
+    return router.open_anthropic(sid, model="m", message_id=f"msg_{sid}", input_tokens=1, **kw)
+
+
+def test_vocab_kinds_and_decode() -> None:
+    v = Vocab.from_token_strings(["<s>", "▁Hi", "<0xE4>", "<0xBD>", "<0xA0>"], "sentencepiece", [0])
+    assert len(v) == 5
+    assert v.decode([0, 1, 2, 3, 4]) == " Hi你"
+    v = Vocab.from_token_strings(["Hi", "Ġthere", "Ċ"], "byte_level", [])
+    assert v.decode([0, 1, 2]) == "Hi there\n"
+    assert text_vocab().decode([1, 3, 4, 0, 99]) == "Hi😀"
+    with pytest.raises(NativeError, match="unknown vocab kind"):
+        Vocab.from_token_strings(["a"], "bpe", [])  # type: ignore[arg-type]
+    with pytest.raises(NativeError, match="out of range"):
+        Vocab.from_token_bytes([b"a"], [5])
+
+
+def test_errors_are_native_value_errors() -> None:
+    assert issubclass(NativeError, ValueError)
+    assert NativeError.__module__ == "mlxgate._native"
+    router = Router(text_vocab())
+    _reader = open_text(router, 1)
+    with pytest.raises(NativeError, match="already open"):
+        open_text(router, 1)
+    with pytest.raises(NativeError, match="differ in length"):
+        router.step([1], [1, 2], [0])
+    with pytest.raises(NativeError, match="invalid finish code 7"):
+        router.step([1], [1], [7])
+    with pytest.raises(TypeError):
+        router.step("ab", [1], [0])  # type: ignore[arg-type]
+
+
+def test_step_accepts_tuples_and_int_buffers() -> None:
+    router = Router(text_vocab())
+    reader = open_text(router, 5)
+    reader.take()
+    assert router.step((5,), (1,), (0,)) == []
+    assert router.step(array.array("q", [5]), array.array("i", [2]), bytes([0])) == []
+    import numpy as np
+
+    assert (
+        router.step(np.array([5], np.uint64), np.array([0], np.int32), np.array([1], np.int8)) == []
+    )
+    data = reader.take()
+    assert data is not None and b'"text":"Hi"' in data and b'"text":" there"' in data
+    assert b'"output_tokens":3' in data
+    with pytest.raises(OverflowError):
+        router.step(array.array("q", [-1]), [1], [0])
+
+
+def test_unknown_ids_ignored_and_len() -> None:
+    router = Router(text_vocab())
+    readers = [open_text(router, 1), open_text(router, 2)]
+    assert len(router) == 2
+    assert router.step([3, 1], [1, 1], [0, 1]) == []
+    assert len(router) == 1
+    router.fail(99, "api_error", "x")
+    router.close(99)
+    router.ping(99)
+    router.close(2)
+    assert len(router) == 0
+    assert [r.take() is not None for r in readers] == [True, True], "unread frames survive close"
+
+
+def test_dropping_reader_cancels() -> None:
+    router = Router(text_vocab())
+    kept = open_text(router, 1)
+    open_text(router, 2)  # reference dropped at once
+    assert router.cancelled() == [2]
+    assert router.step([1, 2], [1, 1], [0, 0]) == []
+    del kept
+    assert router.step([1], [1], [0]) == [1]
+    assert len(router) == 0
+
+
+def test_stop_sequence_reported_and_not_leaked() -> None:
+    router = Router(text_vocab())
+    reader = open_text(router, 1, stop_sequences=["thereEN", "zzz"])
+    assert router.step([1], [1], [0]) == []
+    assert router.step([1], [2], [0]) == []
+    assert router.step([1], [5], [0]) == [1]
+    data = reader.take()
+    assert data is not None
+    assert b"there" not in data.split(b"message_delta")[0]
+    assert b'"stop_reason":"stop_sequence","stop_sequence":"thereEN"' in data
+    assert reader.take() is None
+
+
+def test_non_streaming_body_only_at_end_then_eof() -> None:
+    router = Router(text_vocab())
+    reader = open_text(router, 1, stream=False)
+    assert reader.take() == b""
+    router.step([1], [1], [0])
+    assert reader.take() == b""
+    router.step([1], [0], [1])
+    body = json.loads(reader.take() or b"")
+    assert body["content"] == [{"type": "text", "text": "Hi"}]
+    assert body["usage"]["output_tokens"] == 2
+    assert reader.take() is None
+
+    reader = open_text(router, 2, stream=False)
+    router.fail(2, "overloaded_error", "Overloaded")
+    assert json.loads(reader.take() or b"") == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "Overloaded"},
+    }
+    assert reader.take() is None
+
+
+def test_park_semantics() -> None:
+    router = Router(text_vocab())
+    reader = open_text(router, 1)
+    calls: list[str] = []
+    assert reader.park(lambda: calls.append("early")) is False, "message_start is pending"
+    assert reader.unread_bytes > 0
+    assert reader.take()
+    assert reader.unread_bytes == 0
+    assert reader.park(lambda: calls.append("first")) is True
+    assert reader.park(lambda: calls.append("second")) is True
+    router.step([1], [3], [0])  # half an emoji: nothing to send, no wake
+    assert calls == []
+    router.step([1], [4], [0])
+    assert calls == ["second"]
+    router.step([1], [1], [0])
+    assert calls == ["second"], "woken once, then cleared"
+    assert reader.take()
+    assert reader.park(lambda: calls.append("close")) is True
+    router.step([1], [0], [1])
+    assert calls == ["second", "close"]
+    assert reader.park(lambda: calls.append("never")) is False
+    assert reader.take()
+    assert reader.take() is None
+    assert reader.park(lambda: calls.append("never")) is False
+    with pytest.raises(TypeError):
+        reader.park(3)  # type: ignore[arg-type]
+
+
+def test_failing_waker_does_not_break_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    router = Router(text_vocab())
+    reader = open_text(router, 1)
+    reader.take()
+
+    def boom() -> None:
+        raise RuntimeError("loop closed")
+
+    assert reader.park(boom)
+    assert router.step([1], [1], [0]) == []
+    assert len(seen) == 1 and isinstance(seen[0], RuntimeError)
+    assert reader.take()
+
+
+def test_cancel_before_first_token_and_mid_stream() -> None:
+    router = Router(text_vocab())
+    prefilling = open_text(router, 1)
+    running = open_text(router, 2)
+    other = open_text(router, 3)
+    woken: list[int] = []
+    running.take()
+    assert running.park(lambda: woken.append(2))
+    prefilling.cancel()
+    assert router.cancelled() == [1]
+    assert router.cancelled() == []
+    assert prefilling.take() is None
+    running.cancel()
+    assert woken == [2], "a parked reader is woken by cancel"
+    assert running.take() is None
+    assert router.step([2, 3], [1, 1], [0, 0]) == [2]
+    assert len(router) == 1
+    other.cancel()
+    other.cancel()
+    assert router.step([], [], []) == [3]
+    assert len(router) == 0
+
+
+def test_over_bound_and_unread_bytes() -> None:
+    router = Router(text_vocab(), max_unread_bytes=600)
+    fast = open_text(router, 1)
+    slow = open_text(router, 2)
+    for _ in range(4):
+        router.step([1, 2], [1, 1], [0, 0])
+        fast.take()
+    assert router.over_bound() == [2]
+    assert slow.unread_bytes > 600
+    slow.take()
+    assert router.over_bound() == []
+
+
+def test_ping_keepalive() -> None:
+    router = Router(text_vocab())
+    reader = open_text(router, 1)
+    reader.take()
+    router.ping(1)
+    assert reader.take() == b'event: ping\ndata: {"type":"ping"}\n\n'
+    quiet = open_text(router, 2, stream=False)
+    router.ping(2)
+    assert quiet.take() == b""
+
+
+async def read_stream(reader: Reader) -> bytes:
+    """The lead's facade pattern: take all, else park a future woken via call_soon_threadsafe."""
+    loop = asyncio.get_running_loop()
+    out = bytearray()
+
+    def resolve(fut: asyncio.Future[None]) -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    while True:
+        data = reader.take()
+        if data is None:
+            return bytes(out)
+        if data:
+            out.extend(data)
+            continue
+        fut: asyncio.Future[None] = loop.create_future()
+        if reader.park(functools.partial(loop.call_soon_threadsafe, resolve, fut)):
+            await fut
+
+
+def test_threaded_producer_matches_golden() -> None:
+    input_path = FIXTURES / "anthropic_text.json"
+    fixture = json.loads(input_path.read_text(encoding="utf-8"))
+    router = Router(vocab_from(fixture["vocab"]))
+    reader = open_from(router, fixture["open"])
+    sid = fixture["open"]["stream_id"]
+
+    def produce() -> None:
+        for step in fixture["steps"]:
+            time.sleep(0.002)
+            router.step([sid], [step["token"]], [step.get("finish", 0)])
+
+    async def main() -> bytes:
+        producer = threading.Thread(target=produce)
+        producer.start()
+        try:
+            return await asyncio.wait_for(read_stream(reader), 10)
+        finally:
+            producer.join()
+
+    assert asyncio.run(main()) == (FIXTURES / "anthropic_text.sse").read_bytes()
+
+
+def test_many_streams_no_lost_wakeups() -> None:
+    """A batch of streams stepped from an engine thread while asyncio reads them all."""
+    vocab = Vocab.from_token_bytes([b"<eos>", *[f"t{i} ".encode() for i in range(1, 50)]], [0])
+    router = Router(vocab)
+    n_streams, n_steps = 64, 150
+    readers = {sid: open_text(router, sid) for sid in range(n_streams)}
+    cancel_sid = 7
+
+    def produce() -> None:
+        live = set(range(n_streams))
+        for step in range(n_steps):
+            ids = sorted(live)
+            last = step == n_steps - 1
+            dropped = router.step(
+                ids, [1 + (sid + step) % 49 for sid in ids], [int(last)] * len(ids)
+            )
+            live -= set(dropped)
+            if step % 10 == 0:
+                time.sleep(0.001)
+
+    async def main() -> dict[int, bytes]:
+        producer = threading.Thread(target=produce)
+        tasks = {sid: asyncio.create_task(read_stream(r)) for sid, r in readers.items()}
+        producer.start()
+        await asyncio.sleep(0.01)
+        readers[cancel_sid].cancel()
+        try:
+            done = await asyncio.wait_for(asyncio.gather(*tasks.values()), 20)
+        finally:
+            producer.join()
+        return dict(zip(tasks, done, strict=True))
+
+    results = asyncio.run(main())
+    assert len(router) == 0
+    for sid, data in results.items():
+        if sid == cancel_sid:
+            continue
+        text = "".join(
+            json.loads(line[6:])["delta"]["text"]
+            for line in data.decode().split("\n")
+            if line.startswith("data: ") and '"text_delta"' in line
+        )
+        expected = "".join(f"t{1 + (sid + step) % 49} " for step in range(n_steps - 1))
+        assert text == expected, sid
+        assert data.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+        assert f'"output_tokens":{n_steps}}}'.encode() in data
