@@ -34,8 +34,11 @@ def test_create_answers_the_question(client: anthropic.Anthropic) -> None:
     assert message.stop_reason == "end_turn"
     assert message.model == "SmolLM2-135M-Instruct"
     assert message.id.startswith("msg_")
-    assert message.usage.input_tokens == count_tokens(client, messages=QUESTION)
-    assert 1 < message.usage.output_tokens < 64
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == count_tokens(
+        client, messages=QUESTION
+    )
+    assert 1 < usage.output_tokens < 64
 
 
 def test_stream_answers_the_question(client: anthropic.Anthropic) -> None:
@@ -50,7 +53,10 @@ def test_stream_answers_the_question(client: anthropic.Anthropic) -> None:
     assert "Paris" in "".join(deltas)
     assert final.content[0].text == "".join(deltas)  # type: ignore[union-attr]
     assert final.stop_reason == "end_turn"
-    assert final.usage.input_tokens == count_tokens(client, messages=QUESTION)
+    usage = final.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == count_tokens(
+        client, messages=QUESTION
+    )
     assert final.usage.output_tokens > 1
 
 
@@ -77,7 +83,7 @@ def test_system_as_string_or_blocks_renders_the_same(client: anthropic.Anthropic
         system=[{"type": "text", "text": "You are terse."}],
         messages=QUESTION,  # type: ignore[arg-type]
     )
-    assert message.usage.input_tokens == as_string
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == as_string
 
 
 def _events(raw: bytes) -> list[tuple[str, dict[str, object]]]:

@@ -19,7 +19,7 @@ from mlxgate.api.http import (
     send_json,
 )
 from mlxgate.config import Config
-from mlxgate.engine import Engine, SamplingParams
+from mlxgate.engine import Engine, EngineSettings, SamplingParams
 
 log = logging.getLogger("mlxgate")
 
@@ -124,9 +124,13 @@ def build_app(config: Config) -> App:
     vocab = Vocab.from_token_strings(
         tokenizer.token_strings(), tokenizer.vocab_kind, sorted(tokenizer.special_ids)
     )
-    engine = Engine(
-        loaded, Router(vocab), max_queued=config.max_queued, prefill_chunk=config.prefill_chunk
+    settings = EngineSettings(
+        max_queued=config.max_queued,
+        max_running=config.max_running,
+        step_token_budget=config.step_token_budget,
+        prefix_cache_bytes=config.prefix_cache_mb << 20,
     )
+    engine = Engine(loaded, Router(vocab), settings)
     engine.start()
     import mlx.core as mx
 

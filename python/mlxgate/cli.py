@@ -45,6 +45,25 @@ def _parser() -> argparse.ArgumentParser:
         help="requests that may wait (default %(default)s)",
     )
     serve.add_argument(
+        "--max-running",
+        type=int,
+        default=defaults.max_running,
+        help="sequences decoded together (default %(default)s)",
+    )
+    serve.add_argument(
+        "--step-token-budget",
+        type=int,
+        default=defaults.step_token_budget,
+        help="tokens one engine step may process, decode rows plus prefill; bounds how long a "
+        "long prompt can delay running streams (default %(default)s)",
+    )
+    serve.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=defaults.prefix_cache_mb,
+        help="memory for reusing KV of shared prompt prefixes, 0 = off (default %(default)s)",
+    )
+    serve.add_argument(
         "--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"]
     )
     return parser
@@ -66,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
             top_p=args.top_p,
             top_k=args.top_k,
             max_queued=args.max_queued,
+            max_running=args.max_running,
+            step_token_budget=args.step_token_budget,
+            prefix_cache_mb=args.prefix_cache_mb,
             log_level=args.log_level,
         )
     )

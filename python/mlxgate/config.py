@@ -19,7 +19,9 @@ class Config:
     top_p: float = 1.0
     top_k: int = 0
     max_queued: int = 64
-    prefill_chunk: int = 256
+    max_running: int = 64
+    step_token_budget: int = 96
+    prefix_cache_mb: int = 1024
     max_body_bytes: int = 32 * 1024 * 1024
     log_level: str = "info"
 

@@ -192,11 +192,12 @@ class AnthropicAPI:
         try:
             reader = self.engine.submit(
                 generation,
-                lambda stream_id: self.engine.router.open_anthropic(
+                lambda stream_id, cached_tokens: self.engine.router.open_anthropic(
                     stream_id,
                     model=self.model_name,
                     message_id=message_id,
-                    input_tokens=len(prompt_ids),
+                    input_tokens=len(prompt_ids) - cached_tokens,
+                    cache_read_input_tokens=cached_tokens,
                     stop_sequences=request.stop_sequences or [],
                     stream=request.stream,
                 ),

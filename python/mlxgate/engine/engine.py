@@ -1,20 +1,32 @@
-"""The engine thread: the only thread that touches MLX; turns admitted requests into token steps."""
+"""The engine thread: the only thread that touches MLX. Continuous batching under a token budget.
+
+Every step decodes one token for each running sequence, then spends what is left of the step's
+token budget on prefilling waiting prompts, so a long prompt never stalls running streams for
+more than a budget's worth of compute. A prompt joins the running batch once all but its last
+token is in the KV cache; that last token is its first decode input.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+import numpy as np
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxgate._native import Reader, Router
+from mlxgate.engine.batch import DecodeBatch
 from mlxgate.engine.errors import EngineStopped, PromptTooLong, QueueFull
+from mlxgate.engine.metrics import EngineMetrics
+from mlxgate.engine.prefix_cache import PrefixCache, PrefixMatch
 from mlxgate.engine.request import GenerationRequest
 from mlxgate.engine.sampling import Sampler
 from mlxgate.models import LoadedModel
@@ -23,38 +35,72 @@ log = logging.getLogger("mlxgate.engine")
 
 # Router finish codes (see _native.pyi: Router.step).
 RUNNING, END_TURN, MAX_TOKENS = 0, 1, 2
+PING_INTERVAL_S = 10.0
 
 
-@dataclass
-class _Sequence:
+@dataclass(eq=False)
+class _Pending:
+    """A sequence from admission until it joins the running batch."""
+
     stream_id: int
     request: GenerationRequest
-    admitted_at: float = field(default_factory=time.monotonic)
+    match: PrefixMatch | None
+    submitted_at: float = field(default_factory=time.monotonic)
+    last_ping: float = field(default_factory=time.monotonic)
+    caches: list[KVCache] | None = None  # per layer, once prefill has started
+    done: int = 0  # prompt tokens whose keys/values are in `caches`
+
+    @property
+    def todo(self) -> int:
+        """Prompt tokens still to prefill (the last prompt token is fed by the first decode)."""
+        return len(self.request.prompt_ids) - 1 - self.done
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_queued: int = 64
+    max_running: int = 64
+    # Tokens one step may process (decode rows + prefill); bounds a step's latency.
+    step_token_budget: int = 96
+    # With nothing decoding, nobody waits on a step: prefill in large chunks for throughput.
+    idle_prefill_chunk: int = 512
+    # Never prefill less than this per step, however many rows decode.
+    min_prefill_chunk: int = 32
+    prefix_cache_bytes: int = 1 << 30
 
 
 class Engine:
-    """Owns the model on one thread. `submit` returns a stream reader at once, never blocks."""
+    """Owns the model on one thread. `submit` returns a stream reader at once and never blocks."""
 
     def __init__(
-        self,
-        loaded: LoadedModel,
-        router: Router,
-        *,
-        max_queued: int = 64,
-        prefill_chunk: int = 256,
+        self, loaded: LoadedModel, router: Router, settings: EngineSettings | None = None
     ) -> None:
         self.loaded = loaded
+        self.model = loaded.model
         self.router = router
-        self.prefill_chunk = prefill_chunk
-        # Router calls come from the event loop (open) and this thread (step); the lock is never
-        # held while waiting on anything but the router itself.
-        self._router_lock = threading.Lock()
-        self._queue: queue.Queue[_Sequence] = queue.Queue(maxsize=max_queued)
+        self.settings = settings or EngineSettings()
+        self.metrics = EngineMetrics()
+        self.prefix_cache = PrefixCache(self.settings.prefix_cache_bytes)
+        self.eos_ids = np.array(sorted(loaded.tokenizer.eos_ids), dtype=np.uint32)
+        self._num_layers = len(self.model.layers)
+        # Prefill needs only the KV cache: skip the vocabulary projection (mlx-lm models keep
+        # the transformer without the LM head as `.model`).
+        self._backbone: Any = getattr(self.model, "model", self.model)
+        # Layer by layer, a prefill chunk can stop as soon as its client goes away.
+        self._layerwise = (
+            hasattr(self._backbone, "embed_tokens")
+            and hasattr(self._backbone, "layers")
+            and getattr(self._backbone, "swa_idx", None) is None
+        )
+        self._gone: set[int] = set()  # cancelled stream ids not yet dropped
         self._ids = itertools.count(1)
-        self._cancelled_ids: set[int] = set()
+        self._incoming: deque[_Pending] = deque()
+        self._wakeup = threading.Condition()
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
-        self.eos_ids = loaded.tokenizer.eos_ids
+        # Engine-thread state.
+        self._waiting: deque[_Pending] = deque()
+        self._batch = DecodeBatch()
 
     @property
     def context_length(self) -> int:
@@ -69,23 +115,28 @@ class Engine:
         """Clamp `max_tokens` to what fits in the context after the prompt."""
         return max(1, min(requested, self.context_length - prompt_tokens))
 
-    def submit(self, request: GenerationRequest, open_stream: Callable[[int], Reader]) -> Reader:
-        """Admit a request; `open_stream(stream_id)` opens its protocol stream in the router."""
+    def lookup_prefix(self, prompt_ids: list[int]) -> PrefixMatch | None:
+        return self.prefix_cache.lookup(prompt_ids)
+
+    def submit(
+        self,
+        request: GenerationRequest,
+        open_stream: Callable[[int, int], Reader],
+    ) -> Reader:
+        """Admit a request. `open_stream(stream_id, cached_tokens)` opens its protocol stream."""
         if not self._running.is_set():
             raise EngineStopped()
         self.check_prompt(len(request.prompt_ids))
         request.max_tokens = self.max_new_tokens(len(request.prompt_ids), request.max_tokens)
-        if self._queue.full():
-            raise QueueFull(retry_after_s=1 + self._queue.qsize() // 4)
+        queued = len(self._incoming) + self.metrics.queue_depth
+        if queued >= self.settings.max_queued:
+            raise QueueFull(retry_after_s=1 + queued // 8)
+        match = self.prefix_cache.lookup(request.prompt_ids)
         stream_id = next(self._ids)
-        with self._router_lock:
-            reader = open_stream(stream_id)
-        try:
-            self._queue.put_nowait(_Sequence(stream_id, request))
-        except queue.Full:
-            with self._router_lock:
-                self.router.close(stream_id)
-            raise QueueFull(retry_after_s=1) from None
+        reader = open_stream(stream_id, match.length if match else 0)
+        with self._wakeup:
+            self._incoming.append(_Pending(stream_id, request, match))
+            self._wakeup.notify()
         return reader
 
     def start(self) -> None:
@@ -95,58 +146,185 @@ class Engine:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._running.clear()
+        with self._wakeup:
+            self._wakeup.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        for pending in [*self._incoming, *self._waiting]:
+            self.router.fail(pending.stream_id, "overloaded_error", "the server is shutting down")
+        for stream_id in self._batch.stream_ids.tolist():
+            self.router.fail(stream_id, "overloaded_error", "the server is shutting down")
+
+    # --- engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        # MLX streams are per thread: every array the engine evaluates is made on this thread.
+        self._batch = DecodeBatch()
         while self._running.is_set():
+            with self._wakeup:
+                if not (self._incoming or self._waiting or len(self._batch)):
+                    self._wakeup.wait(timeout=1.0)
+                while self._incoming:
+                    self._waiting.append(self._incoming.popleft())
             try:
-                seq = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            try:
-                self._generate(seq)
+                self._step()
             except Exception as exc:
-                log.exception("generation failed for stream %d", seq.stream_id)
-                with self._router_lock:
-                    self.router.fail(seq.stream_id, "api_error", f"generation failed: {exc}")
+                log.exception("engine step failed; failing the affected streams")
+                self._fail_all(f"generation failed: {exc}")
 
-    def _cancelled(self, stream_id: int) -> bool:
-        """Whether the client of `stream_id` went away (the router has already dropped it)."""
-        with self._router_lock:
-            self._cancelled_ids.update(self.router.cancelled())
-        if stream_id in self._cancelled_ids:
-            self._cancelled_ids.discard(stream_id)
+    def _fail_all(self, message: str) -> None:
+        for stream_id in self._batch.stream_ids.tolist():
+            self.router.fail(stream_id, "api_error", message)
+        for pending in self._waiting:
+            self.router.fail(pending.stream_id, "api_error", message)
+        self._waiting.clear()
+        self._batch = DecodeBatch()
+
+    def _step(self) -> None:
+        self._drop_cancelled()
+        self._update_gauges()
+        if not (self._waiting or len(self._batch)):
+            return
+        started = time.perf_counter()
+        decoding = len(self._batch)
+        if decoding:
+            self._decode()
+        if self._waiting:
+            s = self.settings
+            budget = (
+                max(s.min_prefill_chunk, s.step_token_budget - decoding)
+                if decoding
+                else s.idle_prefill_chunk
+            )
+            self._prefill(budget)
+        self._ping_waiting()
+        elapsed = time.perf_counter() - started
+        m = self.metrics
+        with m.lock:
+            m.steps += 1
+            m.last_step_s = elapsed
+            m.busy_s += elapsed
+            if decoding:
+                m.step_s.append(elapsed)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_depth = len(self._waiting)
+        self.metrics.running = len(self._batch)
+
+    def _poll_cancelled(self) -> set[int]:
+        self._gone.update(self.router.cancelled())
+        return self._gone
+
+    def _drop_cancelled(self) -> None:
+        gone = self._poll_cancelled()
+        if not gone:
+            return
+        self._gone = set()
+        self.metrics.requests_cancelled += len(gone)
+        self._waiting = deque(p for p in self._waiting if p.stream_id not in gone)
+        rows = np.flatnonzero(~np.isin(self._batch.stream_ids, list(gone)))
+        if len(rows) < len(self._batch):
+            self._batch.keep(rows)
+
+    def _decode(self) -> None:
+        batch = self._batch
+        assert batch.inputs is not None
+        logits = self.model(batch.inputs[:, None], cache=batch.caches)[:, -1, :]
+        tokens = batch.sample(logits)
+        mx.eval(tokens)
+        token_ids = np.array(tokens, copy=False)
+        batch.remaining -= 1
+        codes = np.where(
+            np.isin(token_ids, self.eos_ids),
+            END_TURN,
+            np.where(batch.remaining <= 0, MAX_TOKENS, RUNNING),
+        ).astype(np.uint32)
+        dropped = self.router.step(batch.stream_ids, token_ids, codes)
+        batch.inputs = tokens
+        m = self.metrics
+        m.decode_tokens += len(token_ids)
+        finished = codes != RUNNING
+        if dropped:
+            finished |= np.isin(batch.stream_ids, dropped)
+        if finished.any():
+            m.requests_finished += int(finished.sum())
+            batch.keep(np.flatnonzero(~finished))
+
+    def _prefill(self, budget: int) -> None:
+        """Spend up to `budget` prompt tokens on waiting sequences, oldest first."""
+        admitted: list[_Pending] = []
+        while (
+            self._waiting
+            and budget > 0
+            and len(self._batch) + len(admitted) < self.settings.max_running
+        ):
+            pending = self._waiting[0]
+            if pending.caches is None:
+                self._start_prefill(pending)
+            chunk = min(budget, pending.todo)
+            if chunk > 0:
+                prompt = pending.request.prompt_ids
+                tokens = mx.array(prompt[pending.done : pending.done + chunk])[None]
+                if not self._forward_prompt(tokens, pending):
+                    return  # its client left mid-chunk; the next step drops it
+                pending.done += chunk
+                budget -= chunk
+                self.metrics.prefill_tokens += chunk
+            if pending.todo == 0:
+                admitted.append(self._waiting.popleft())
+        if admitted:
+            self._join_batch(admitted)
+
+    def _forward_prompt(self, tokens: mx.array, pending: _Pending) -> bool:
+        """Add `tokens` to the pending sequence's KV cache; False if it was cancelled meanwhile."""
+        caches = pending.caches
+        assert caches is not None
+        if not self._layerwise:
+            self._backbone(tokens, cache=caches)
+            mx.eval([c.state for c in caches])
             return True
-        return False
+        backbone = self._backbone
+        hidden = backbone.embed_tokens(tokens)
+        mask = create_attention_mask(hidden, caches[0])
+        for layer, cache in zip(backbone.layers, caches, strict=True):
+            hidden = layer(hidden, mask, cache=cache)
+            mx.eval(hidden)
+            if pending.stream_id in self._poll_cancelled():
+                return False
+        return True
 
-    def _generate(self, seq: _Sequence) -> None:
-        model = self.loaded.model
-        request = seq.request
-        cache = make_prompt_cache(model)
-        prompt = request.prompt_ids
-        sampler = Sampler(request.sampling)
+    def _start_prefill(self, pending: _Pending) -> None:
+        if pending.match is not None:
+            pending.caches = pending.match.caches()
+            pending.done = pending.match.length
+            self.metrics.cache_hit_tokens += pending.match.length
+            pending.match = None
+        else:
+            pending.caches = [KVCache() for _ in range(self._num_layers)]
 
-        # Prefill all but the last prompt token in chunks, so a cancel lands between chunks.
-        for start in range(0, len(prompt) - 1, self.prefill_chunk):
-            if self._cancelled(seq.stream_id):
-                return
-            chunk = prompt[start : min(start + self.prefill_chunk, len(prompt) - 1)]
-            model(mx.array(chunk)[None], cache=cache)
-            mx.eval([c.state for c in cache])
+    def _join_batch(self, admitted: list[_Pending]) -> None:
+        now = time.monotonic()
+        for pending in admitted:
+            assert pending.caches is not None
+            self.prefix_cache.store(pending.request.prompt_ids[: pending.done], pending.caches)
+            with self.metrics.lock:
+                self.metrics.ttft_s.append(now - pending.submitted_at)
+        caches = [
+            BatchKVCache.merge([p.caches[layer] for p in admitted])  # type: ignore[index]
+            for layer in range(self._num_layers)
+        ]
+        self._batch.add(
+            caches,
+            [p.stream_id for p in admitted],
+            [p.request.max_tokens for p in admitted],
+            [Sampler(p.request.sampling) for p in admitted],
+            [p.request.prompt_ids[-1] for p in admitted],
+        )
 
-        token = mx.array(prompt[-1:])
-        for produced in range(1, request.max_tokens + 1):
-            logits = model(token[None], cache=cache)[:, -1, :]
-            token = sampler(logits)
-            token_id: int = token.item()  # type: ignore[assignment]
-            if token_id in self.eos_ids:
-                code = END_TURN
-            elif produced == request.max_tokens:
-                code = MAX_TOKENS
-            else:
-                code = RUNNING
-            with self._router_lock:
-                ended = self.router.step([seq.stream_id], [token_id], [code])
-            if code != RUNNING or seq.stream_id in ended:
-                return
+    def _ping_waiting(self) -> None:
+        now = time.monotonic()
+        for pending in self._waiting:
+            if now - pending.last_ping >= PING_INTERVAL_S:
+                self.router.ping(pending.stream_id)
+                pending.last_ping = now

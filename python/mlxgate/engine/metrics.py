@@ -1,0 +1,52 @@
+"""Counters and latency samples the engine keeps; read by /metrics and the benchmarks."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineMetrics:
+    queue_depth: int = 0
+    prefilling: int = 0
+    running: int = 0
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cache_hit_tokens: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    last_step_s: float = 0.0
+    busy_s: float = 0.0
+    # Recent samples (seconds), bounded.
+    ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    step_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def snapshot(self) -> dict[str, float | int]:
+        with self.lock:
+            ttft = sorted(self.ttft_s)
+            steps = sorted(self.step_s)
+
+        def pct(values: list[float], q: float) -> float:
+            return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+        return {
+            "queue_depth": self.queue_depth,
+            "prefilling": self.prefilling,
+            "running": self.running,
+            "steps": self.steps,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "cache_hit_tokens": self.cache_hit_tokens,
+            "requests_finished": self.requests_finished,
+            "requests_cancelled": self.requests_cancelled,
+            "busy_s": self.busy_s,
+            "ttft_p50_s": pct(ttft, 0.5),
+            "ttft_p95_s": pct(ttft, 0.95),
+            "step_p50_s": pct(steps, 0.5),
+            "step_p95_s": pct(steps, 0.95),
+            "step_max_s": steps[-1] if steps else 0.0,
+        }

@@ -1,0 +1,234 @@
+"""The engine with the real model, in-process: batching, cancellation, limits, prefix reuse."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from mlxgate._native import Reader, Router, Vocab
+from mlxgate.engine import Engine, EngineSettings, GenerationRequest, PromptTooLong, QueueFull
+from mlxgate.models import LoadedModel, load
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "What is 2 + 2?",
+    "Write a haiku about snow.",
+    "Who wrote Hamlet?",
+    "What is the largest planet?",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+    "What language is spoken in Brazil?",
+    "What is the boiling point of water?",
+    "Name a famous painter.",
+    "What is the opposite of cold?",
+    "Translate 'hello' into Spanish.",
+    "What do bees make?",
+    "What is the chemical symbol for gold?",
+    "How many days are in a week?",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm() -> LoadedModel:
+    return load(None)
+
+
+def make_engine(smollm: LoadedModel, **settings: Any) -> Engine:
+    tok = smollm.tokenizer
+    vocab = Vocab.from_token_strings(tok.token_strings(), tok.vocab_kind, sorted(tok.special_ids))
+    engine = Engine(smollm, Router(vocab), EngineSettings(**settings))
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(smollm: LoadedModel) -> Iterator[Engine]:
+    running = make_engine(smollm)
+    yield running
+    running.stop()
+
+
+def prompt_ids(engine: Engine, question: str) -> list[int]:
+    tok = engine.loaded.tokenizer
+    return tok.encode(tok.render([{"role": "user", "content": question}]))
+
+
+def submit(
+    engine: Engine, ids: list[int], max_tokens: int, stop: list[str] | None = None
+) -> Reader:
+    return engine.submit(
+        GenerationRequest(ids, max_tokens),
+        lambda stream_id, cached: engine.router.open_anthropic(
+            stream_id,
+            model="m",
+            message_id=f"msg_{stream_id}",
+            input_tokens=len(ids) - cached,
+            cache_read_input_tokens=cached,
+            stop_sequences=stop or [],
+            stream=False,
+        ),
+    )
+
+
+def body(reader: Reader, timeout_s: float = 120.0) -> dict[str, Any]:
+    """The non-streamed Message body, waiting on the reader the way the event loop does."""
+    ready = threading.Event()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        data = reader.take()
+        assert data is not None, "stream ended without a body"
+        if data:
+            return orjson.loads(data)  # type: ignore[no-any-return]
+        ready.clear()
+        if reader.park(ready.set):
+            ready.wait(deadline - time.monotonic())
+    raise TimeoutError("no body")
+
+
+def text(message: dict[str, Any]) -> str:
+    return "".join(block["text"] for block in message["content"])
+
+
+def wait_until(condition: Any, timeout_s: float) -> float:
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, "condition not met in time"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def idle(engine: Engine) -> bool:
+    m = engine.metrics
+    return m.running == 0 and m.queue_depth == 0 and len(engine.router) == 0
+
+
+def test_concurrent_requests_get_their_own_greedy_outputs(engine: Engine) -> None:
+    prompts = [prompt_ids(engine, q) for q in QUESTIONS]
+    alone = [text(body(submit(engine, ids, 16))) for ids in prompts]
+    readers = [submit(engine, ids, 16) for ids in prompts]
+    together = [text(body(reader)) for reader in readers]
+    assert together == alone
+    assert len(set(alone)) > 8  # distinct prompts really gave distinct answers
+    assert "Paris" in alone[0]
+
+
+def test_stop_sequence_ends_generation_without_leaking(engine: Engine) -> None:
+    ids = prompt_ids(engine, QUESTIONS[0])
+    plain = text(body(submit(engine, ids, 32)))
+    assert "Paris" in plain
+    stopped = body(submit(engine, ids, 32, stop=["Paris"]))
+    assert stopped["stop_reason"] == "stop_sequence"
+    assert stopped["stop_sequence"] == "Paris"
+    assert text(stopped) == plain[: plain.index("Paris")]
+    wait_until(lambda: idle(engine), 2.0)
+
+
+def test_max_tokens_and_end_turn(engine: Engine) -> None:
+    ids = prompt_ids(engine, QUESTIONS[0])
+    short = body(submit(engine, ids, 3))
+    assert short["stop_reason"] == "max_tokens" and short["usage"]["output_tokens"] == 3
+    full = body(submit(engine, ids, 200))
+    assert full["stop_reason"] == "end_turn" and full["usage"]["output_tokens"] < 200
+
+
+def test_cancel_while_decoding_frees_the_slot_within_a_step(engine: Engine) -> None:
+    reader = submit(engine, prompt_ids(engine, "Write a very long story about a dragon."), 2000)
+    wait_until(lambda: engine.metrics.running == 1, 30.0)
+    decoded = engine.metrics.decode_tokens
+    reader.cancel()
+    wait_until(lambda: idle(engine), 10.0)
+    # Wall time is no measure on a shared machine; steps are: at most the step under way.
+    assert engine.metrics.decode_tokens - decoded <= 2
+
+
+def test_cancel_during_prefill_stops_the_prefill(engine: Engine) -> None:
+    long_prompt = prompt_ids(engine, "word " * 3000)
+    prefilled = engine.metrics.prefill_tokens
+    reader = submit(engine, long_prompt, 10)
+    wait_until(lambda: engine.metrics.prefill_tokens > prefilled, 30.0)
+    reader.cancel()
+    wait_until(lambda: idle(engine), 10.0)
+    # The prefill stopped inside its first chunk: not one more chunk was counted.
+    assert engine.metrics.prefill_tokens - prefilled <= engine.settings.idle_prefill_chunk
+    assert engine.metrics.prefill_tokens - prefilled < len(long_prompt) // 2
+
+
+def test_cancel_while_queued(engine: Engine) -> None:
+    blockers = [submit(engine, prompt_ids(engine, "word " * 1500), 5) for _ in range(2)]
+    queued = submit(engine, prompt_ids(engine, QUESTIONS[1]), 5)
+    queued.cancel()
+    for reader in blockers:
+        reader.cancel()
+    wait_until(lambda: idle(engine), 5.0)
+    assert queued.take() is None
+
+
+def test_prompt_too_long(engine: Engine) -> None:
+    with pytest.raises(PromptTooLong) as caught:
+        submit(engine, [1] * 9000, 10)
+    assert str(caught.value) == "prompt is too long: 9000 tokens > 8192 maximum"
+
+
+def test_max_tokens_is_clamped_to_the_context(engine: Engine) -> None:
+    ids = [1] * 8190
+    request = GenerationRequest(ids, 128000)
+    engine.check_prompt(len(ids))
+    assert engine.max_new_tokens(len(ids), request.max_tokens) == 2
+
+
+def test_queue_full_is_refused_and_the_engine_recovers(smollm: LoadedModel, engine: Engine) -> None:
+    ids = prompt_ids(engine, "word " * 600)
+    readers = []
+    with pytest.raises(QueueFull) as caught:
+        for _ in range(engine.settings.max_queued + 8):
+            readers.append(submit(engine, ids, 5))
+    assert caught.value.status == 529 and caught.value.retry_after_s >= 1
+    for reader in readers:
+        reader.cancel()
+    wait_until(lambda: idle(engine), 10.0)
+    assert "Paris" in text(body(submit(engine, prompt_ids(engine, QUESTIONS[0]), 16)))
+
+
+def test_prefix_cache_reuse_is_exact(engine: Engine) -> None:
+    shared = "You are a careful assistant. " * 20
+    first_ids = prompt_ids(engine, shared + "What is the capital of France?")
+    other_ids = prompt_ids(engine, shared + "Name three colors.")
+    first = body(submit(engine, first_ids, 16))
+    assert first["usage"]["cache_read_input_tokens"] == 0 or first["usage"]["input_tokens"] > 0
+    hits = engine.metrics.cache_hit_tokens
+    again = body(submit(engine, first_ids, 16))
+    assert again["usage"]["cache_read_input_tokens"] > 100
+    assert text(again) == text(first)
+    # A different question over the same prefix reuses the prefix and answers its own question.
+    other = body(submit(engine, other_ids, 16))
+    assert other["usage"]["cache_read_input_tokens"] > 100
+    assert engine.metrics.cache_hit_tokens > hits
+    engine.prefix_cache.max_bytes, saved = 0, engine.prefix_cache.max_bytes
+    try:
+        uncached = body(submit(engine, other_ids, 16))
+    finally:
+        engine.prefix_cache.max_bytes = saved
+    assert uncached["usage"]["cache_read_input_tokens"] == 0
+    assert text(other) == text(uncached)
+
+
+def test_concurrent_prefix_sharing_does_not_cross_contaminate(engine: Engine) -> None:
+    shared = "Answer briefly and precisely. " * 15
+    prompts = [prompt_ids(engine, shared + q) for q in QUESTIONS[:6]]
+    body(submit(engine, prompts[0], 4))  # seeds the cache with the shared prefix
+    engine.prefix_cache.max_bytes, saved = 0, engine.prefix_cache.max_bytes
+    try:
+        reference = [text(body(submit(engine, ids, 12))) for ids in prompts]
+    finally:
+        engine.prefix_cache.max_bytes = saved
+    readers = [submit(engine, ids, 12) for ids in prompts]
+    results = [body(reader) for reader in readers]
+    assert [text(r) for r in results] == reference
+    assert all(r["usage"]["cache_read_input_tokens"] > 0 for r in results)
