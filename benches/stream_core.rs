@@ -6,7 +6,9 @@ use std::sync::Arc;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use mlxgate::channel::Channel;
 use mlxgate::detok::Detok;
-use mlxgate::events::anthropic::AnthropicParams;
+use mlxgate::events::anthropic::{AnthropicParams, AnthropicStream};
+use mlxgate::events::Protocol;
+use mlxgate::markup::{MarkupSpec, ToolFormat};
 use mlxgate::router::Router;
 use mlxgate::vocab::Vocab;
 
@@ -47,14 +49,25 @@ struct Batch {
 }
 
 fn batch(stops: &[&str], stream: bool) -> Batch {
+    batch_with(stops, stream, None)
+}
+
+/// Thinking + Hermes tool-call markup, as for a Qwen3 model (the text itself has no tags).
+fn qwen3_markup() -> Arc<MarkupSpec> {
+    let think = Some(("<think>".to_owned(), "</think>".to_owned()));
+    Arc::new(MarkupSpec::new(think, Some(ToolFormat::Hermes)).unwrap())
+}
+
+fn batch_with(stops: &[&str], stream: bool, markup: Option<Arc<MarkupSpec>>) -> Batch {
     let vocab = vocab();
     let n = vocab.len() as u32;
     let mut router = Router::new(vocab, 1 << 20);
     let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
     let readers = (0..STREAMS as u64)
         .map(|id| {
+            let protocol = Protocol::Anthropic(AnthropicStream::new(params(stream)));
             router
-                .open_anthropic(id, params(stream), stops.clone())
+                .open(id, protocol, stops.clone(), markup.clone(), "")
                 .unwrap()
         })
         .collect();
@@ -115,6 +128,17 @@ fn bench_step(c: &mut Criterion) {
     group.finish();
 }
 
+fn bench_step_markup(c: &mut Criterion) {
+    let mut group = c.benchmark_group("router_step_256_markup");
+    group.throughput(Throughput::Elements(STREAMS as u64));
+    let mut b = batch_with(&[], true, Some(qwen3_markup()));
+    let (mut dropped, mut wake) = (Vec::new(), Vec::new());
+    group.bench_function("stream_qwen3", |bench| {
+        bench.iter(|| black_box(b.run(&mut dropped, &mut wake)));
+    });
+    group.finish();
+}
+
 fn bench_open_finish(c: &mut Criterion) {
     let mut group = c.benchmark_group("lifecycle");
     group.bench_function("open_10_tokens_end_turn", |bench| {
@@ -158,5 +182,11 @@ fn bench_detok(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_step, bench_open_finish, bench_detok);
+criterion_group!(
+    benches,
+    bench_step,
+    bench_step_markup,
+    bench_open_finish,
+    bench_detok
+);
 criterion_main!(benches);

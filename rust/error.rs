@@ -19,6 +19,9 @@ pub enum CoreError {
         stream_id: u64,
         code: u32,
     },
+    UnknownToolFormat(String),
+    EmptyThinkTag,
+    UnknownCompletionKind(String),
 }
 
 impl fmt::Display for CoreError {
@@ -39,6 +42,14 @@ impl fmt::Display for CoreError {
                 f,
                 "invalid finish code {code} for stream {stream_id} (expected 0 running, 1 end_turn, 2 max_tokens)"
             ),
+            Self::UnknownToolFormat(format) => write!(
+                f,
+                "unknown tool call format {format:?} (expected \"hermes\", \"mistral\" or \"llama3_json\")"
+            ),
+            Self::EmptyThinkTag => write!(f, "think tags must not be empty"),
+            Self::UnknownCompletionKind(kind) => {
+                write!(f, "unknown completion kind {kind:?} (expected \"chat\" or \"completion\")")
+            }
         }
     }
 }

@@ -1,9 +1,11 @@
-//! mlxgate stream core: token ids to text, stop matching, protocol events, SSE frames, bounded channels.
+//! mlxgate stream core: token ids to text, markup and stop matching, protocol events, SSE frames, bounded channels.
 
 pub mod channel;
 pub mod detok;
 pub mod error;
 pub mod events;
+pub mod jsonscan;
+pub mod markup;
 pub mod router;
 pub mod sse;
 pub mod stop;

@@ -8,7 +8,9 @@ use crate::channel::{CancelInbox, Channel};
 use crate::detok::Detok;
 use crate::error::CoreError;
 use crate::events::anthropic::{AnthropicParams, AnthropicStream};
+use crate::events::openai::{OpenAiParams, OpenAiStream};
 use crate::events::{Finish, Protocol};
+use crate::markup::{MarkupParser, MarkupSpec, PieceKind, Pieces};
 use crate::stop::StopMatcher;
 use crate::vocab::Vocab;
 
@@ -32,6 +34,9 @@ pub struct Router<W> {
     /// Scratch for one token's detokenized text, then for what the stop matcher releases.
     raw: String,
     text: String,
+    /// Scratch for markup streams: what the parser emits, then what the stop matcher releases.
+    pieces: Pieces,
+    staged: Pieces,
 }
 
 #[derive(Debug)]
@@ -39,6 +44,8 @@ struct Stream<W> {
     serial: u64,
     detok: Detok,
     stop: StopMatcher,
+    /// Only for models with thinking or tool-call markup; plain streams skip it entirely.
+    markup: Option<Box<MarkupParser>>,
     protocol: Protocol,
     channel: Arc<Channel<W>>,
     output_tokens: u64,
@@ -54,6 +61,8 @@ impl<W> Router<W> {
             next_serial: 0,
             raw: String::new(),
             text: String::new(),
+            pieces: Pieces::default(),
+            staged: Pieces::default(),
         }
     }
 
@@ -76,14 +85,40 @@ impl<W> Router<W> {
             stream_id,
             Protocol::Anthropic(AnthropicStream::new(params)),
             stop_sequences,
+            None,
+            "",
         )
     }
 
-    fn open(
+    /// Opens an OpenAI stream; streaming chat ones get the role chunk at once.
+    pub fn open_openai(
+        &mut self,
+        stream_id: u64,
+        params: OpenAiParams,
+        stop_sequences: Vec<String>,
+        markup: Option<Arc<MarkupSpec>>,
+        prefill: &str,
+    ) -> Result<Arc<Channel<W>>, CoreError> {
+        self.open(
+            stream_id,
+            Protocol::OpenAi(Box::new(OpenAiStream::new(params))),
+            stop_sequences,
+            markup,
+            prefill,
+        )
+    }
+
+    /// Opens a stream of any dialect. With `markup`, text is split into text, thinking and tool
+    /// calls before stop sequences see it (so stops match visible text only); the parser starts
+    /// as if it had read `prefill`, and tool pieces the prefill completes (a forced call's name)
+    /// are emitted at once. Without `markup`, `prefill` is ignored.
+    pub fn open(
         &mut self,
         stream_id: u64,
         mut protocol: Protocol,
         stop_sequences: Vec<String>,
+        markup: Option<Arc<MarkupSpec>>,
+        prefill: &str,
     ) -> Result<Arc<Channel<W>>, CoreError> {
         if self.streams.contains_key(&stream_id) {
             return Err(CoreError::DuplicateStream(stream_id));
@@ -96,12 +131,24 @@ impl<W> Router<W> {
             self.max_unread_bytes,
             self.inbox.clone(),
         ));
+        let mut markup = markup
+            .filter(|_| protocol.supports_markup())
+            .map(|spec| Box::new(MarkupParser::new(spec)));
+        let pieces = &mut self.pieces;
+        pieces.clear();
+        if let Some(parser) = markup.as_deref_mut() {
+            parser.prefill(prefill, pieces);
+        }
         // A new channel has no waker yet, so there is nobody to wake.
-        let _ = channel.append_with(|buf| protocol.start(buf));
+        let _ = channel.append_with(|buf| {
+            protocol.start(buf);
+            emit(&mut protocol, pieces, buf);
+        });
         let stream = Stream {
             serial,
             detok: Detok::new(self.vocab.trim_leading_space()),
             stop: StopMatcher::new(stop_sequences),
+            markup,
             protocol,
             channel: channel.clone(),
             output_tokens: 0,
@@ -143,6 +190,8 @@ impl<W> Router<W> {
             streams,
             raw,
             text,
+            pieces,
+            staged,
             ..
         } = self;
         for ((&stream_id, &token_id), &code) in stream_ids.iter().zip(token_ids).zip(finish_codes) {
@@ -157,6 +206,17 @@ impl<W> Router<W> {
             }
             if code != RUNNING {
                 stream.detok.finish(raw);
+            }
+            if stream.markup.is_some() {
+                let waker = step_markup(stream, raw, code, pieces, staged);
+                wake.extend(waker.0);
+                if waker.1 {
+                    streams.remove(&stream_id);
+                    if code == RUNNING {
+                        dropped.push(stream_id);
+                    }
+                }
+                continue;
             }
             let matched = stream.stop.push(raw, text);
             if matched.is_none() && code != RUNNING {
@@ -236,6 +296,85 @@ impl<W> Router<W> {
                 .map(|(&id, _)| id),
         );
         out[start..].sort_unstable();
+    }
+}
+
+/// The markup path of one step for one stream: parse, match stops on visible text, emit.
+/// Returns the waker to call and whether the stream ended.
+// NOTE: kept out of line so the plain-text loop in `step` stays as small as before markup.
+#[inline(never)]
+fn step_markup<W>(
+    stream: &mut Stream<W>,
+    raw: &str,
+    code: u32,
+    pieces: &mut Pieces,
+    staged: &mut Pieces,
+) -> (Option<W>, bool) {
+    let Some(markup) = stream.markup.as_deref_mut() else {
+        return (None, false);
+    };
+    pieces.clear();
+    staged.clear();
+    markup.push(raw, pieces);
+    if code != RUNNING {
+        markup.finish(pieces);
+    }
+    let stop = &mut stream.stop;
+    let mut matched = None;
+    for (kind, piece) in pieces.iter() {
+        if kind == PieceKind::Text {
+            matched = staged.push_with(PieceKind::Text, |buf| stop.push(piece, buf));
+            if matched.is_some() {
+                break;
+            }
+        } else {
+            // Markup ends the visible run, so held text cannot become a stop any more.
+            staged.push_with(PieceKind::Text, |buf| stop.finish(buf));
+            staged.push(kind, piece);
+        }
+    }
+    if matched.is_none() && code != RUNNING {
+        staged.push_with(PieceKind::Text, |buf| stop.finish(buf));
+    }
+    let finish = match (matched, code) {
+        (Some(index), _) => Some(Finish::StopSequence(stop.stop(index))),
+        (None, END_TURN) => Some(Finish::EndTurn),
+        (None, MAX_TOKENS) => Some(Finish::MaxTokens),
+        (None, _) => None,
+    };
+    // After a complete tool call the client must run it, however generation ended; a call cut
+    // short keeps the real reason (usually max_tokens).
+    let finish = finish.map(|f| {
+        if markup.tool_calls() > 0 && !markup.truncated() {
+            Finish::ToolUse
+        } else {
+            f
+        }
+    });
+    let output_tokens = stream.output_tokens;
+    let protocol = &mut stream.protocol;
+    let waker = match finish {
+        None if staged.is_empty() => None,
+        None => stream
+            .channel
+            .append_with(|buf| emit(protocol, staged, buf)),
+        Some(finish) => stream.channel.close_with(|buf| {
+            emit(protocol, staged, buf);
+            protocol.finish(finish, output_tokens, buf);
+        }),
+    };
+    (waker, finish.is_some())
+}
+
+fn emit(protocol: &mut Protocol, pieces: &Pieces, out: &mut Vec<u8>) {
+    for (kind, piece) in pieces.iter() {
+        match kind {
+            PieceKind::Text => protocol.text(piece, out),
+            PieceKind::Thinking => protocol.thinking(piece, out),
+            PieceKind::ToolStart => protocol.tool_start(piece, out),
+            PieceKind::ToolArgs => protocol.tool_args(piece, out),
+            PieceKind::ToolEnd => protocol.tool_end(out),
+        }
     }
 }
 

@@ -84,7 +84,7 @@ impl StopMatcher {
 
 /// Naive substring search: haystacks here are a few dozen bytes, too short to amortize the setup
 /// of `str::find`'s two-way searcher. Both sides are UTF-8, so a match starts on a char boundary.
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+pub(crate) fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     let first = *needle.first()?;
     let last_start = haystack.len().checked_sub(needle.len())?;
     (0..=last_start).find(|&at| haystack[at] == first && haystack[at..].starts_with(needle))

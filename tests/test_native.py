@@ -14,22 +14,44 @@ from typing import Any
 
 import pytest
 
-from mlxgate._native import NativeError, Reader, Router, Vocab
+from mlxgate._native import Markup, NativeError, Reader, Router, Vocab
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 INPUTS = sorted(p for p in FIXTURES.glob("*.json") if not p.name.endswith(".body.json"))
 
 
 def vocab_from(spec: dict[str, Any]) -> Vocab:
+    trim = spec.get("trim_leading_space", False)
+    if spec["kind"] == "raw":  # test-only: each token string is the token's UTF-8 bytes
+        tokens = [t.encode() for t in spec["tokens"]]
+        return Vocab.from_token_bytes(tokens, spec["special_ids"], trim_leading_space=trim)
     return Vocab.from_token_strings(
-        spec["tokens"],
-        spec["kind"],
-        spec["special_ids"],
-        trim_leading_space=spec.get("trim_leading_space", False),
+        spec["tokens"], spec["kind"], spec["special_ids"], trim_leading_space=trim
     )
 
 
 def open_from(router: Router, spec: dict[str, Any]) -> Reader:
+    markup = None
+    if "markup" in spec:
+        think = spec["markup"].get("think")
+        markup = Markup(
+            think=tuple(think) if think else None, tool_call=spec["markup"].get("tool_call")
+        )
+    if spec.get("dialect", "anthropic") == "openai":
+        return router.open_openai(
+            spec["stream_id"],
+            model=spec["model"],
+            completion_id=spec["completion_id"],
+            created=spec["created"],
+            prompt_tokens=spec["prompt_tokens"],
+            cached_tokens=spec.get("cached_tokens", 0),
+            stop_sequences=spec.get("stop_sequences", []),
+            stream=spec.get("stream", True),
+            include_usage=spec.get("include_usage", False),
+            kind=spec.get("kind", "chat"),
+            markup=markup,
+            prefill=spec.get("prefill", ""),
+        )
     return router.open_anthropic(
         spec["stream_id"],
         model=spec["model"],
@@ -38,6 +60,8 @@ def open_from(router: Router, spec: dict[str, Any]) -> Reader:
         cache_read_input_tokens=spec.get("cache_read_input_tokens", 0),
         stop_sequences=spec.get("stop_sequences", []),
         stream=spec.get("stream", True),
+        markup=markup,
+        prefill=spec.get("prefill", ""),
     )
 
 
@@ -54,6 +78,16 @@ def test_fixtures_present() -> None:
         "anthropic_max_tokens",
         "anthropic_error",
         "anthropic_text_nonstream",
+        "anthropic_tool_use",
+        "anthropic_tool_use_nonstream",
+        "anthropic_thinking",
+        "openai_text",
+        "openai_text_usage",
+        "openai_text_nonstream",
+        "openai_tool_calls",
+        "openai_tool_calls_nonstream",
+        "openai_error",
+        "openai_completion",
     } <= names
 
 
@@ -83,26 +117,81 @@ def test_golden_transcript(input_path: Path) -> None:
     assert bytes(out) == golden_path(input_path, fixture).read_bytes()
 
 
+def is_openai(fixture: dict[str, Any]) -> bool:
+    return bool(fixture["open"].get("dialect") == "openai")
+
+
 def test_goldens_are_valid_anthropic_sse() -> None:
     order = {"message_start": 0, "ping": 1, "content_block_start": 2, "content_block_delta": 3}
     for input_path in INPUTS:
         fixture = json.loads(input_path.read_text(encoding="utf-8"))
+        if is_openai(fixture):
+            continue
         golden = golden_path(input_path, fixture).read_text(encoding="utf-8")
         if not fixture["open"].get("stream", True):
             body = json.loads(golden)
             assert list(body)[:2] == ["id", "type"]
+            for block in body.get("content", []):
+                if block["type"] == "tool_use":
+                    assert block["id"].startswith("toolu_") and isinstance(block["input"], dict)
             continue
         assert golden.endswith("\n\n")
         events = []
+        open_blocks: dict[int, dict[str, Any]] = {}
         for frame in golden.split("\n\n")[:-1]:
             event_line, data_line = frame.split("\n")
             event = event_line.removeprefix("event: ")
             data = json.loads(data_line.removeprefix("data: "))
             assert next(iter(data)) == "type" and data["type"] == event
             events.append(event)
+            if event == "content_block_start":
+                open_blocks[data["index"]] = {**data["content_block"], "json": ""}
+            elif event == "content_block_delta":
+                block = open_blocks[data["index"]]  # every delta has its start
+                if data["delta"]["type"] == "input_json_delta":
+                    assert block["type"] == "tool_use"
+                    block["json"] += data["delta"]["partial_json"]
+            elif event == "content_block_stop":
+                block = open_blocks.pop(data["index"])
+                if block["type"] == "tool_use":
+                    assert block["input"] == {} and block["id"].startswith("toolu_")
+                    assert isinstance(json.loads(block["json"]), dict)
         assert events[:2] == ["message_start", "ping"]
         assert [order.get(e, 9) for e in events[:4]] == sorted(order.get(e, 9) for e in events[:4])
         assert events[-1] in ("message_stop", "error")
+
+
+def test_goldens_are_valid_openai_sse() -> None:
+    for input_path in INPUTS:
+        fixture = json.loads(input_path.read_text(encoding="utf-8"))
+        if not is_openai(fixture):
+            continue
+        golden = golden_path(input_path, fixture).read_text(encoding="utf-8")
+        chat = fixture["open"].get("kind", "chat") == "chat"
+        if not fixture["open"].get("stream", True):
+            body = json.loads(golden)
+            assert body["object"] == ("chat.completion" if chat else "text_completion")
+            for call in body["choices"][0].get("message", {}).get("tool_calls", []):
+                assert isinstance(json.loads(call["function"]["arguments"]), dict)
+            continue
+        frames = golden.split("\n\n")
+        assert frames[-2:] == ["data: [DONE]", ""]
+        arguments: dict[int, str] = {}
+        for frame in frames[:-2]:
+            assert frame.startswith("data: ") and "\n" not in frame
+            data = json.loads(frame.removeprefix("data: "))
+            if "error" in data:
+                assert set(data["error"]) == {"message", "type", "param", "code"}
+                continue
+            assert data["object"] == ("chat.completion.chunk" if chat else "text_completion")
+            assert ("usage" in data) == fixture["open"].get("include_usage", False)
+            for choice in data["choices"]:
+                for call in choice.get("delta", {}).get("tool_calls", []):
+                    arguments[call["index"]] = (
+                        arguments.get(call["index"], "") + call["function"]["arguments"]
+                    )
+        for text in arguments.values():
+            assert isinstance(json.loads(text), dict)
 
 
 def text_vocab() -> Vocab:
@@ -401,3 +490,225 @@ def test_many_streams_no_lost_wakeups() -> None:
         assert text == expected, sid
         assert data.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
         assert f'"output_tokens":{n_steps}}}'.encode() in data
+
+
+# Markup: thinking and tool calls, end to end through the router.
+
+HERMES = Markup(tool_call="hermes")
+QWEN3 = Markup(think=("<think>", "</think>"), tool_call="hermes")
+
+
+def run_pieces(
+    pieces: list[bytes], *, dialect: str = "anthropic", finish: int = 1, **kw: Any
+) -> bytes:
+    """Each piece is one token; the last step is EOS (finish=1) or the last piece (finish=2)."""
+    router = Router(Vocab.from_token_bytes([b"<eos>", *pieces], [0]))
+    if dialect == "openai":
+        reader = router.open_openai(
+            1, model="m", completion_id="chatcmpl-1", created=1, prompt_tokens=1, **kw
+        )
+    else:
+        reader = router.open_anthropic(1, model="m", message_id="msg_1", input_tokens=1, **kw)
+    out = bytearray(reader.take() or b"")
+    n = len(pieces)
+    for i in range(n):
+        code = finish if (finish == 2 and i == n - 1) else 0
+        if router.step([1], [i + 1], [code]):
+            break
+        out += reader.take() or b""
+    if finish == 1 and len(router):
+        router.step([1], [0], [1])
+    out += reader.take() or b""
+    assert reader.take() is None
+    return bytes(out)
+
+
+def anthropic_blocks(sse: bytes) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rebuilds content blocks from Anthropic SSE, checking event structure; returns the blocks
+    and the message_delta."""
+    blocks: list[dict[str, Any]] = []
+    delta: dict[str, Any] = {}
+    open_index = None
+    for frame in sse.decode().split("\n\n")[:-1]:
+        _event_line, data_line = frame.split("\n")
+        data = json.loads(data_line.removeprefix("data: "))
+        if data["type"] == "content_block_start":
+            assert open_index is None and data["index"] == len(blocks)
+            open_index = data["index"]
+            blocks.append({**data["content_block"], "json": ""})
+        elif data["type"] == "content_block_delta":
+            assert data["index"] == open_index
+            d, block = data["delta"], blocks[-1]
+            key = {"text_delta": "text", "thinking_delta": "thinking"}.get(d["type"])
+            if key:
+                block[key] += d[key]
+            elif d["type"] == "input_json_delta":
+                block["json"] += d["partial_json"]
+        elif data["type"] == "content_block_stop":
+            assert data["index"] == open_index
+            open_index = None
+        elif data["type"] == "message_delta":
+            delta = data["delta"]
+    assert open_index is None
+    return blocks, delta
+
+
+def split_bytes(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+ARGS = '{"command": "echo \\"hi\\" \\\\ caf\\u00e9 é 😀", "n": [1, -2.5e3, true, null]}'
+CALL = f'<tool_call>\n{{"name": "Bash", "arguments": {ARGS}}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 13])
+def test_tool_call_split_anywhere_streams_exact_arguments(size: int) -> None:
+    text = "Checking.\n\n" + CALL
+    sse = run_pieces(split_bytes(text.encode(), size), markup=HERMES)
+    blocks, delta = anthropic_blocks(sse)
+    assert [b["type"] for b in blocks] == ["text", "tool_use"]
+    assert blocks[0]["text"] == "Checking."
+    assert blocks[1]["name"] == "Bash" and blocks[1]["input"] == {}
+    assert blocks[1]["json"] == ARGS, "escapes and UTF-8 preserved exactly"
+    assert json.loads(blocks[1]["json"])["command"] == 'echo "hi" \\ café é 😀'
+    assert delta["stop_reason"] == "tool_use"
+    if size <= 3:
+        assert sse.count(b"input_json_delta") > 10, "arguments stream as tokens arrive"
+    assert b"<tool_call>" not in sse and b"</tool_call>" not in sse
+
+
+def test_two_tool_calls_openai_indices_and_ids() -> None:
+    second = '<tool_call>\n{"arguments": {"path": "a"}, "name": "Read"}\n</tool_call>'
+    sse = run_pieces(
+        split_bytes((CALL + "\n" + second).encode(), 4), dialect="openai", markup=HERMES
+    )
+    frames = [json.loads(f[6:]) for f in sse.decode().split("\n\n") if f.startswith("data: {")]
+    calls: dict[int, dict[str, str]] = {}
+    for frame in frames:
+        for call in frame["choices"][0]["delta"].get("tool_calls", []):
+            entry = calls.setdefault(call["index"], {"arguments": ""})
+            if "id" in call:
+                assert call["type"] == "function" and call["function"]["arguments"] == ""
+                entry.update(id=call["id"], name=call["function"]["name"])
+            entry["arguments"] += call["function"]["arguments"]
+    assert [calls[i]["name"] for i in (0, 1)] == ["Bash", "Read"]
+    assert calls[0]["arguments"] == ARGS
+    assert calls[1]["arguments"] == '{"path": "a"}', "name after arguments: buffered"
+    assert calls[0]["id"] != calls[1]["id"] and calls[0]["id"].startswith("call_")
+    assert frames[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert sse.endswith(b"data: [DONE]\n\n")
+
+
+def test_malformed_tool_call_falls_back_to_text() -> None:
+    text = 'Try <tool_call>\n{"name": 42, "arguments": {}}\n</tool_call>'
+    blocks, delta = anthropic_blocks(run_pieces(split_bytes(text.encode(), 3), markup=HERMES))
+    assert blocks == [{"type": "text", "text": text, "json": ""}]
+    assert delta["stop_reason"] == "end_turn"
+
+
+def test_thinking_tags_split_across_tokens() -> None:
+    pieces = [b"<th", b"ink>", b"\nlet me ", b"see <", b"/thi", b"nk>\n\n", b"Answer", b" <b>"]
+    blocks, _ = anthropic_blocks(run_pieces(pieces, markup=QWEN3))
+    assert [(b["type"], b.get("thinking", b.get("text"))) for b in blocks] == [
+        ("thinking", "let me see"),
+        ("text", "Answer <b>"),
+    ]
+    assert blocks[0]["signature"] == ""
+
+
+def test_stop_sequences_apply_to_visible_text_only() -> None:
+    pieces = [
+        b"<think>ls</think>",
+        b'<tool_call>{"name": "ls", "arguments": {"a": "ls"}}',
+        b"</tool_call>",
+    ]
+    sse = run_pieces([*pieces, b"ok ls more"], markup=QWEN3, stop_sequences=["ls"])
+    blocks, delta = anthropic_blocks(sse)
+    assert [b["type"] for b in blocks] == ["thinking", "tool_use", "text"]
+    assert blocks[2]["text"] == "ok "
+    assert delta["stop_reason"] == "tool_use", "a complete call wins over the stop sequence"
+    blocks, delta = anthropic_blocks(run_pieces([b"say ls"], markup=QWEN3, stop_sequences=["ls"]))
+    assert (blocks[0]["text"], delta) == (
+        "say ",
+        {"stop_reason": "stop_sequence", "stop_sequence": "ls"},
+    )
+
+
+def test_prefill_forced_tool_call_starts_at_open() -> None:
+    router = Router(Vocab.from_token_bytes([b"<eos>", b'{"command": "ls"}', b"}"], [0]))
+    prefill = '<tool_call>\n{"name": "Bash", "arguments": '
+    reader = router.open_anthropic(
+        1, model="m", message_id="msg_1", input_tokens=1, markup=HERMES, prefill=prefill
+    )
+    start = reader.take() or b""
+    assert b'"content_block_start","index":0,"content_block":{"type":"tool_use"' in start
+    router.step([1, 1, 1], [1, 2, 0], [0, 0, 1])
+    blocks, delta = anthropic_blocks(start + (reader.take() or b""))
+    assert blocks[0]["json"] == '{"command": "ls"}' and delta["stop_reason"] == "tool_use"
+
+    reader = router.open_openai(
+        2,
+        model="m",
+        completion_id="c",
+        created=1,
+        prompt_tokens=1,
+        markup=QWEN3,
+        prefill="<think>\n",
+        stream=False,
+    )
+    router.step([2, 2], [2, 0], [0, 1])
+    message = json.loads(reader.take() or b"")["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "", "reasoning_content": "}"}
+
+
+def test_max_tokens_inside_tool_call_keeps_json_valid() -> None:
+    text = '<tool_call>{"name": "Bash", "arguments": {"command": "rm -rf /tmp/x'
+    blocks, delta = anthropic_blocks(
+        run_pieces(split_bytes(text.encode(), 6), markup=HERMES, finish=2)
+    )
+    assert json.loads(blocks[0]["json"]) == {"command": "rm -rf /tmp/x"}
+    assert delta["stop_reason"] == "max_tokens", "a cut-off call is not reported as tool_use"
+
+
+def test_markup_values_and_errors() -> None:
+    m = Markup(think=("<think>", "</think>"), tool_call="mistral")
+    assert (m.think, m.tool_call) == (("<think>", "</think>"), "mistral")
+    assert repr(Markup()) == "Markup(think=None, tool_call=None)"
+    with pytest.raises(NativeError, match="unknown tool call format"):
+        Markup(tool_call="xml")  # type: ignore[arg-type]
+    with pytest.raises(NativeError, match="must not be empty"):
+        Markup(think=("", "</think>"))
+    router = Router(text_vocab())
+    with pytest.raises(NativeError, match="unknown completion kind"):
+        router.open_openai(1, model="m", completion_id="c", created=1, prompt_tokens=1, kind="x")  # type: ignore[arg-type]
+
+
+def test_openai_fail_and_ping() -> None:
+    router = Router(text_vocab())
+    reader = router.open_openai(1, model="m", completion_id="c", created=1, prompt_tokens=1)
+    reader.take()
+    router.ping(1)
+    assert reader.take() == b": keep-alive\n\n"
+    router.fail(1, "invalid_request_error", "bad")
+    assert reader.take() == (
+        b'data: {"error":{"message":"bad","type":"invalid_request_error","param":null,'
+        b'"code":null}}\n\ndata: [DONE]\n\n'
+    )
+    assert reader.take() is None
+    reader = router.open_openai(
+        2, model="m", completion_id="c", created=1, prompt_tokens=1, stream=False
+    )
+    router.fail(2, "api_error", "boom")
+    assert json.loads(reader.take() or b"")["error"]["type"] == "server_error"
+
+
+def test_completion_kind_ignores_markup() -> None:
+    sse = run_pieces(
+        [b"<think>x</think>", b"<tool_call>{}"], dialect="openai", kind="completion", markup=QWEN3
+    )
+    texts = [
+        json.loads(f[6:])["choices"][0]["text"]
+        for f in sse.decode().split("\n\n")
+        if f.startswith("data: {")
+    ]
+    assert "".join(texts) == "<think>x</think><tool_call>{}"

@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 
 from mlxgate._native import Router, Vocab
-from mlxgate.api.anthropic import AnthropicAPI, InvalidRequest, send_error
+from mlxgate.api.anthropic import AnthropicAPI
+from mlxgate.api.errors import ApiError, Dialect
 from mlxgate.api.http import (
     BodyTooLarge,
     ClientGone,
+    Message,
     Receive,
     Scope,
     Send,
     header,
     read_body,
+    send_bytes,
     send_json,
 )
 from mlxgate.config import Config
 from mlxgate.engine import Engine, EngineSettings, SamplingParams
+from mlxgate.metrics import EngineCollector
 
 log = logging.getLogger("mlxgate")
 
@@ -27,7 +35,10 @@ Handler = Callable[[Scope, Receive, Send, bytes], Awaitable[None]]
 
 
 class App:
-    """Routes by path suffix, so a base-URL prefix (`http://host/some/prefix`) works too."""
+    """Routes by path suffix, so a base-URL prefix (`http://host/some/prefix`) works too.
+
+    Each route has a dialect; every error on it is answered in that dialect's envelope.
+    """
 
     def __init__(self, engine: Engine, config: Config) -> None:
         self.engine = engine
@@ -35,11 +46,18 @@ class App:
         self.model_name = engine.loaded.name
         self.created = int(time.time())
         default_sampling = SamplingParams(config.temperature, config.top_p, config.top_k)
-        self.anthropic = AnthropicAPI(engine, self.model_name, default_sampling)
-        self.post_routes: dict[str, Handler] = {
-            "/v1/messages": self.anthropic.messages,
-            "/v1/messages/count_tokens": self.anthropic.count_tokens,
-        }
+        self.anthropic = AnthropicAPI(
+            engine, self.model_name, default_sampling, config.max_output_tokens
+        )
+        # Longest suffix first: /v1/messages/count_tokens before /v1/messages.
+        self.post_routes: list[tuple[str, Dialect, Handler]] = [
+            ("/v1/messages/count_tokens", "anthropic", self.anthropic.count_tokens),
+            ("/v1/messages", "anthropic", self.anthropic.messages),
+        ]
+        self._in_flight: collections.Counter[str] = collections.Counter()
+        self.requests = Counter(
+            "mlxgate_http_requests_total", "HTTP requests by route and status", ["route", "status"]
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -49,33 +67,90 @@ class App:
             return
         path: str = scope["path"].rstrip("/") or "/"
         method: str = scope["method"]
+        route, dialect, handler = self._route(method, path)
+        status = 0
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
-            if method == "POST" and (handler := self._post_handler(path)):
-                body = await read_body(receive, self.config.max_body_bytes)
-                await handler(scope, receive, send, body)
-            elif method in ("GET", "HEAD") and path.endswith("/health"):
-                await send_json(send, 200, {"status": "ok", "model": self.model_name})
-            elif method == "GET" and path.endswith("/v1/models"):
-                await self._models(scope, send)
-            else:
-                await send_error(
-                    send, 404, f"{method} {scope['path']} is not a route of this server"
+            if not path.endswith("/health") and not self._authorized(scope):
+                raise ApiError(
+                    401, "invalid x-api-key or Authorization bearer token", should_retry=False
                 )
-        except InvalidRequest as exc:
-            await send_error(send, 400, str(exc))
+            if handler is not None:
+                body = await read_body(receive, self.config.max_body_bytes)
+                with self._client_slot(scope, route):
+                    await handler(scope, receive, send_tracked, body)
+            elif method in ("GET", "HEAD") and path.endswith("/health"):
+                await send_json(send_tracked, 200, {"status": "ok", "model": self.model_name})
+            elif method == "GET" and path.endswith("/metrics"):
+                await send_bytes(send_tracked, 200, generate_latest(), CONTENT_TYPE_LATEST.encode())
+            elif method == "GET" and path.endswith("/v1/models"):
+                await self._models(scope, send_tracked)
+            else:
+                raise ApiError(404, f"{method} {scope['path']} is not a route of this server")
+        except ApiError as exc:
+            await send_json(
+                send_tracked, exc.status, exc.body(dialect), extra_headers=exc.headers()
+            )
         except BodyTooLarge as exc:
-            await send_error(send, 413, str(exc))
+            await send_json(send_tracked, 413, ApiError(413, str(exc)).body(dialect))
         except ClientGone:
             pass
         except Exception:
             log.exception("unhandled error on %s %s", method, path)
-            await send_error(send, 500, "internal server error")
+            if status == 0:
+                await send_json(
+                    send_tracked, 500, ApiError(500, "internal server error").body(dialect)
+                )
+        finally:
+            self.requests.labels(route, str(status or 499)).inc()
 
-    def _post_handler(self, path: str) -> Handler | None:
-        for route, handler in self.post_routes.items():
-            if path.endswith(route):
-                return handler
-        return None
+    def _route(self, method: str, path: str) -> tuple[str, Dialect, Handler | None]:
+        if method == "POST":
+            for route, dialect, handler in self.post_routes:
+                if path.endswith(route):
+                    return route, dialect, handler
+        return (
+            path if path.endswith(("/health", "/metrics", "/v1/models")) else "other",
+            "anthropic",
+            None,
+        )
+
+    @contextlib.contextmanager
+    def _client_slot(self, scope: Scope, route: str) -> Iterator[None]:
+        """Bound the requests one client may have in flight (`--max-per-client`)."""
+        limit = self.config.max_per_client
+        if not limit or route.endswith("count_tokens"):
+            yield
+            return
+        client = (
+            header(scope, b"x-api-key")
+            or (header(scope, b"authorization") or "").removeprefix("Bearer ")
+            or str((scope.get("client") or ("?",))[0])
+        )
+        if self._in_flight[client] >= limit:
+            raise ApiError(
+                429, f"rate limit: at most {limit} concurrent requests per client", retry_after_s=1
+            )
+        self._in_flight[client] += 1
+        try:
+            yield
+        finally:
+            self._in_flight[client] -= 1
+            if not self._in_flight[client]:
+                del self._in_flight[client]
+
+    def _authorized(self, scope: Scope) -> bool:
+        key = self.config.api_key
+        if not key:
+            return True
+        bearer = header(scope, b"authorization") or ""
+        return header(scope, b"x-api-key") == key or bearer == f"Bearer {key}"
 
     async def _models(self, scope: Scope, send: Send) -> None:
         if header(scope, b"anthropic-version") is not None:
@@ -132,6 +207,7 @@ def build_app(config: Config) -> App:
     )
     engine = Engine(loaded, Router(vocab), settings)
     engine.start()
+    REGISTRY.register(EngineCollector(engine))
     import mlx.core as mx
 
     log.info(

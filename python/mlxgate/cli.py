@@ -64,6 +64,25 @@ def _parser() -> argparse.ArgumentParser:
         help="memory for reusing KV of shared prompt prefixes, 0 = off (default %(default)s)",
     )
     serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key as x-api-key or Authorization: Bearer (default: no key checked)",
+    )
+    serve.add_argument(
+        "--max-per-client",
+        type=int,
+        default=0,
+        help="concurrent requests one client (API key or address) may have; beyond them: 429 "
+        "(default: no limit)",
+    )
+    serve.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=None,
+        help="refuse larger max_tokens with the 400 that Claude Code retries with the limit "
+        "(default: clamp max_tokens to the context instead)",
+    )
+    serve.add_argument(
         "--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"]
     )
     return parser
@@ -88,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
             max_running=args.max_running,
             step_token_budget=args.step_token_budget,
             prefix_cache_mb=args.prefix_cache_mb,
+            api_key=args.api_key,
+            max_per_client=args.max_per_client,
+            max_output_tokens=args.max_output_tokens,
             log_level=args.log_level,
         )
     )

@@ -23,6 +23,9 @@ class Config:
     step_token_budget: int = 96
     prefix_cache_mb: int = 1024
     max_body_bytes: int = 32 * 1024 * 1024
+    api_key: str | None = None  # None: no key is checked (loopback use)
+    max_per_client: int = 0  # concurrent generation requests per client; 0 = unlimited
+    max_output_tokens: int | None = None  # None: max_tokens is clamped to the context
     log_level: str = "info"
 
     def to_env(self) -> None:

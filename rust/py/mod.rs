@@ -1,5 +1,6 @@
 //! PyO3 binding `mlxgate._native`: thin wrappers over the core; the only place Python types appear.
 
+mod markup;
 mod router;
 mod vocab;
 
@@ -36,6 +37,7 @@ fn call_wakers(py: Python<'_>, wakers: impl IntoIterator<Item = Py<PyAny>>) {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NativeError", m.py().get_type::<NativeError>())?;
     m.add_class::<vocab::PyVocab>()?;
+    m.add_class::<markup::PyMarkup>()?;
     m.add_class::<router::PyReader>()?;
     m.add_class::<router::PyRouter>()?;
     Ok(())

@@ -8,9 +8,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use super::call_wakers;
+use super::markup::PyMarkup;
 use super::vocab::PyVocab;
 use crate::channel::{Channel, Park};
-use crate::events::anthropic::AnthropicParams;
+use crate::events::anthropic::{AnthropicParams, AnthropicStream};
+use crate::events::openai::{CompletionKind, OpenAiParams};
+use crate::events::Protocol;
 use crate::router::{Router, DEFAULT_MAX_UNREAD_BYTES};
 
 type Waker = Py<PyAny>;
@@ -104,6 +107,7 @@ impl PyRouter {
     #[pyo3(signature = (
         stream_id, *, model, message_id, input_tokens,
         cache_read_input_tokens = 0, stop_sequences = Vec::new(), stream = true,
+        markup = None, prefill = "",
     ))]
     fn open_anthropic(
         &self,
@@ -114,6 +118,8 @@ impl PyRouter {
         cache_read_input_tokens: u64,
         stop_sequences: Vec<String>,
         stream: bool,
+        markup: Option<&Bound<'_, PyMarkup>>,
+        prefill: &str,
     ) -> PyResult<PyReader> {
         let params = AnthropicParams {
             model,
@@ -122,9 +128,54 @@ impl PyRouter {
             cache_read_input_tokens,
             stream,
         };
-        let channel = self
-            .lock()
-            .open_anthropic(stream_id, params, stop_sequences)?;
+        let channel = self.lock().open(
+            stream_id,
+            Protocol::Anthropic(AnthropicStream::new(params)),
+            stop_sequences,
+            markup.map(|m| m.get().inner.clone()),
+            prefill,
+        )?;
+        Ok(PyReader { channel })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (
+        stream_id, *, model, completion_id, created, prompt_tokens,
+        cached_tokens = 0, stop_sequences = Vec::new(), stream = true, include_usage = false,
+        kind = "chat", markup = None, prefill = "",
+    ))]
+    fn open_openai(
+        &self,
+        stream_id: u64,
+        model: String,
+        completion_id: String,
+        created: u64,
+        prompt_tokens: u64,
+        cached_tokens: u64,
+        stop_sequences: Vec<String>,
+        stream: bool,
+        include_usage: bool,
+        kind: &str,
+        markup: Option<&Bound<'_, PyMarkup>>,
+        prefill: &str,
+    ) -> PyResult<PyReader> {
+        let params = OpenAiParams {
+            model,
+            completion_id,
+            created,
+            prompt_tokens,
+            cached_tokens,
+            stream,
+            include_usage,
+            kind: kind.parse::<CompletionKind>()?,
+        };
+        let channel = self.lock().open_openai(
+            stream_id,
+            params,
+            stop_sequences,
+            markup.map(|m| m.get().inner.clone()),
+            prefill,
+        )?;
         Ok(PyReader { channel })
     }
 

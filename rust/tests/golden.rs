@@ -1,10 +1,16 @@
 //! Golden wire transcripts: tests/fixtures/<name>.json drives a router; output must equal <name>.sse or <name>.body.json.
+//!
+//! Vocab kind `raw` (test-only) takes each token string as the token's UTF-8 bytes, so markup
+//! fixtures stay readable.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use mlxgate::channel::Channel;
-use mlxgate::events::anthropic::AnthropicParams;
+use mlxgate::events::anthropic::{AnthropicParams, AnthropicStream};
+use mlxgate::events::openai::{OpenAiParams, OpenAiStream};
+use mlxgate::events::Protocol;
+use mlxgate::markup::MarkupSpec;
 use mlxgate::router::Router;
 use mlxgate::vocab::{Vocab, VocabKind};
 use serde::Deserialize;
@@ -28,15 +34,42 @@ struct VocabSpec {
 #[derive(Deserialize)]
 struct OpenSpec {
     stream_id: u64,
+    /// `anthropic` (the default) or `openai`.
+    #[serde(default)]
+    dialect: Option<String>,
     model: String,
+    #[serde(default)]
     message_id: String,
+    #[serde(default)]
     input_tokens: u64,
     #[serde(default)]
     cache_read_input_tokens: u64,
     #[serde(default)]
+    completion_id: String,
+    #[serde(default)]
+    created: u64,
+    #[serde(default)]
+    prompt_tokens: u64,
+    #[serde(default)]
+    cached_tokens: u64,
+    #[serde(default)]
+    include_usage: bool,
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default)]
     stop_sequences: Vec<String>,
     #[serde(default = "yes")]
     stream: bool,
+    #[serde(default)]
+    markup: Option<MarkupJson>,
+    #[serde(default)]
+    prefill: String,
+}
+
+#[derive(Deserialize)]
+struct MarkupJson {
+    think: Option<(String, String)>,
+    tool_call: Option<String>,
 }
 
 fn yes() -> bool {
@@ -71,22 +104,50 @@ fn fixtures_dir() -> PathBuf {
 
 /// Runs one fixture, reading after every step the way the server does; returns all bytes read.
 fn run(fixture: &Fixture) -> Vec<u8> {
-    let kind: VocabKind = fixture.vocab.kind.parse().unwrap();
-    let vocab = Vocab::from_token_strings(&fixture.vocab.tokens, kind, &fixture.vocab.special_ids)
-        .unwrap()
-        .with_trim_leading_space(fixture.vocab.trim_leading_space);
+    let spec = &fixture.vocab;
+    let vocab = if spec.kind == "raw" {
+        let tokens: Vec<&[u8]> = spec.tokens.iter().map(|t| t.as_bytes()).collect();
+        Vocab::from_token_bytes(&tokens, &spec.special_ids).unwrap()
+    } else {
+        let kind: VocabKind = spec.kind.parse().unwrap();
+        Vocab::from_token_strings(&spec.tokens, kind, &spec.special_ids).unwrap()
+    }
+    .with_trim_leading_space(spec.trim_leading_space);
     let mut router: Router<()> = Router::new(Arc::new(vocab), 1 << 20);
     let open = &fixture.open;
-    let params = AnthropicParams {
-        model: open.model.clone(),
-        message_id: open.message_id.clone(),
-        input_tokens: open.input_tokens,
-        cache_read_input_tokens: open.cache_read_input_tokens,
-        stream: open.stream,
+    let protocol = match open.dialect.as_deref().unwrap_or("anthropic") {
+        "anthropic" => Protocol::Anthropic(AnthropicStream::new(AnthropicParams {
+            model: open.model.clone(),
+            message_id: open.message_id.clone(),
+            input_tokens: open.input_tokens,
+            cache_read_input_tokens: open.cache_read_input_tokens,
+            stream: open.stream,
+        })),
+        "openai" => Protocol::OpenAi(Box::new(OpenAiStream::new(OpenAiParams {
+            model: open.model.clone(),
+            completion_id: open.completion_id.clone(),
+            created: open.created,
+            prompt_tokens: open.prompt_tokens,
+            cached_tokens: open.cached_tokens,
+            stream: open.stream,
+            include_usage: open.include_usage,
+            kind: open.kind.as_deref().unwrap_or("chat").parse().unwrap(),
+        }))),
+        other => panic!("unknown dialect {other:?}"),
     };
+    let markup = open.markup.as_ref().map(|m| {
+        let tool_call = m.tool_call.as_deref().map(|t| t.parse().unwrap());
+        Arc::new(MarkupSpec::new(m.think.clone(), tool_call).unwrap())
+    });
     let id = open.stream_id;
     let reader = router
-        .open_anthropic(id, params, open.stop_sequences.clone())
+        .open(
+            id,
+            protocol,
+            open.stop_sequences.clone(),
+            markup,
+            &open.prefill,
+        )
         .unwrap();
     let mut out = Vec::new();
     drain(&reader, &mut out);

@@ -8,41 +8,14 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mlxgate import chat
+from mlxgate.api.errors import ApiError, invalid
 from mlxgate.api.http import Receive, Scope, Send, collect, send_bytes, send_event_stream, send_json
-from mlxgate.engine import AdmissionError, Engine, GenerationRequest, QueueFull, SamplingParams
-from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
+from mlxgate.engine import AdmissionError, Engine, GenerationRequest, SamplingParams
+from mlxgate.models.tokenizer import ChatTokenizer
 
 # Claude Code sends a per-session block that would defeat prefix reuse; it carries no instructions.
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
-
-
-class InvalidRequest(ValueError):
-    pass
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    return {
-        "type": "error",
-        "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message},
-    }
-
-
-async def send_error(
-    send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    await send_json(send, status, error_body(status, message), extra_headers=headers)
 
 
 class _Lenient(BaseModel):
@@ -50,9 +23,18 @@ class _Lenient(BaseModel):
 
 
 class ContentBlock(BaseModel):
+    """Any content block; the fields of the types mlxgate understands are typed."""
+
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    tool_use_id: str | None = None
+    content: str | list[ContentBlock] | None = None
+    is_error: bool | None = None
+    tool_name: str | None = None
 
 
 class InputMessage(_Lenient):
@@ -65,11 +47,34 @@ class SystemBlock(_Lenient):
     text: str
 
 
-class MessagesRequest(_Lenient):
+class ToolSpec(_Lenient):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+    defer_loading: bool = False
+
+
+class ToolChoiceSpec(_Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+
+
+class ThinkingSpec(_Lenient):
+    type: str
+
+
+class _Conversation(_Lenient):
     model: str
     messages: list[InputMessage]
-    max_tokens: int = Field(ge=1)
     system: str | list[SystemBlock] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoiceSpec | None = None
+    thinking: ThinkingSpec | None = None
+
+
+class MessagesRequest(_Conversation):
+    max_tokens: int = Field(ge=1)
     stream: bool = False
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -77,10 +82,8 @@ class MessagesRequest(_Lenient):
     top_k: int | None = Field(default=None, ge=0)
 
 
-class CountTokensRequest(_Lenient):
-    model: str
-    messages: list[InputMessage]
-    system: str | list[SystemBlock] | None = None
+class CountTokensRequest(_Conversation):
+    pass
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -93,31 +96,84 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+        raise invalid(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
-        raise InvalidRequest("request body must be a JSON object")
+        raise invalid("request body must be a JSON object")
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
-        raise InvalidRequest(_validation_message(exc)) from None
+        raise invalid(_validation_message(exc)) from None
 
 
-def _text_of(content: str | list[ContentBlock], where: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts: list[str] = []
-    for i, block in enumerate(content):
+def _tool_result_text(block: ContentBlock) -> str:
+    if isinstance(block.content, str) or block.content is None:
+        text = block.content or ""
+    else:
+        parts = []
+        for inner in block.content:
+            if inner.type == "text":
+                parts.append(inner.text or "")
+            elif inner.type == "tool_reference":
+                parts.append(f"Tool loaded: {inner.tool_name}")
+            elif inner.type == "image":
+                raise invalid("tool_result images are not supported by this model")
+        text = "\n".join(parts)
+    return f"Error: {text}" if block.is_error else text
+
+
+def _convert_message(index: int, message: InputMessage) -> list[chat.Message]:
+    """One Anthropic message as chat-template turns (tool results become `tool` turns)."""
+    role = "user" if message.role == "system" else message.role  # Claude Code sends these
+    if isinstance(message.content, str):
+        return (
+            [{"role": role, "content": message.content}]
+            if message.content or role != "user"
+            else []
+        )
+    turns: list[chat.Message] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+
+    def flush_text() -> None:
+        if texts:
+            turns.append({"role": role, "content": "\n".join(texts)})
+            texts.clear()
+
+    for i, block in enumerate(message.content):
+        where = f"messages.{index}.content.{i}"
         if block.type == "text":
-            parts.append(block.text or "")
+            texts.append(block.text or "")
         elif block.type in ("thinking", "redacted_thinking"):
             continue  # earlier reasoning is not replayed into the prompt
-        elif block.type == "image":
-            raise InvalidRequest(f"{where}.content.{i}: images are not supported by this model")
-        else:
-            raise InvalidRequest(
-                f"{where}.content.{i}: content block type {block.type!r} is not supported"
+        elif block.type == "tool_use" and role == "assistant":
+            arguments = block.input if isinstance(block.input, dict) else {}
+            calls.append(
+                {
+                    "id": block.id,
+                    "type": "function",
+                    "function": {"name": block.name, "arguments": arguments},
+                }
             )
-    return "\n".join(parts)
+        elif block.type == "tool_result" and role == "user":
+            flush_text()
+            turns.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block.tool_use_id,
+                    "content": _tool_result_text(block),
+                }
+            )
+        elif block.type in ("image", "document"):
+            raise invalid(f"{where}: {block.type} input is not supported by this model")
+        else:
+            raise invalid(f"{where}: content block type {block.type!r} is not supported here")
+    if role == "assistant":
+        turn: chat.Message = {"role": "assistant", "content": "\n".join(texts)}
+        if calls:
+            turn["tool_calls"] = calls
+        return [turn]
+    flush_text()
+    return turns
 
 
 def _system_text(system: str | list[SystemBlock] | None) -> str:
@@ -125,43 +181,50 @@ def _system_text(system: str | list[SystemBlock] | None) -> str:
         return ""
     if isinstance(system, str):
         return system
-    blocks = [b.text for b in system if not b.text.startswith(BILLING_HEADER_PREFIX)]
-    return "\n\n".join(blocks)
+    return "\n\n".join(b.text for b in system if not b.text.startswith(BILLING_HEADER_PREFIX))
 
 
-def build_prompt(
-    tokenizer: ChatTokenizer, system: str | list[SystemBlock] | None, messages: list[InputMessage]
-) -> str:
-    """Render the conversation with the model's chat template.
-
-    `role: "system"` messages (Claude Code sends them inside `messages`) become user turns, then
-    consecutive same-role turns merge so any template sees a strict alternation. A trailing
-    assistant turn is a prefill: the reply continues it.
-    """
-    turns: list[dict[str, str]] = []
-    for i, message in enumerate(messages):
-        text = _text_of(message.content, f"messages.{i}")
-        role = "user" if message.role == "system" else message.role
-        if not text and message.role == "system":
+def _tools(request: _Conversation) -> list[chat.Tool]:
+    tools = []
+    for tool in request.tools or []:
+        # Deferred tools are loaded on demand by the client (ToolSearch); server tools
+        # (web_search and the like) have no schema for a local model to call.
+        if tool.defer_loading or tool.input_schema is None:
             continue
-        if turns and turns[-1]["role"] == role:
-            turns[-1]["content"] += "\n\n" + text
-        else:
-            turns.append({"role": role, "content": text})
-    prefill = ""
-    if turns and turns[-1]["role"] == "assistant":
-        prefill = turns.pop()["content"]
-    if not turns:
-        raise InvalidRequest("messages: at least one user message is required")
-    system_text = _system_text(system)
-    if system_text:
-        turns.insert(0, {"role": "system", "content": system_text})
+        function = {
+            "name": tool.name,
+            "description": tool.description or "",
+            "parameters": tool.input_schema,
+        }
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def render(
+    tokenizer: ChatTokenizer, fmt: chat.ChatFormat, request: _Conversation
+) -> tuple[chat.Prompt, bool]:
+    """The prompt for an Anthropic request, and whether tools were rendered into it."""
+    messages: list[chat.Message] = []
+    if system := _system_text(request.system):
+        messages.append({"role": "system", "content": system})
+    for index, message in enumerate(request.messages):
+        messages.extend(_convert_message(index, message))
+    tools = _tools(request)
+    choice = (
+        chat.ToolChoice(request.tool_choice.type, request.tool_choice.name)
+        if request.tool_choice
+        else None
+    )
+    thinking = None
+    if request.thinking is not None:
+        thinking = {"disabled": False, "enabled": True}.get(request.thinking.type)
     try:
-        return tokenizer.render(turns, add_generation_prompt=True) + prefill
-    except TemplateError as exc:
-        raise InvalidRequest(
-            f"the model's chat template rejected the conversation: {exc}"
-        ) from None
+        prompt = chat.render(
+            tokenizer, fmt, messages, tools=tools, tool_choice=choice, thinking=thinking
+        )
+    except chat.ConversationError as exc:
+        raise invalid(str(exc)) from None
+    return prompt, bool(tools) and (choice is None or choice.mode != "none")
 
 
 def _sampling(request: MessagesRequest, defaults: SamplingParams) -> SamplingParams:
@@ -173,18 +236,31 @@ def _sampling(request: MessagesRequest, defaults: SamplingParams) -> SamplingPar
 
 
 class AnthropicAPI:
-    def __init__(self, engine: Engine, model_name: str, default_sampling: SamplingParams) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        default_sampling: SamplingParams,
+        max_output_tokens: int | None = None,
+    ) -> None:
         self.engine = engine
+        self.max_output_tokens = max_output_tokens
         self.default_sampling = default_sampling
         self.tokenizer = engine.loaded.tokenizer
+        self.format = chat.ChatFormat.detect(self.tokenizer)
         self.model_name = model_name
-
-    def _prompt_ids(self, system: Any, messages: list[InputMessage]) -> list[int]:
-        return self.tokenizer.encode(build_prompt(self.tokenizer, system, messages))
 
     async def messages(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request: MessagesRequest = parse(MessagesRequest, body)
-        prompt_ids = self._prompt_ids(request.system, request.messages)
+        if self.max_output_tokens is not None and request.max_tokens > self.max_output_tokens:
+            # Exact wording: Claude Code parses M and retries with it.
+            limit = self.max_output_tokens
+            raise invalid(
+                f"max_tokens: {request.max_tokens} > {limit}, which is the maximum allowed number "
+                "of output tokens for this model"
+            )
+        prompt, with_tools = render(self.tokenizer, self.format, request)
+        prompt_ids = self.tokenizer.encode(prompt.text)
         generation = GenerationRequest(
             prompt_ids, request.max_tokens, _sampling(request, self.default_sampling)
         )
@@ -200,16 +276,12 @@ class AnthropicAPI:
                     cache_read_input_tokens=cached_tokens,
                     stop_sequences=request.stop_sequences or [],
                     stream=request.stream,
+                    markup=self.format.markup(with_tools),
+                    prefill=prompt.prefill,
                 ),
             )
-        except QueueFull as exc:
-            await send_error(
-                send, exc.status, str(exc), [(b"retry-after", str(exc.retry_after_s).encode())]
-            )
-            return
         except AdmissionError as exc:
-            await send_error(send, exc.status, str(exc))
-            return
+            raise ApiError.from_admission(exc, "anthropic") from None
         if request.stream:
             await send_event_stream(send, receive, reader)
             return
@@ -221,6 +293,5 @@ class AnthropicAPI:
 
     async def count_tokens(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request: CountTokensRequest = parse(CountTokensRequest, body)
-        await send_json(
-            send, 200, {"input_tokens": len(self._prompt_ids(request.system, request.messages))}
-        )
+        prompt, _ = render(self.tokenizer, self.format, request)
+        await send_json(send, 200, {"input_tokens": len(self.tokenizer.encode(prompt.text))})

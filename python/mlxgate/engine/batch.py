@@ -44,7 +44,7 @@ class DecodeBatch:
         self.stream_ids = np.concatenate([self.stream_ids, np.asarray(stream_ids, dtype=np.uint64)])
         self.remaining = np.concatenate([self.remaining, np.asarray(remaining, dtype=np.int64)])
         self.samplers.extend(samplers)
-        joined = mx.array(inputs, dtype=mx.uint32)
+        joined = mx.array(list(inputs), dtype=mx.uint32)
         self.inputs = joined if self.inputs is None else mx.concatenate([self.inputs, joined])
 
     def keep(self, rows: np.ndarray) -> None:

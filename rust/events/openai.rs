@@ -1,0 +1,524 @@
+//! OpenAI Chat Completions and legacy Completions: data-only SSE chunks ending in `[DONE]`, or one JSON body.
+
+use std::str::FromStr;
+
+use serde::Serialize;
+
+use super::{tool_call_id, Finish};
+use crate::error::CoreError;
+use crate::jsonscan::minify;
+use crate::sse::write_json;
+
+/// Which endpoint the stream answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompletionKind {
+    /// `/v1/chat/completions`: `chat.completion(.chunk)` objects.
+    Chat,
+    /// `/v1/completions`: `text_completion` objects; plain text only (markup is not parsed).
+    Completion,
+}
+
+impl FromStr for CompletionKind {
+    type Err = CoreError;
+
+    fn from_str(s: &str) -> Result<Self, CoreError> {
+        match s {
+            "chat" => Ok(Self::Chat),
+            "completion" => Ok(Self::Completion),
+            _ => Err(CoreError::UnknownCompletionKind(s.to_owned())),
+        }
+    }
+}
+
+/// What `open_openai` was given.
+#[derive(Debug, Clone)]
+pub struct OpenAiParams {
+    pub model: String,
+    pub completion_id: String,
+    pub created: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub stream: bool,
+    /// `stream_options.include_usage`: every chunk carries `"usage":null` and a last chunk with
+    /// empty `choices` carries the usage.
+    pub include_usage: bool,
+    pub kind: CompletionKind,
+}
+
+/// One stream's chunk framing (streaming) or its assembled message (not).
+#[derive(Debug)]
+pub struct OpenAiStream {
+    params: OpenAiParams,
+    /// `data: {"id":…,"object":…,"created":…,"model":…,` shared by every chunk.
+    head: Vec<u8>,
+    tool_calls: u32,
+    /// Non-streaming only: the message so far.
+    content: String,
+    reasoning: String,
+    calls: Vec<ToolCall>,
+}
+
+impl OpenAiStream {
+    pub fn new(params: OpenAiParams) -> Self {
+        let mut head = Vec::new();
+        if params.stream {
+            head.extend_from_slice(b"data: {\"id\":");
+            write_json(&mut head, &params.completion_id);
+            head.extend_from_slice(b",\"object\":\"");
+            head.extend_from_slice(match params.kind {
+                CompletionKind::Chat => b"chat.completion.chunk".as_slice(),
+                CompletionKind::Completion => b"text_completion".as_slice(),
+            });
+            head.extend_from_slice(b"\",\"created\":");
+            write_json(&mut head, &params.created);
+            head.extend_from_slice(b",\"model\":");
+            write_json(&mut head, &params.model);
+            head.push(b',');
+        }
+        Self {
+            params,
+            head,
+            tool_calls: 0,
+            content: String::new(),
+            reasoning: String::new(),
+            calls: Vec::new(),
+        }
+    }
+
+    pub fn supports_markup(&self) -> bool {
+        self.params.kind == CompletionKind::Chat
+    }
+
+    pub fn start(&mut self, out: &mut Vec<u8>) {
+        if self.params.stream && self.params.kind == CompletionKind::Chat {
+            self.chunk(out, None, |out| {
+                out.extend_from_slice(b"{\"role\":\"assistant\",\"content\":\"\"}");
+            });
+        }
+    }
+
+    /// An SSE comment: OpenAI clients skip it, proxies and idle timers see bytes.
+    pub fn ping(&mut self, out: &mut Vec<u8>) {
+        if self.params.stream {
+            out.extend_from_slice(b": keep-alive\n\n");
+        }
+    }
+
+    pub fn text(&mut self, text: &str, out: &mut Vec<u8>) {
+        if text.is_empty() {
+            return;
+        }
+        if !self.params.stream {
+            self.content.push_str(text);
+            return;
+        }
+        match self.params.kind {
+            CompletionKind::Chat => self.chunk(out, None, |out| {
+                out.extend_from_slice(b"{\"content\":");
+                write_json(out, text);
+                out.push(b'}');
+            }),
+            CompletionKind::Completion => self.chunk(out, None, |out| write_json(out, text)),
+        }
+    }
+
+    /// `reasoning_content`, as vLLM, SGLang and DeepSeek name it.
+    pub fn thinking(&mut self, text: &str, out: &mut Vec<u8>) {
+        if text.is_empty() || !self.supports_markup() {
+            return;
+        }
+        if !self.params.stream {
+            self.reasoning.push_str(text);
+            return;
+        }
+        self.chunk(out, None, |out| {
+            out.extend_from_slice(b"{\"reasoning_content\":");
+            write_json(out, text);
+            out.push(b'}');
+        });
+    }
+
+    pub fn tool_start(&mut self, name: &str, out: &mut Vec<u8>) {
+        if !self.supports_markup() {
+            return;
+        }
+        let index = self.tool_calls;
+        self.tool_calls += 1;
+        let mut id = String::with_capacity(29);
+        tool_call_id("call_", &self.params.completion_id, index, &mut id);
+        if !self.params.stream {
+            self.calls.push(ToolCall {
+                id,
+                kind: "function",
+                function: Function {
+                    name: name.to_owned(),
+                    arguments: String::new(),
+                },
+            });
+            return;
+        }
+        self.chunk(out, None, |out| {
+            out.extend_from_slice(b"{\"tool_calls\":[{\"index\":");
+            write_json(out, &index);
+            out.extend_from_slice(b",\"id\":");
+            write_json(out, &id);
+            out.extend_from_slice(b",\"type\":\"function\",\"function\":{\"name\":");
+            write_json(out, name);
+            out.extend_from_slice(b",\"arguments\":\"\"}}]}");
+        });
+    }
+
+    pub fn tool_args(&mut self, fragment: &str, out: &mut Vec<u8>) {
+        if fragment.is_empty() || self.tool_calls == 0 {
+            return;
+        }
+        if !self.params.stream {
+            if let Some(call) = self.calls.last_mut() {
+                call.function.arguments.push_str(fragment);
+            }
+            return;
+        }
+        let index = self.tool_calls - 1;
+        self.chunk(out, None, |out| {
+            out.extend_from_slice(b"{\"tool_calls\":[{\"index\":");
+            write_json(out, &index);
+            out.extend_from_slice(b",\"function\":{\"arguments\":");
+            write_json(out, fragment);
+            out.extend_from_slice(b"}}]}");
+        });
+    }
+
+    pub fn tool_end(&mut self, _out: &mut Vec<u8>) {}
+
+    pub fn finish(&mut self, finish: Finish<'_>, output_tokens: u64, out: &mut Vec<u8>) {
+        let finish_reason = match finish {
+            Finish::EndTurn | Finish::StopSequence(_) => "stop",
+            Finish::MaxTokens => "length",
+            Finish::ToolUse => "tool_calls",
+        };
+        let usage = Usage {
+            prompt_tokens: self.params.prompt_tokens,
+            completion_tokens: output_tokens,
+            total_tokens: self.params.prompt_tokens + output_tokens,
+            prompt_tokens_details: PromptDetails {
+                cached_tokens: self.params.cached_tokens,
+            },
+        };
+        if self.params.stream {
+            let empty: &[u8] = match self.params.kind {
+                CompletionKind::Chat => b"{}",
+                CompletionKind::Completion => b"\"\"",
+            };
+            self.chunk(out, Some(finish_reason), |out| out.extend_from_slice(empty));
+            if self.params.include_usage {
+                out.extend_from_slice(&self.head);
+                out.extend_from_slice(b"\"choices\":[],\"usage\":");
+                write_json(out, &usage);
+                out.extend_from_slice(b"}\n\n");
+            }
+            out.extend_from_slice(b"data: [DONE]\n\n");
+            return;
+        }
+        let (object, choice) = match self.params.kind {
+            CompletionKind::Chat => {
+                for call in &mut self.calls {
+                    let mut compact = String::with_capacity(call.function.arguments.len());
+                    minify(&call.function.arguments, &mut compact);
+                    call.function.arguments = compact;
+                }
+                let no_content = self.content.is_empty() && !self.calls.is_empty();
+                let choice = Choice::Chat {
+                    index: 0,
+                    message: Message {
+                        role: "assistant",
+                        content: (!no_content).then_some(self.content.as_str()),
+                        tool_calls: &self.calls,
+                        reasoning_content: (!self.reasoning.is_empty())
+                            .then_some(self.reasoning.as_str()),
+                    },
+                    logprobs: None,
+                    finish_reason,
+                };
+                ("chat.completion", choice)
+            }
+            CompletionKind::Completion => {
+                let choice = Choice::Completion {
+                    text: &self.content,
+                    index: 0,
+                    logprobs: None,
+                    finish_reason,
+                };
+                ("text_completion", choice)
+            }
+        };
+        let body = Body {
+            id: &self.params.completion_id,
+            object,
+            created: self.params.created,
+            model: &self.params.model,
+            choices: [choice],
+            usage,
+        };
+        write_json(out, &body);
+    }
+
+    /// Streaming: an error chunk, then `[DONE]`. Non-streaming: the error envelope as the body.
+    /// `error_type` is the Anthropic-style type the engine uses; OpenAI's types differ (see
+    /// [`openai_error_type`]).
+    pub fn error(&mut self, error_type: &str, message: &str, out: &mut Vec<u8>) {
+        let body = ErrorEnvelope {
+            error: ErrorBody {
+                message,
+                kind: openai_error_type(error_type),
+                param: None,
+                code: None,
+            },
+        };
+        if self.params.stream {
+            out.extend_from_slice(b"data: ");
+            write_json(out, &body);
+            out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+        } else {
+            write_json(out, &body);
+        }
+    }
+
+    /// One chunk with one choice: `delta` (chat) or `text` (completion) is what `body` writes.
+    fn chunk(
+        &self,
+        out: &mut Vec<u8>,
+        finish_reason: Option<&str>,
+        body: impl FnOnce(&mut Vec<u8>),
+    ) {
+        out.extend_from_slice(&self.head);
+        match self.params.kind {
+            CompletionKind::Chat => {
+                out.extend_from_slice(b"\"choices\":[{\"index\":0,\"delta\":");
+                body(out);
+            }
+            CompletionKind::Completion => {
+                out.extend_from_slice(b"\"choices\":[{\"text\":");
+                body(out);
+                out.extend_from_slice(b",\"index\":0");
+            }
+        }
+        out.extend_from_slice(b",\"logprobs\":null,\"finish_reason\":");
+        match finish_reason {
+            Some(reason) => {
+                out.push(b'"');
+                out.extend_from_slice(reason.as_bytes());
+                out.push(b'"');
+            }
+            None => out.extend_from_slice(b"null"),
+        }
+        out.extend_from_slice(b"}]");
+        if self.params.include_usage {
+            out.extend_from_slice(b",\"usage\":null");
+        }
+        out.extend_from_slice(b"}\n\n");
+    }
+}
+
+/// Anthropic error types (what the engine passes to `fail`) to OpenAI's: client errors keep
+/// their meaning, anything server-side (`api_error`, `overloaded_error`, unknown) is
+/// `server_error`.
+pub fn openai_error_type(anthropic: &str) -> &'static str {
+    match anthropic {
+        "invalid_request_error" | "not_found_error" | "request_too_large" => {
+            "invalid_request_error"
+        }
+        "authentication_error" => "authentication_error",
+        "permission_error" => "permission_error",
+        "rate_limit_error" => "rate_limit_error",
+        _ => "server_error",
+    }
+}
+
+// Field order below is the wire order of OpenAI's API.
+
+#[derive(Serialize)]
+struct Body<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [Choice<'a>; 1],
+    usage: Usage,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Choice<'a> {
+    Chat {
+        index: u32,
+        message: Message<'a>,
+        logprobs: Option<()>,
+        finish_reason: &'a str,
+    },
+    Completion {
+        text: &'a str,
+        index: u32,
+        logprobs: Option<()>,
+        finish_reason: &'a str,
+    },
+}
+
+#[derive(Serialize)]
+struct Message<'a> {
+    role: &'static str,
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    tool_calls: &'a [ToolCall],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
+}
+
+#[derive(Debug, Serialize)]
+struct ToolCall {
+    id: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: Function,
+}
+
+#[derive(Debug, Serialize)]
+struct Function {
+    name: String,
+    /// A JSON object as a string, as OpenAI sends it.
+    arguments: String,
+}
+
+#[derive(Serialize)]
+struct Usage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    total_tokens: u64,
+    prompt_tokens_details: PromptDetails,
+}
+
+#[derive(Serialize)]
+struct PromptDetails {
+    cached_tokens: u64,
+}
+
+#[derive(Serialize)]
+struct ErrorEnvelope<'a> {
+    error: ErrorBody<'a>,
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    param: Option<()>,
+    code: Option<()>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(stream: bool, include_usage: bool, kind: CompletionKind) -> OpenAiParams {
+        OpenAiParams {
+            model: "smol".into(),
+            completion_id: "chatcmpl-1".into(),
+            created: 1_700_000_000,
+            prompt_tokens: 5,
+            cached_tokens: 2,
+            stream,
+            include_usage,
+            kind,
+        }
+    }
+
+    fn frames(out: &[u8]) -> Vec<serde_json::Value> {
+        let text = std::str::from_utf8(out).unwrap();
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        text.split_terminator("\n\n")
+            .filter(|f| *f != "data: [DONE]")
+            .map(|f| serde_json::from_str(f.strip_prefix("data: ").unwrap()).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn chat_stream_with_usage() {
+        let mut s = OpenAiStream::new(params(true, true, CompletionKind::Chat));
+        let mut out = Vec::new();
+        s.start(&mut out);
+        s.text("Hi \"x\"", &mut out);
+        s.finish(Finish::MaxTokens, 3, &mut out);
+        let f = frames(&out);
+        assert_eq!(f.len(), 4);
+        assert_eq!(f[0]["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(f[1]["choices"][0]["delta"]["content"], "Hi \"x\"");
+        assert!(f[..3]
+            .iter()
+            .all(|c| c["usage"].is_null() && c.get("usage").is_some()));
+        assert_eq!(f[2]["choices"][0]["finish_reason"], "length");
+        assert_eq!(f[3]["choices"], serde_json::json!([]));
+        assert_eq!(f[3]["usage"]["total_tokens"], 8);
+        assert_eq!(f[3]["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+    }
+
+    #[test]
+    fn chat_nonstream_tool_calls_and_reasoning() {
+        let mut s = OpenAiStream::new(params(false, false, CompletionKind::Chat));
+        let mut out = Vec::new();
+        s.start(&mut out);
+        s.thinking("hmm", &mut out);
+        s.tool_start("f", &mut out);
+        s.tool_args("{\"a\": ", &mut out);
+        s.tool_args("\"b c\"}", &mut out);
+        s.tool_end(&mut out);
+        assert!(out.is_empty());
+        s.finish(Finish::ToolUse, 4, &mut out);
+        let body: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        let message = &body["choices"][0]["message"];
+        assert!(message["content"].is_null());
+        assert_eq!(message["reasoning_content"], "hmm");
+        assert_eq!(
+            message["tool_calls"][0]["function"]["arguments"],
+            "{\"a\":\"b c\"}"
+        );
+        assert!(message["tool_calls"][0]["id"]
+            .as_str()
+            .unwrap()
+            .starts_with("call_"));
+        assert_eq!(body["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[test]
+    fn errors_map_types() {
+        let mut s = OpenAiStream::new(params(false, false, CompletionKind::Chat));
+        let mut out = Vec::new();
+        s.error("overloaded_error", "Overloaded", &mut out);
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            "{\"error\":{\"message\":\"Overloaded\",\"type\":\"server_error\",\"param\":null,\"code\":null}}"
+        );
+        assert_eq!(
+            openai_error_type("invalid_request_error"),
+            "invalid_request_error"
+        );
+        assert_eq!(openai_error_type("api_error"), "server_error");
+    }
+
+    #[test]
+    fn completion_ignores_markup_pieces() {
+        let mut s = OpenAiStream::new(params(true, false, CompletionKind::Completion));
+        let mut out = Vec::new();
+        s.start(&mut out);
+        assert!(out.is_empty(), "no role chunk for completions");
+        s.thinking("x", &mut out);
+        s.tool_start("f", &mut out);
+        s.tool_args("{}", &mut out);
+        assert!(out.is_empty());
+        s.text("ab", &mut out);
+        s.finish(Finish::EndTurn, 1, &mut out);
+        let f = frames(&out);
+        assert_eq!(f[0]["choices"][0]["text"], "ab");
+        assert_eq!(f[1]["choices"][0]["finish_reason"], "stop");
+        assert_eq!(f[1]["object"], "text_completion");
+    }
+}

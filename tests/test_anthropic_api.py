@@ -1,0 +1,398 @@
+"""Anthropic Messages API, complete: tools, count_tokens, errors, Claude Code's request shapes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import pytest
+
+from conftest import RunningServer, start_server, stop_server
+
+BASH_TOOL = {
+    "name": "Bash",
+    "description": "Executes a bash command and returns its output.",
+    "input_schema": {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "properties": {
+            "command": {"type": "string", "description": "The command to run"},
+            "description": {"type": "string"},
+        },
+        "required": ["command"],
+        "additionalProperties": False,
+    },
+}
+DEFERRED_TOOL = {
+    "name": "DeferredToolPlaceholder",
+    "description": "Reserved placeholder; never call this tool.",
+    "input_schema": {"type": "object", "properties": {}},
+    "defer_loading": True,
+}
+
+
+@pytest.fixture
+def client(server: RunningServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="sk-local", max_retries=0)
+
+
+def test_forced_tool_call_streams_input_json_and_round_trips(client: anthropic.Anthropic) -> None:
+    question = {"role": "user", "content": "List the files in the current directory."}
+    with client.messages.stream(
+        model="claude-test",
+        max_tokens=256,
+        tools=[BASH_TOOL, DEFERRED_TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "tool", "name": "Bash"},
+        messages=[question],  # type: ignore[list-item]
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    fragments = [
+        e.delta.partial_json  # type: ignore[union-attr]
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"  # type: ignore[union-attr]
+    ]
+    assert len(fragments) > 1, "tool arguments stream in fragments as the model writes them"
+    tool_use = next(b for b in final.content if b.type == "tool_use")
+    assert tool_use.name == "Bash" and tool_use.id.startswith("toolu_")
+    assert json.loads("".join(fragments)) == tool_use.input
+    assert isinstance(tool_use.input, dict)
+    assert final.stop_reason == "tool_use"
+
+    follow_up = client.messages.create(
+        model="claude-test",
+        max_tokens=48,
+        tools=[BASH_TOOL],  # type: ignore[list-item]
+        messages=[
+            question,
+            {"role": "assistant", "content": final.content},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": tool_use.id,
+                        "content": "README.md\nsrc\n",
+                        "is_error": False,
+                    }
+                ],
+            },
+        ],  # type: ignore[list-item]
+    )
+    assert follow_up.stop_reason in ("end_turn", "tool_use", "max_tokens")
+    assert follow_up.content, "the next turn is answered"
+    assert follow_up.usage.cache_read_input_tokens > 0, "the first turn's prefix is reused"
+
+
+def test_count_tokens_equals_what_generation_reports(client: anthropic.Anthropic) -> None:
+    messages = [{"role": "user", "content": "Say something about tools."}]
+    counted = client.messages.count_tokens(
+        model="claude-test",
+        messages=messages,
+        tools=[BASH_TOOL],
+        system="Be brief.",  # type: ignore[list-item,arg-type]
+    ).input_tokens
+    usage = client.messages.create(
+        model="claude-test",
+        max_tokens=4,
+        messages=messages,
+        tools=[BASH_TOOL],
+        system="Be brief.",  # type: ignore[list-item,arg-type]
+    ).usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == counted
+    without_tools = client.messages.count_tokens(
+        model="claude-test", messages=messages
+    ).input_tokens  # type: ignore[arg-type]
+    assert counted > without_tools + 50  # the tool schema is in the prompt
+
+
+def test_claude_code_message_shapes_are_accepted(
+    client: anthropic.Anthropic, server: RunningServer
+) -> None:
+    """System messages inside `messages` (string, list, empty list), billing header, betas."""
+    body = {
+        "model": "claude-opus-5-5",
+        "max_tokens": 128000,
+        "stream": True,
+        "system": [
+            {
+                "type": "text",
+                "text": "x-anthropic-billing-header: cc_version=2.1.330.440; cc_entrypoint=sdk-cli;",  # noqa: E501
+            },
+            {"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "<system-reminder>\nx\n</system-reminder>\n"},
+                    {"type": "text", "text": "say hi"},
+                ],
+            },
+            {"role": "system", "content": [], "output_config": {"effort": "medium"}},
+            {"role": "system", "content": "# Environment\ncwd: /tmp"},
+        ],
+        "tools": [BASH_TOOL, DEFERRED_TOOL],
+        "metadata": {"user_id": "x"},
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "medium"},
+        "safeguards": [],
+    }
+    headers = {
+        "anthropic-beta": "claude-code-20250219,mid-conversation-tool-changes-2026-07-01",
+        "x-api-key": "k",
+    }
+    url = f"{server.url}/some/prefix/v1/messages?beta=true"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        seen = b""
+        for chunk in response.iter_raw():
+            seen += chunk
+            if b"content_block_delta" in seen or b"message_stop" in seen:
+                break  # max_tokens 128000 was clamped and accepted; no need to wait it out
+    assert seen.startswith(b"event: message_start")
+    # The billing header varies per session: it must not change the prompt.
+    other = json.loads(json.dumps(body))
+    other["system"][0]["text"] = (
+        "x-anthropic-billing-header: cc_version=2.1.330.930; cc_entrypoint=sdk-cli;"
+    )
+    other["messages"][2]["content"] = [{"type": "text", "text": "# Environment\ncwd: /tmp"}]
+    count = [
+        httpx.post(
+            f"{server.url}/v1/messages/count_tokens",
+            json={k: v for k, v in b.items() if k != "max_tokens"},
+        ).json()
+        for b in (body, other)
+    ]
+    assert count[0] == count[1]
+
+
+def test_tool_result_with_blocks_and_tool_reference(client: anthropic.Anthropic) -> None:
+    message = client.messages.create(
+        model="claude-test",
+        max_tokens=8,
+        tools=[BASH_TOOL],  # type: ignore[list-item]
+        messages=[
+            {"role": "user", "content": "Load the WebFetch tool."},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "I should search.", "signature": ""},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_1",
+                        "name": "ToolSearch",
+                        "input": {"query": "select:WebFetch"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [{"type": "tool_reference", "tool_name": "WebFetch"}],
+                    },
+                    {"type": "text", "text": "Tool loaded."},
+                ],
+            },
+        ],  # type: ignore[list-item]
+    )
+    assert message.usage.output_tokens >= 1
+
+
+def test_images_get_a_clear_400(client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(
+            model="claude-test",
+            max_tokens=8,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"},
+                        }
+                    ],
+                }
+            ],  # type: ignore[list-item]
+        )
+    assert "not supported" in str(caught.value)
+
+
+def test_not_found_and_request_too_large(
+    client: anthropic.Anthropic, server: RunningServer
+) -> None:
+    with pytest.raises(anthropic.NotFoundError):
+        client.get("/v1/no-such-route", cast_to=httpx.Response)
+    huge = {
+        "model": "m",
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "x" * (33 * 1024 * 1024)}],
+    }
+    with pytest.raises(anthropic.RequestTooLargeError):
+        client.messages.create(**huge)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(
+        tmp_path_factory.mktemp("strict"),
+        "--api-key", "sk-right",
+        "--max-queued", "1",
+        "--max-output-tokens", "4096",
+    )  # fmt: skip
+    yield running
+    stop_server(running)
+
+
+def test_auth_and_limits_raise_the_right_sdk_errors(strict_server: RunningServer) -> None:
+    wrong = anthropic.Anthropic(base_url=strict_server.url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        wrong.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    bearer = anthropic.Anthropic(
+        base_url=strict_server.url, auth_token="sk-right", api_key=None, max_retries=0
+    )
+    assert (
+        bearer.messages.create(
+            model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        ).content
+        is not None
+    )
+
+    right = anthropic.Anthropic(base_url=strict_server.url, api_key="sk-right", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as too_many:
+        right.messages.create(
+            model="m", max_tokens=128000, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    assert too_many.value.body["error"]["message"] == (  # type: ignore[index]
+        "max_tokens: 128000 > 4096, which is the maximum allowed number of output tokens "
+        "for this model"
+    )
+
+
+def test_overload_is_529_with_retry_after(strict_server: RunningServer) -> None:
+    long_prompt = {"role": "user", "content": "word " * 3000}
+    body = {"model": "m", "max_tokens": 4, "messages": [long_prompt], "stream": True}
+    sdk = anthropic.Anthropic(base_url=strict_server.url, api_key="sk-right", max_retries=0)
+    with httpx.Client(timeout=120) as http:
+        request = http.build_request(
+            "POST", f"{strict_server.url}/v1/messages", json=body, headers={"x-api-key": "sk-right"}
+        )
+        first = http.send(request, stream=True)  # admitted: it fills the one-request queue
+        assert first.status_code == 200
+        with pytest.raises(anthropic.OverloadedError) as caught:
+            sdk.messages.create(model="m", max_tokens=4, messages=[long_prompt])  # type: ignore[list-item]
+        first.close()
+    assert caught.value.status_code == 529
+    assert caught.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    assert int(caught.value.response.headers["retry-after"]) >= 1
+
+
+@pytest.fixture(scope="module")
+def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(tmp_path_factory.mktemp("limited"), "--max-per-client", "2")
+    yield running
+    stop_server(running)
+
+
+def test_rate_limit_per_client(limited_server: RunningServer) -> None:
+    # Long prompts keep both requests in flight (prefilling) while the third arrives.
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "word " * 1500}],
+    }
+    headers = {"x-api-key": "client-a"}
+    url = f"{limited_server.url}/v1/messages"
+    with httpx.Client(timeout=120) as http:
+        busy = [
+            http.send(
+                http.build_request("POST", url, json={**body, "stream": True}, headers=headers),
+                stream=True,
+            )
+            for _ in range(2)
+        ]
+        assert [r.status_code for r in busy] == [200, 200]
+        client = anthropic.Anthropic(base_url=limited_server.url, api_key="client-a", max_retries=0)
+        with pytest.raises(anthropic.RateLimitError) as caught:
+            client.messages.create(
+                model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+            )
+        assert caught.value.response.headers["retry-after"] == "1"
+        other = anthropic.Anthropic(base_url=limited_server.url, api_key="client-b", max_retries=0)
+        with other.messages.stream(
+            model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        ) as ok:
+            assert ok.get_final_message().usage.output_tokens >= 1  # another client is not limited
+        for response in busy:
+            response.close()
+
+
+def claude_code_path() -> Path:
+    import claude_agent_sdk
+
+    return Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"
+
+
+@pytest.fixture
+def claude(server: RunningServer, tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-type]
+    import os
+    import subprocess
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))},
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": server.url,
+        "ANTHROPIC_API_KEY": "sk-local",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "CLAUDE_CODE_MAX_RETRIES": "0",
+        # A stream the CLI could not use would otherwise be retried without streaming.
+        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
+    }
+
+    def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(claude_code_path()), *args],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+
+    yield run
+
+
+BARE = ["--bare", "--system-prompt", "You are a helpful assistant.", "--tools", "Bash"]
+
+
+def test_claude_code_bare_prompt_and_continue(claude, server: RunningServer) -> None:  # type: ignore[no-untyped-def]
+    first = claude(*BARE, "-p", "What is the capital of France?", "--output-format", "json")
+    assert first.returncode == 0, first.stdout + first.stderr
+    result = json.loads(first.stdout)
+    assert result["is_error"] is False and result["result"].strip()
+    assert result["usage"]["input_tokens"] > 300  # the Bash tool schema was rendered
+
+    second = claude(*BARE, "-c", "-p", "And of Germany?", "--output-format", "json")
+    assert second.returncode == 0, second.stdout + second.stderr
+    again = json.loads(second.stdout)
+    assert again["result"].strip()
+    assert again["usage"]["cache_read_input_tokens"] > 0
+
+
+def test_claude_code_default_request_is_too_long_for_8k(claude) -> None:  # type: ignore[no-untyped-def]
+    run = claude("-p", "say hi", timeout=120)
+    assert run.returncode == 1
+    assert "Prompt is too long" in run.stdout and "limit 8192" in run.stdout
