@@ -1,0 +1,120 @@
+"""Writes the embedded SmolLM2 model as an mlx-lm model directory, so mlx_lm.server can serve it.
+
+    .venv/bin/python benches/export_model.py [--out benches/.cache/smollm2-mlx] [--check]
+
+mlx_lm.server cannot read the GGUF that mlxgate ships; this exports the same float32 weights
+(dequantized by mlxgate's loader) with mlx-lm's parameter names. `--check` loads the result
+with mlx_lm and compares its greedy output with mlxgate's model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
+
+DEFAULT_DIR = Path(__file__).parent / ".cache" / "smollm2-mlx"
+CHECK_PROMPT = "What is the capital of France?"
+CHECK_TOKENS = 24
+
+
+def export(out: Path) -> Path:
+    """Write the model directory (idempotent: an existing complete export is kept)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlxgate.models import load
+
+    if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    loaded = load(None)
+    out.mkdir(parents=True, exist_ok=True)
+    args = loaded.model.args
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_hidden_layers,
+        "intermediate_size": args.intermediate_size,
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads,
+        "rms_norm_eps": args.rms_norm_eps,
+        "vocab_size": args.vocab_size,
+        "rope_theta": args.rope_theta,
+        "rope_traditional": True,  # the GGUF's q/k rows are permuted for interleaved rotary
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "max_position_embeddings": loaded.context_length,
+        "torch_dtype": "float32",
+    }
+    tok = loaded.tokenizer
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(tok.eos_ids)}))
+    tok.tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": tok.chat_template,
+        "bos_token": tok.bos_token or None,
+        "eos_token": tok.eos_token,
+        "pad_token": tok.eos_token,
+        "unk_token": tok.eos_token,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": loaded.context_length,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    weights = dict(tree_flatten(loaded.model.parameters()))
+    # Written last: its presence marks a complete export.
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return out
+
+
+def check(out: Path) -> bool:
+    """Greedy text from mlx_lm on the export equals mlxgate's on the GGUF."""
+    import mlx.core as mx
+    from mlx_lm import generate
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxgate.models import load
+
+    messages = [{"role": "user", "content": CHECK_PROMPT}]
+    ours = load(None)
+    ids = ours.tokenizer.encode(ours.tokenizer.render(messages))
+    tokens: list[int] = []
+    cache = make_prompt_cache(ours.model)
+    logits = ours.model(mx.array(ids)[None], cache=cache)[:, -1, :]
+    for _ in range(CHECK_TOKENS):
+        token = int(mx.argmax(logits, axis=-1).item())
+        if token in ours.tokenizer.eos_ids:
+            break
+        tokens.append(token)
+        logits = ours.model(mx.array([[token]]), cache=cache)[:, -1, :]
+    expected = ours.tokenizer.decode(tokens)
+
+    model, tokenizer = mlx_lm_load(str(out))[:2]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    got = generate(model, tokenizer, prompt, max_tokens=len(tokens))
+    same_prompt = list(prompt) == ids
+    print(f"prompt tokens equal: {same_prompt}")
+    print(f"mlxgate: {expected!r}")
+    print(f"mlx_lm:  {got!r}")
+    return same_prompt and got == expected
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--check", action="store_true", help="compare greedy output with mlx_lm")
+    args = parser.parse_args()
+    out = export(args.out)
+    print(out)
+    if args.check and not check(out):
+        sys.exit("mlx_lm's output on the export differs from mlxgate's")
+
+
+if __name__ == "__main__":
+    main()
