@@ -25,6 +25,7 @@ from mlxgate.api.http import (
     send_bytes,
     send_json,
 )
+from mlxgate.api.openai import OpenAIAPI
 from mlxgate.config import Config
 from mlxgate.engine import Engine, EngineSettings, SamplingParams
 from mlxgate.metrics import EngineCollector
@@ -50,9 +51,12 @@ class App:
             engine, self.model_name, default_sampling, config.max_output_tokens
         )
         # Longest suffix first: /v1/messages/count_tokens before /v1/messages.
+        self.openai = OpenAIAPI(engine, self.model_name, default_sampling)
         self.post_routes: list[tuple[str, Dialect, Handler]] = [
             ("/v1/messages/count_tokens", "anthropic", self.anthropic.count_tokens),
             ("/v1/messages", "anthropic", self.anthropic.messages),
+            ("/v1/chat/completions", "openai", self.openai.chat_completions),
+            ("/v1/completions", "openai", self.openai.completions),
         ]
         self._in_flight: collections.Counter[str] = collections.Counter()
         self.requests = Counter(
@@ -91,6 +95,8 @@ class App:
                 await send_bytes(send_tracked, 200, generate_latest(), CONTENT_TYPE_LATEST.encode())
             elif method == "GET" and path.endswith("/v1/models"):
                 await self._models(scope, send_tracked)
+            elif method == "GET" and "/v1/models/" in path:
+                await self.openai.model(scope, send_tracked, path.split("/v1/models/", 1)[1])
             else:
                 raise ApiError(404, f"{method} {scope['path']} is not a route of this server")
         except ApiError as exc:
@@ -115,11 +121,10 @@ class App:
             for route, dialect, handler in self.post_routes:
                 if path.endswith(route):
                     return route, dialect, handler
-        return (
-            path if path.endswith(("/health", "/metrics", "/v1/models")) else "other",
-            "anthropic",
-            None,
-        )
+        # Anything else: OpenAI's envelope where the path or the model lookup is OpenAI's.
+        openai_path = "/v1/models/" in path or "completions" in path or "embeddings" in path
+        route = path if path.endswith(("/health", "/metrics", "/v1/models")) else "other"
+        return route, "openai" if openai_path else "anthropic", None
 
     @contextlib.contextmanager
     def _client_slot(self, scope: Scope, route: str) -> Iterator[None]:

@@ -1,0 +1,175 @@
+"""OpenAI Chat Completions and Completions against the real server and model, via the openai SDK."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from conftest import RunningServer
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+BASH = {
+    "type": "function",
+    "function": {
+        "name": "Bash",
+        "description": "Executes a bash command and returns its output.",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string", "description": "The command to run"}},
+            "required": ["command"],
+        },
+    },
+}
+
+
+@pytest.fixture
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-local", max_retries=0)
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(model="local", messages=QUESTION, max_tokens=32)  # type: ignore[arg-type]
+    choice = completion.choices[0]
+    assert "Paris" in (choice.message.content or "")
+    assert choice.finish_reason == "stop" and choice.message.role == "assistant"
+    assert completion.model == "SmolLM2-135M-Instruct" and completion.id.startswith("chatcmpl-")
+    usage = completion.usage
+    assert usage is not None and usage.prompt_tokens > 10 and usage.completion_tokens > 1
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_streaming_with_usage_chunk(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model="local",
+            messages=QUESTION,  # type: ignore[arg-type]
+            max_tokens=32,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens > 1
+    # The prefix cache served the repeated prompt, and says so.
+    details = chunks[-1].usage.prompt_tokens_details
+    assert details is not None and (details.cached_tokens or 0) > 0
+
+
+def test_raw_stream_ends_with_done(server: RunningServer) -> None:
+    body = {"model": "m", "messages": QUESTION, "max_tokens": 8, "stream": True}
+    raw = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).text
+    frames = [f for f in raw.split("\n\n") if f]
+    assert all(f.startswith("data: ") for f in frames) and "event:" not in raw
+    assert frames[-1] == "data: [DONE]"
+
+
+def test_length_and_stop_sequences(client: openai.OpenAI) -> None:
+    short = client.chat.completions.create(
+        model="local", messages=QUESTION, max_completion_tokens=3
+    )  # type: ignore[arg-type]
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3  # type: ignore[union-attr]
+    full = (
+        client.chat.completions.create(model="local", messages=QUESTION, max_tokens=32)
+        .choices[0]
+        .message.content
+    )  # type: ignore[arg-type]
+    stopped = client.chat.completions.create(
+        model="local", messages=QUESTION, max_tokens=32, stop=["Paris"]
+    )  # type: ignore[arg-type]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert (full or "").startswith((stopped.choices[0].message.content or "").rstrip())
+    assert "Paris" not in (stopped.choices[0].message.content or "")
+
+
+def test_forced_tool_call_round_trip(client: openai.OpenAI) -> None:
+    question = {"role": "user", "content": "List the files in the current directory."}
+    stream = client.chat.completions.create(
+        model="local",
+        messages=[question],  # type: ignore[list-item]
+        tools=[BASH],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "Bash"}},
+        max_tokens=256,
+        stream=True,
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert calls[0].id and calls[0].id.startswith("call_") and calls[0].function.name == "Bash"  # type: ignore[union-attr]
+    fragments = [tc.function.arguments for tc in calls if tc.function and tc.function.arguments]
+    assert len(fragments) > 1, "arguments stream incrementally"
+    arguments = json.loads("".join(fragments))
+    assert isinstance(arguments, dict)
+    follow_up = client.chat.completions.create(
+        model="local",
+        messages=[
+            question,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": calls[0].id,
+                        "type": "function",
+                        "function": {"name": "Bash", "arguments": json.dumps(arguments)},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "README.md\nsrc\n"},
+        ],  # type: ignore[list-item]
+        tools=[BASH],  # type: ignore[list-item]
+        max_tokens=32,
+    )
+    assert follow_up.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_completions_endpoint(client: openai.OpenAI) -> None:
+    completion = client.completions.create(
+        model="local", prompt="The capital of France is", max_tokens=5
+    )
+    assert completion.object == "text_completion"
+    assert completion.choices[0].text and completion.usage.completion_tokens == 5  # type: ignore[union-attr]
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="local", prompt="One, two,", max_tokens=4, stream=True
+        )
+        if c.choices
+    )
+    assert streamed
+
+
+def test_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
+    assert client.models.retrieve("SmolLM2-135M-Instruct").id == "SmolLM2-135M-Instruct"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("nope")
+    assert caught.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
+def test_errors_use_the_openai_envelope(client: openai.OpenAI, server: RunningServer) -> None:
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(
+            model="local", messages=[{"role": "user", "content": "word " * 9000}], max_tokens=4
+        )
+    assert too_long.value.code == "context_length_exceeded"
+    assert "prompt is too long" in too_long.value.message
+    with pytest.raises(openai.BadRequestError) as n2:
+        client.chat.completions.create(model="local", messages=QUESTION, n=2)  # type: ignore[arg-type]
+    assert n2.value.param == "n"
+    bad = httpx.post(f"{server.url}/v1/chat/completions", content=b"{oops", timeout=10)
+    assert bad.status_code == 400 and set(bad.json()["error"]) == {
+        "message",
+        "type",
+        "param",
+        "code",
+    }
+    assert "type" not in bad.json() or bad.json().get("type") != "error"
