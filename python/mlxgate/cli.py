@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=defaults.step_token_budget,
         help="tokens one engine step may process, decode rows plus prefill; bounds how long a "
-        "long prompt can delay running streams (default %(default)s)",
+        "long prompt can delay running streams (default: adapt so a step with prefill takes at "
+        "most 3x a decode-only step)",
     )
     serve.add_argument(
         "--prefix-cache-mb",

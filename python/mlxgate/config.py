@@ -20,7 +20,7 @@ class Config:
     top_k: int = 0
     max_queued: int = 64
     max_running: int = 64
-    step_token_budget: int = 96
+    step_token_budget: int = 0  # 0: adaptive (see EngineSettings)
     prefix_cache_mb: int = 1024
     max_body_bytes: int = 32 * 1024 * 1024
     api_key: str | None = None  # None: no key is checked (loopback use)

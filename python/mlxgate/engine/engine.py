@@ -38,6 +38,10 @@ RUNNING, END_TURN, MAX_TOKENS = 0, 1, 2
 PING_INTERVAL_S = 10.0
 
 
+def _ema(previous: float | None, sample: float, weight: float = 0.2) -> float:
+    return sample if previous is None else previous + weight * (sample - previous)
+
+
 @dataclass(eq=False)
 class _Pending:
     """A sequence from admission until it joins the running batch."""
@@ -60,8 +64,10 @@ class _Pending:
 class EngineSettings:
     max_queued: int = 64
     max_running: int = 64
-    # Tokens one step may process (decode rows + prefill); bounds a step's latency.
-    step_token_budget: int = 96
+    # Tokens one step may process (decode rows + prefill). 0: adapt, so that a step carrying
+    # prefill takes at most `max_step_ratio` times a decode-only step (measured as it runs).
+    step_token_budget: int = 0
+    max_step_ratio: float = 3.0
     # With nothing decoding, nobody waits on a step: prefill in large chunks for throughput.
     idle_prefill_chunk: int = 512
     # Never prefill less than this per step, however many rows decode.
@@ -93,6 +99,9 @@ class Engine:
             and getattr(self._backbone, "swa_idx", None) is None
         )
         self._gone: set[int] = set()  # cancelled stream ids not yet dropped
+        # Measured as the engine runs: a decode step, and one prefilled token (seconds).
+        self._decode_s: float | None = None
+        self._prefill_token_s: float | None = None
         self._ids = itertools.count(1)
         self._incoming: deque[_Pending] = deque()
         self._wakeup = threading.Condition()
@@ -189,14 +198,13 @@ class Engine:
         decoding = len(self._batch)
         if decoding:
             self._decode()
+            self._decode_s = _ema(self._decode_s, time.perf_counter() - started)
         if self._waiting:
-            s = self.settings
-            budget = (
-                max(s.min_prefill_chunk, s.step_token_budget - decoding)
-                if decoding
-                else s.idle_prefill_chunk
-            )
-            self._prefill(budget)
+            prefill_started = time.perf_counter()
+            prefilled = self._prefill(self._prefill_budget(decoding))
+            if prefilled >= self.settings.min_prefill_chunk:
+                per_token = (time.perf_counter() - prefill_started) / prefilled
+                self._prefill_token_s = _ema(self._prefill_token_s, per_token)
         self._ping_waiting()
         elapsed = time.perf_counter() - started
         m = self.metrics
@@ -207,6 +215,18 @@ class Engine:
             if decoding:
                 m.step_s.append(elapsed)
         self._update_gauges()
+
+    def _prefill_budget(self, decoding: int) -> int:
+        """Prompt tokens this step may prefill without stalling the `decoding` streams too long."""
+        s = self.settings
+        if not decoding:
+            return s.idle_prefill_chunk  # nobody waits on this step: go for throughput
+        if s.step_token_budget:
+            return max(s.min_prefill_chunk, s.step_token_budget - decoding)
+        if self._decode_s is None or self._prefill_token_s is None:
+            return s.min_prefill_chunk
+        fits = (s.max_step_ratio - 1.0) * self._decode_s / self._prefill_token_s
+        return int(min(s.idle_prefill_chunk, max(s.min_prefill_chunk, fits)))
 
     def _update_gauges(self) -> None:
         self.metrics.queue_depth = len(self._waiting)
@@ -221,11 +241,13 @@ class Engine:
         if not gone:
             return
         self._gone = set()
-        self.metrics.requests_cancelled += len(gone)
+        waiting = len(self._waiting)
         self._waiting = deque(p for p in self._waiting if p.stream_id not in gone)
         rows = np.flatnonzero(~np.isin(self._batch.stream_ids, list(gone)))
-        if len(rows) < len(self._batch):
+        dropped_rows = len(self._batch) - len(rows)
+        if dropped_rows:
             self._batch.keep(rows)
+        self.metrics.requests_cancelled += waiting - len(self._waiting) + dropped_rows
 
     def _decode(self) -> None:
         batch = self._batch
@@ -240,20 +262,25 @@ class Engine:
             END_TURN,
             np.where(batch.remaining <= 0, MAX_TOKENS, RUNNING),
         ).astype(np.uint32)
+        # Take cancellations first, so the ids step() drops are the ones it ended itself.
+        cancelled = np.isin(batch.stream_ids, list(self._poll_cancelled()))
         dropped = self.router.step(batch.stream_ids, token_ids, codes)
         batch.inputs = tokens
         m = self.metrics
         m.decode_tokens += len(token_ids)
-        finished = codes != RUNNING
+        finished = (codes != RUNNING) & ~cancelled
         if dropped:
-            finished |= np.isin(batch.stream_ids, dropped)
-        if finished.any():
+            finished |= np.isin(batch.stream_ids, dropped) & ~cancelled
+        if finished.any() or cancelled.any():
             m.requests_finished += int(finished.sum())
-            batch.keep(np.flatnonzero(~finished))
+            m.requests_cancelled += int(cancelled.sum())
+            self._gone.difference_update(batch.stream_ids[cancelled].tolist())
+            batch.keep(np.flatnonzero(~(finished | cancelled)))
 
-    def _prefill(self, budget: int) -> None:
-        """Spend up to `budget` prompt tokens on waiting sequences, oldest first."""
+    def _prefill(self, budget: int) -> int:
+        """Prefill up to `budget` prompt tokens, oldest sequence first; returns how many."""
         admitted: list[_Pending] = []
+        spent = 0
         while (
             self._waiting
             and budget > 0
@@ -267,14 +294,16 @@ class Engine:
                 prompt = pending.request.prompt_ids
                 tokens = mx.array(prompt[pending.done : pending.done + chunk])[None]
                 if not self._forward_prompt(tokens, pending):
-                    return  # its client left mid-chunk; the next step drops it
+                    break  # its client left mid-chunk; the next step drops it
                 pending.done += chunk
                 budget -= chunk
+                spent += chunk
                 self.metrics.prefill_tokens += chunk
             if pending.todo == 0:
                 admitted.append(self._waiting.popleft())
         if admitted:
             self._join_batch(admitted)
+        return spent
 
     def _forward_prompt(self, tokens: mx.array, pending: _Pending) -> bool:
         """Add `tokens` to the pending sequence's KV cache; False if it was cancelled meanwhile."""
