@@ -17,18 +17,27 @@ import time
 
 
 def measure(tokens: int) -> dict[str, float | str]:
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    import mlxgate  # noqa: F401  (preloads OpenBLAS unless MLXGATE_NO_OPENBLAS is set)
+    # mlxgate first: importing it preloads OpenBLAS (unless MLXGATE_NO_OPENBLAS is set), which
+    # only works before mlx.core is imported.
     from mlxgate import blas
+
+    import mlx.core as mx  # isort: skip
+    from mlx_lm.models.cache import make_prompt_cache  # isort: skip
+
     from mlxgate.models import load
 
     loaded = load(None)
     tok = loaded.tokenizer
-    prompt = tok.encode(
-        tok.render([{"role": "user", "content": "Tell me about the history of Paris."}])
-    )
+    text = "Tell me about the history of Paris. " * 24
+    prompt = tok.encode(tok.render([{"role": "user", "content": text}]))
+
+    # Warm-up: MLX's CPU backend compiles its kernels on first use.
+    cache = make_prompt_cache(loaded.model)
+    logits = loaded.model(mx.array(prompt)[None], cache=cache)[:, -1, :]
+    for _ in range(8):
+        logits = loaded.model(mx.argmax(logits, axis=-1)[None], cache=cache)[:, -1, :]
+        mx.eval(logits)
+
     cache = make_prompt_cache(loaded.model)
     started = time.perf_counter()
     logits = loaded.model(mx.array(prompt)[None], cache=cache)[:, -1, :]
