@@ -61,7 +61,11 @@ def prompt_ids(engine: Engine, question: str) -> list[int]:
 
 
 def submit(
-    engine: Engine, ids: list[int], max_tokens: int, stop: list[str] | None = None
+    engine: Engine,
+    ids: list[int],
+    max_tokens: int,
+    stop: list[str] | None = None,
+    stream: bool = False,
 ) -> Reader:
     return engine.submit(
         GenerationRequest(ids, max_tokens),
@@ -72,7 +76,7 @@ def submit(
             input_tokens=len(ids) - cached,
             cache_read_input_tokens=cached,
             stop_sequences=stop or [],
-            stream=False,
+            stream=stream,
         ),
     )
 
@@ -232,3 +236,32 @@ def test_concurrent_prefix_sharing_does_not_cross_contaminate(engine: Engine) ->
     results = [body(reader) for reader in readers]
     assert [text(r) for r in results] == reference
     assert all(r["usage"]["cache_read_input_tokens"] > 0 for r in results)
+
+
+def test_a_reader_that_never_reads_is_cancelled_and_the_others_go_on(smollm: LoadedModel) -> None:
+    tok = smollm.tokenizer
+    vocab = Vocab.from_token_strings(tok.token_strings(), tok.vocab_kind, sorted(tok.special_ids))
+    engine = Engine(
+        smollm, Router(vocab, max_unread_bytes=512), EngineSettings(stall_timeout_s=0.5)
+    )
+    engine.start()
+    try:
+        story = prompt_ids(engine, "Write a very long story about a dragon.")
+        stalled = submit(engine, story, 2000, stream=True)  # never read until the end
+        slow = submit(engine, story, 60, stream=True)  # read now and then: it may lag, not stall
+        normal = submit(engine, prompt_ids(engine, QUESTIONS[0]), 24)
+        received = b""
+        while (data := slow.take()) is not None:
+            received += data
+            time.sleep(0.1)  # lags behind (frames coalesce) but keeps reading
+        assert "Paris" in text(body(normal))
+        assert received.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+        wait_until(lambda: engine.metrics.requests_cancelled >= 1, 60.0)
+        wait_until(lambda: engine.metrics.running == 0, 60.0)
+        frames = b""
+        while (data := stalled.take()) is not None:
+            frames += data
+        assert b"event: error" in frames and b"stopped reading" in frames
+        assert stalled.unread_bytes == 0
+    finally:
+        engine.stop()

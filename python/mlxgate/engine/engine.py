@@ -73,6 +73,9 @@ class EngineSettings:
     # Never prefill less than this per step, however many rows decode.
     min_prefill_chunk: int = 32
     prefix_cache_bytes: int = 1 << 30
+    # A reader may fall behind (its frames coalesce); one that stays over the router's unread
+    # bound this long has stopped reading, and its sequence is cancelled with an error event.
+    stall_timeout_s: float = 30.0
 
 
 class Engine:
@@ -102,6 +105,7 @@ class Engine:
         # Measured as the engine runs: a decode step, and one prefilled token (seconds).
         self._decode_s: float | None = None
         self._prefill_token_s: float | None = None
+        self._over_since: dict[int, float] = {}  # stream id -> when its reader fell over the bound
         self._ids = itertools.count(1)
         self._incoming: deque[_Pending] = deque()
         self._wakeup = threading.Condition()
@@ -206,6 +210,7 @@ class Engine:
                 per_token = (time.perf_counter() - prefill_started) / prefilled
                 self._prefill_token_s = _ema(self._prefill_token_s, per_token)
         self._ping_waiting()
+        self._cancel_stalled()
         elapsed = time.perf_counter() - started
         m = self.metrics
         with m.lock:
@@ -215,6 +220,25 @@ class Engine:
             if decoding:
                 m.step_s.append(elapsed)
         self._update_gauges()
+
+    def _cancel_stalled(self) -> None:
+        """The engine never waits for a reader: a stream unread past the stall timeout is ended."""
+        over = set(self.router.over_bound())
+        now = time.monotonic()
+        self._over_since = {sid: self._over_since.get(sid, now) for sid in over}
+        stalled = [
+            sid
+            for sid, since in self._over_since.items()
+            if now - since > self.settings.stall_timeout_s
+        ]
+        for stream_id in stalled:
+            log.warning("stream %d: client stopped reading; cancelling its generation", stream_id)
+            self.router.fail(stream_id, "overloaded_error", "the client stopped reading the stream")
+            del self._over_since[stream_id]
+        if stalled:
+            rows = np.flatnonzero(~np.isin(self._batch.stream_ids, stalled))
+            self.metrics.requests_cancelled += len(self._batch) - len(rows)
+            self._batch.keep(rows)
 
     def _prefill_budget(self, decoding: int) -> int:
         """Prompt tokens this step may prefill without stalling the `decoding` streams too long."""
