@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mlxgate import chat
 from mlxgate.api.errors import ApiError, invalid
-from mlxgate.api.http import Receive, Scope, Send, collect, send_bytes, send_event_stream, send_json
+from mlxgate.api.http import Receive, Scope, Send, respond, send_json
 from mlxgate.engine import AdmissionError, Engine, GenerationRequest, SamplingParams
 from mlxgate.models.tokenizer import ChatTokenizer
 
@@ -282,14 +282,7 @@ class AnthropicAPI:
             )
         except AdmissionError as exc:
             raise ApiError.from_admission(exc, "anthropic") from None
-        if request.stream:
-            await send_event_stream(send, receive, reader)
-            return
-        body_out = await collect(receive, reader)
-        if body_out is None:
-            return
-        status = 500 if body_out.startswith(b'{"type":"error"') else 200
-        await send_bytes(send, status, body_out)
+        await respond(send, receive, reader, stream=request.stream, error_prefix=b'{"type":"error"')
 
     async def count_tokens(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request: CountTokensRequest = parse(CountTokensRequest, body)

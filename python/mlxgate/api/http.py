@@ -116,6 +116,18 @@ async def send_event_stream(send: Send, receive: Receive, reader: Reader) -> Non
     await _unless_disconnected(receive, reader, _stream(send, reader))
 
 
+async def respond(
+    send: Send, receive: Receive, reader: Reader, *, stream: bool, error_prefix: bytes
+) -> None:
+    """Answer with the generation: SSE as it happens, or the whole body (500 if it is an error)."""
+    if stream:
+        await send_event_stream(send, receive, reader)
+        return
+    body = await collect(receive, reader)
+    if body is not None:
+        await send_bytes(send, 500 if body.startswith(error_prefix) else 200, body)
+
+
 async def _join(reader: Reader) -> bytes:
     return b"".join([data async for data in chunks(reader)])
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxgate import chat
 from mlxgate.api.anthropic import parse
 from mlxgate.api.errors import ApiError, invalid
-from mlxgate.api.http import Receive, Scope, Send, collect, send_bytes, send_event_stream, send_json
+from mlxgate.api.http import Receive, Scope, Send, respond, send_json
 from mlxgate.engine import AdmissionError, Engine, GenerationRequest, SamplingParams
 
 
@@ -260,12 +260,7 @@ class OpenAIAPI:
             )
         except AdmissionError as exc:
             raise ApiError.from_admission(exc, "openai") from None
-        if request.stream:
-            await send_event_stream(send, receive, reader)
-            return
-        body = await collect(receive, reader)
-        if body is not None:
-            await send_bytes(send, 500 if body.startswith(b'{"error"') else 200, body)
+        await respond(send, receive, reader, stream=request.stream, error_prefix=b'{"error"')
 
     async def model(self, scope: Scope, send: Send, model_id: str) -> None:
         if model_id != self.model_name:

@@ -128,9 +128,6 @@ class Engine:
         """Clamp `max_tokens` to what fits in the context after the prompt."""
         return max(1, min(requested, self.context_length - prompt_tokens))
 
-    def lookup_prefix(self, prompt_ids: list[int]) -> PrefixMatch | None:
-        return self.prefix_cache.lookup(prompt_ids)
-
     def submit(
         self,
         request: GenerationRequest,

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 @dataclass
 class EngineMetrics:
     queue_depth: int = 0
-    prefilling: int = 0
     running: int = 0
     steps: int = 0
     prefill_tokens: int = 0
@@ -35,7 +34,6 @@ class EngineMetrics:
 
         return {
             "queue_depth": self.queue_depth,
-            "prefilling": self.prefilling,
             "running": self.running,
             "steps": self.steps,
             "prefill_tokens": self.prefill_tokens,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,8 +80,3 @@ def load(spec: str | None, dtype: mx.Dtype = mx.float32) -> LoadedModel:
     raise FileNotFoundError(
         f"--model {spec!r}: not a .gguf file, a model directory or an org/repo id"
     )
-
-
-def model_config_summary(loaded: LoadedModel) -> str:
-    args = getattr(loaded.model, "args", None)
-    return json.dumps(getattr(args, "__dict__", {}), default=str)
