@@ -62,6 +62,11 @@ bench: env ## run the benchmarks (criterion and pytest-benchmark)
 	cargo bench --locked
 	$(VENV)/bin/pytest benches --benchmark-enable $(ARGS)
 
+.PHONY: bench-router
+bench-router: env ## one router step of 1/32/256 streams: Rust vs pure Python (pytest-benchmark)
+	$(VENV)/bin/pytest benches/test_router_bench.py --benchmark-enable \
+		--benchmark-columns=min,median,mean,stddev,rounds --benchmark-sort=name $(ARGS)
+
 .PHONY: clean
 clean: ## remove build outputs and environments
 	rm -rf $(VENV) $(TOOLS) target python/mlxgate/*.so

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from mlxgate.models.tokenizer import ChatTokenizer
 
 DEFAULT_DIR = Path(__file__).parent / ".cache" / "smollm2-mlx"
 CHECK_PROMPT = "What is the capital of France?"
@@ -49,8 +50,16 @@ def export(out: Path) -> Path:
         "max_position_embeddings": loaded.context_length,
         "torch_dtype": "float32",
     }
-    tok = loaded.tokenizer
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(loaded.tokenizer, out, loaded.context_length)
+    weights = dict(tree_flatten(loaded.model.parameters()))
+    # Written last: its presence marks a complete export.
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return out
+
+
+def write_tokenizer(tok: ChatTokenizer, out: Path, context_length: int) -> None:
+    """The tokenizer files of an mlx-lm / Hugging Face model directory."""
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(tok.eos_ids)}))
     tok.tokenizer.save(str(out / "tokenizer.json"))
     tokenizer_config = {
@@ -63,13 +72,9 @@ def export(out: Path) -> Path:
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": loaded.context_length,
+        "model_max_length": context_length,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    weights = dict(tree_flatten(loaded.model.parameters()))
-    # Written last: its presence marks a complete export.
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    return out
 
 
 def check(out: Path) -> bool:

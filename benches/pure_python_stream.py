@@ -1,0 +1,341 @@
+"""The best pure-Python stream path, the baseline the Rust router is measured against.
+
+Per stream: mlx-lm's streaming detokenizer (the one mlx-lm picks for the tokenizer), stop
+sequences matched across token boundaries with hold-back, Anthropic events encoded with orjson,
+SSE framing. Per step: one `loop.call_soon_threadsafe` hands every stream's frames to the event
+loop, which appends them to per-stream queues and wakes the readers waiting on them.
+
+`PyRouter` and `PyReader` have the interface of `mlxgate._native.Router` and `Reader` for
+streamed Anthropic messages (no OpenAI dialect, no non-streamed bodies, no thinking or tool-call
+markup), so the same app and engine run on either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+from export_model import write_tokenizer
+from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
+from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
+
+from mlxgate.models.tokenizer import ChatTokenizer
+
+# Router finish codes (see _native.pyi: Router.step).
+RUNNING, END_TURN, MAX_TOKENS = 0, 1, 2
+
+CONTEXT_LENGTH = 8192  # only written into tokenizer_config.json
+
+
+def mlx_lm_tokenizer(tokenizer: ChatTokenizer) -> TokenizerWrapper:
+    """mlx-lm's wrapper for this tokenizer, with the streaming detokenizer mlx-lm picks for it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer(tokenizer, Path(tmp), CONTEXT_LENGTH)
+        return load_mlx_lm_tokenizer(Path(tmp))
+
+
+def sse(event: str, payload: dict[str, Any]) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+TEXT_DELTA = b"event: content_block_delta\ndata: "
+PING = sse("ping", {"type": "ping"})
+BLOCK_START = sse(
+    "content_block_start",
+    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+)
+
+
+class StopMatcher:
+    """Finds stop sequences across token boundaries, holding back text that may begin one."""
+
+    def __init__(self, stop_sequences: Sequence[str]) -> None:
+        self.stops = [s for s in stop_sequences if s]
+        self.prefixes = {s[:k] for s in self.stops for k in range(1, len(s))}
+        self.longest_prefix = max((len(s) - 1 for s in self.stops), default=0)
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """The text safe to emit, and the stop sequence that ended the stream, if one did."""
+        if self.held:
+            text = self.held + text
+            self.held = ""
+        if not text or not self.stops:
+            return text, None
+        end, matched = len(text), None
+        for stop in self.stops:
+            at = text.find(stop)
+            if 0 <= at < end:
+                end, matched = at, stop
+        if matched is not None:
+            return text[:end], matched
+        for k in range(min(self.longest_prefix, len(text)), 0, -1):
+            if text[-k:] in self.prefixes:
+                self.held = text[-k:]
+                return text[:-k], None
+        return text, None
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+class PyReader:
+    """Consumer side of one stream; all of its state is touched on the event loop thread only."""
+
+    def __init__(self, stream_id: int, on_cancel: Callable[[int], None]) -> None:
+        self.stream_id = stream_id
+        self.cancelled = False
+        self._on_cancel = on_cancel
+        self._queue: list[bytes] = []
+        self._unread = 0
+        self._closed = False
+        self._wake: Callable[[], object] | None = None
+
+    def take(self) -> bytes | None:
+        if self._queue:
+            data = b"".join(self._queue) if len(self._queue) > 1 else self._queue[0]
+            self._queue = []
+            self._unread = 0
+            return data
+        return None if self._closed else b""
+
+    def park(self, wake: Callable[[], object]) -> bool:
+        if self._queue or self._closed:
+            return False
+        self._wake = wake
+        return True
+
+    def cancel(self) -> None:
+        if self._closed:
+            return
+        self.cancelled = self._closed = True
+        self._queue = []
+        self._unread = 0
+        self._on_cancel(self.stream_id)
+        self._wake_up()
+
+    @property
+    def unread_bytes(self) -> int:
+        return self._unread
+
+    def put(self, data: bytes, closed: bool) -> None:
+        if self._closed:
+            return
+        if data:
+            self._queue.append(data)
+            self._unread += len(data)
+        self._closed = closed
+        self._wake_up()
+
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            wake, self._wake = self._wake, None
+            wake()
+
+
+def _deliver(deliveries: Iterable[tuple[PyReader, bytes, bool]]) -> None:
+    """On the event loop: one step's frames into each stream's queue."""
+    for reader, data, closed in deliveries:
+        reader.put(data, closed)
+
+
+class _AnthropicStream:
+    """One streamed Anthropic message: tokens in, SSE frames out."""
+
+    def __init__(
+        self, reader: PyReader, detokenizer: StreamingDetokenizer, stop: StopMatcher
+    ) -> None:
+        self.reader = reader
+        self.detokenizer = detokenizer
+        self.stop = stop
+        self.output_tokens = 0
+        self.block_open = False
+        self.finished = False
+        self.stop_sequence: str | None = None
+
+    def step(self, token_id: int, finish_code: int) -> bytes:
+        self.output_tokens += 1
+        detokenizer = self.detokenizer
+        if finish_code != END_TURN:
+            detokenizer.add_token(token_id)
+        if finish_code != RUNNING:
+            detokenizer.finalize()
+        text, self.stop_sequence = self.stop.feed(detokenizer.last_segment)
+        frames = self._text_delta(text) if text else b""
+        if self.stop_sequence is not None:
+            return frames + self._finish("stop_sequence")
+        if finish_code == RUNNING:
+            return frames
+        if held := self.stop.flush():
+            frames += self._text_delta(held)
+        return frames + self._finish("end_turn" if finish_code == END_TURN else "max_tokens")
+
+    def _text_delta(self, text: str) -> bytes:
+        frame = (
+            TEXT_DELTA
+            + orjson.dumps(
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": text},
+                }
+            )
+            + b"\n\n"
+        )
+        if self.block_open:
+            return frame
+        self.block_open = True
+        return BLOCK_START + frame
+
+    def _finish(self, stop_reason: str) -> bytes:
+        self.finished = True
+        frames = b"" if self.block_open else BLOCK_START
+        return (
+            frames
+            + sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+            + sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": self.stop_sequence},
+                    "usage": {"output_tokens": self.output_tokens},
+                },
+            )
+            + sse("message_stop", {"type": "message_stop"})
+        )
+
+
+def _ints(values: Any) -> list[int]:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+class PyRouter:
+    """Per-stream state for every open stream, fed once per engine step (see Router)."""
+
+    def __init__(
+        self,
+        tokenizer: TokenizerWrapper,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        max_unread_bytes: int = 1 << 20,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_unread_bytes = max_unread_bytes
+        self._loop = loop
+        self._streams: dict[int, _AnthropicStream] = {}
+        # Appended to on the event loop thread, drained on the engine thread.
+        self._cancel_inbox: deque[int] = deque()
+
+    def open_anthropic(
+        self,
+        stream_id: int,
+        *,
+        model: str,
+        message_id: str,
+        input_tokens: int,
+        cache_read_input_tokens: int = 0,
+        stop_sequences: Sequence[str] = (),
+        stream: bool = True,
+        markup: object = None,
+        prefill: str = "",
+    ) -> PyReader:
+        """Called on the event loop thread, like the app does."""
+        if not stream:
+            raise NotImplementedError("the pure-Python path streams only")
+        if stream_id in self._streams:
+            raise ValueError(f"stream {stream_id} is already open")
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        reader = PyReader(stream_id, self._cancel_inbox.append)
+        message: dict[str, Any] = {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": input_tokens,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": cache_read_input_tokens,
+                "output_tokens": 0,
+            },
+        }
+        start = sse("message_start", {"type": "message_start", "message": message})
+        reader.put(start + PING, False)
+        detokenizer = self.tokenizer.detokenizer
+        self._streams[stream_id] = _AnthropicStream(
+            reader, detokenizer, StopMatcher(stop_sequences)
+        )
+        return reader
+
+    def open_openai(self, stream_id: int, **kwargs: Any) -> PyReader:
+        raise NotImplementedError("the pure-Python path speaks the Anthropic dialect only")
+
+    def step(self, stream_ids: Any, token_ids: Any, finish_codes: Any) -> list[int]:
+        """Called on the engine thread. Returns the ids ended by a stop sequence or a cancel."""
+        streams = self._streams
+        dropped: list[int] = []
+        deliveries: list[tuple[PyReader, bytes, bool]] = []
+        for stream_id, token_id, finish_code in zip(
+            _ints(stream_ids), _ints(token_ids), _ints(finish_codes), strict=True
+        ):
+            stream = streams.get(stream_id)
+            if stream is None:
+                continue
+            if stream.reader.cancelled:
+                del streams[stream_id]
+                dropped.append(stream_id)
+                continue
+            data = stream.step(token_id, finish_code)
+            if stream.finished:
+                del streams[stream_id]
+                if stream.stop_sequence is not None:
+                    dropped.append(stream_id)
+            if data:
+                deliveries.append((stream.reader, data, stream.finished))
+        if deliveries:
+            self._send(deliveries)
+        return dropped
+
+    def cancelled(self) -> list[int]:
+        gone = []
+        while self._cancel_inbox:
+            stream_id = self._cancel_inbox.popleft()
+            if self._streams.pop(stream_id, None) is not None:
+                gone.append(stream_id)
+        return gone
+
+    def fail(self, stream_id: int, error_type: str, message: str) -> None:
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None:
+            error = {"type": "error", "error": {"type": error_type, "message": message}}
+            self._send([(stream.reader, sse("error", error), True)])
+
+    def close(self, stream_id: int) -> None:
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None:
+            self._send([(stream.reader, b"", True)])
+
+    def ping(self, stream_id: int) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            self._send([(stream.reader, PING, False)])
+
+    def over_bound(self) -> list[int]:
+        streams = list(self._streams.items())
+        return sorted(i for i, s in streams if s.reader.unread_bytes > self.max_unread_bytes)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def _send(self, deliveries: list[tuple[PyReader, bytes, bool]]) -> None:
+        assert self._loop is not None, "no stream was opened"
+        self._loop.call_soon_threadsafe(_deliver, deliveries)
