@@ -67,6 +67,10 @@ bench-router: env ## one router step of 1/32/256 streams: Rust vs pure Python (p
 	$(VENV)/bin/pytest benches/test_router_bench.py --benchmark-enable \
 		--benchmark-columns=min,median,mean,stddev,rounds --benchmark-sort=name $(ARGS)
 
+.PHONY: bench-stream
+bench-stream: env ## 1,000 streaming clients on a fake engine: Rust router vs pure Python (events/s)
+	$(PY) benches/stream_server.py $(ARGS)
+
 .PHONY: clean
 clean: ## remove build outputs and environments
 	rm -rf $(VENV) $(TOOLS) target python/mlxgate/*.so
