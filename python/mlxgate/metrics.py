@@ -21,6 +21,7 @@ _GAUGES = {
 _COUNTERS = {
     "steps": "engine steps",
     "prefill_tokens": "prompt tokens computed",
+    "prefill_passes": "prefill forward passes (one may carry several prompts)",
     "decode_tokens": "tokens generated",
     "cache_hit_tokens": "prompt tokens reused from the prefix cache",
     "requests_finished": "requests that finished generating",

@@ -36,6 +36,8 @@ log = logging.getLogger("mlxgate.engine")
 # Router finish codes (see _native.pyi: Router.step).
 RUNNING, END_TURN, MAX_TOKENS = 0, 1, 2
 PING_INTERVAL_S = 10.0
+# Prompts prefilled in one batched forward pass at most.
+MAX_GROUP_ROWS = 32
 
 
 def _ema(previous: float | None, sample: float, weight: float = 0.2) -> float:
@@ -60,12 +62,33 @@ class _Pending:
         return len(self.request.prompt_ids) - 1 - self.done
 
 
+@dataclass(eq=False)
+class _PromptGroup:
+    """Whole prompts prefilled together, one row each of a batched KV cache."""
+
+    rows: list[_Pending]
+    tokens: np.ndarray  # [rows, columns]: the uncached rest of each prompt, right-padded
+    caches: list[BatchKVCache]  # per layer
+
+
+def _row_cache(batched: BatchKVCache, row: int, length: int) -> KVCache:
+    """A copy of one row's last `length` keys/values, its padding left out."""
+    assert batched.keys is not None and batched.values is not None
+    end = batched.size()
+    cache = KVCache()
+    cache.keys = mx.contiguous(batched.keys[row : row + 1, :, end - length : end])
+    cache.values = mx.contiguous(batched.values[row : row + 1, :, end - length : end])
+    cache.offset = length
+    return cache
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     max_queued: int = 64
     max_running: int = 64
     # Tokens one step may process (decode rows + prefill). 0: adapt, so that a step carrying
-    # prefill takes at most `max_step_ratio` times a decode-only step (measured as it runs).
+    # prefill takes at most `max_step_ratio` times a decode-only step (measured as it runs),
+    # stretched by waiting prompts / decoding streams when more wait than decode.
     step_token_budget: int = 0
     max_step_ratio: float = 3.0
     # With nothing decoding, nobody waits on a step: prefill in large chunks for throughput.
@@ -247,6 +270,8 @@ class Engine:
         if self._decode_s is None or self._prefill_token_s is None:
             return s.min_prefill_chunk
         fits = (s.max_step_ratio - 1.0) * self._decode_s / self._prefill_token_s
+        # More prompts waiting than streams decoding: the waiting clients get the larger share.
+        fits *= max(1.0, len(self._waiting) / decoding)
         return int(min(s.idle_prefill_chunk, max(s.min_prefill_chunk, fits)))
 
     def _update_gauges(self) -> None:
@@ -301,30 +326,103 @@ class Engine:
     def _prefill(self, budget: int) -> int:
         """Prefill up to `budget` prompt tokens, oldest sequence first; returns how many."""
         admitted: list[_Pending] = []
+        groups: list[_PromptGroup] = []
         spent = 0
-        while (
-            self._waiting
-            and budget > 0
-            and len(self._batch) + len(admitted) < self.settings.max_running
-        ):
+        while self._waiting and budget > 0:
+            room = self.settings.max_running - len(self._batch) - len(admitted)
+            room -= sum(len(g.rows) for g in groups)
+            if room <= 0:
+                break
+            group = self._whole_prompts(budget, room)
+            if group is not None:
+                # Several short prompts that fit this step: one forward pass for all of them.
+                for _ in group.rows:
+                    self._waiting.popleft()
+                self.metrics.prefill_tokens += sum(p.todo for p in group.rows)
+                self.metrics.prefill_passes += 1
+                if self._forward_group(group):
+                    groups.append(group)
+                else:
+                    self.metrics.requests_cancelled += len(group.rows)
+                budget -= group.tokens.size  # padding included: it is work all the same
+                spent += group.tokens.size
+                continue
             pending = self._waiting[0]
             if pending.caches is None:
                 self._start_prefill(pending)
             chunk = min(budget, pending.todo)
             if chunk > 0:
                 prompt = pending.request.prompt_ids
-                tokens = mx.array(prompt[pending.done : pending.done + chunk])[None]
-                if not self._forward_prompt(tokens, pending):
+                tokens_in = mx.array(prompt[pending.done : pending.done + chunk])[None]
+                if not self._forward_prompt(tokens_in, pending):
                     break  # its client left mid-chunk; the next step drops it
                 pending.done += chunk
                 budget -= chunk
                 spent += chunk
                 self.metrics.prefill_tokens += chunk
+                self.metrics.prefill_passes += 1
             if pending.todo == 0:
                 admitted.append(self._waiting.popleft())
         if admitted:
             self._join_batch(admitted)
+        for group in groups:
+            self._join_group(group)
         return spent
+
+    def _whole_prompts(self, budget: int, room: int) -> _PromptGroup | None:
+        """Two or more not yet started prompts at the head of the queue that fit `budget` together.
+
+        Each row is the prompt's cached prefix (if any) followed by the rest of the prompt,
+        right-padded to the longest rest; a prompt joins only while padding stays under a quarter
+        of the work.
+        """
+        rests: list[int] = []
+        for pending in itertools.islice(self._waiting, min(room, MAX_GROUP_ROWS)):
+            if pending.caches is not None:
+                break  # a long prompt already being prefilled chunk by chunk
+            rest = pending.todo - (pending.match.length if pending.match else 0)
+            if rest == 0:
+                break
+            padded = max(rest, *rests, 0) * (len(rests) + 1)
+            if padded > budget or padded > 1.25 * (sum(rests) + rest):
+                break
+            rests.append(rest)
+        if len(rests) < 2:
+            return None
+        rows = list(itertools.islice(self._waiting, len(rests)))
+        for pending in rows:
+            self._start_prefill(pending)
+        width = max(rests)
+        tokens = np.zeros((len(rows), width), dtype=np.uint32)
+        for row, pending in enumerate(rows):
+            tokens[row, : rests[row]] = pending.request.prompt_ids[pending.done : -1]
+        caches = []
+        for layer in range(self._num_layers):
+            cache = BatchKVCache.merge([p.caches[layer] for p in rows])  # type: ignore[index]
+            cache.prepare(right_padding=[width - rest for rest in rests])
+            caches.append(cache)
+        return _PromptGroup(rows, tokens, caches)
+
+    def _forward_group(self, group: _PromptGroup) -> bool:
+        """Prefill a group's prompts together; False if every one of its clients left meanwhile."""
+        tokens = mx.array(group.tokens)
+        ids = {p.stream_id for p in group.rows}
+        if not self._layerwise:
+            self._backbone(tokens, cache=group.caches)
+        else:
+            backbone = self._backbone
+            hidden = backbone.embed_tokens(tokens)
+            mask = create_attention_mask(hidden, group.caches[0])
+            for layer, cache in zip(backbone.layers, group.caches, strict=True):
+                hidden = layer(hidden, mask, cache=cache)
+                mx.eval(hidden)
+                if ids <= self._poll_cancelled():
+                    return False
+        # The right padding moves to the left, where the decode batch expects it.
+        for cache in group.caches:
+            cache.finalize()
+        mx.eval([c.state[:4] for c in group.caches])
+        return True
 
     def _forward_prompt(self, tokens: mx.array, pending: _Pending) -> bool:
         """Add `tokens` to the pending sequence's KV cache; False if it was cancelled meanwhile."""
@@ -354,22 +452,32 @@ class Engine:
             pending.caches = [KVCache() for _ in range(self._num_layers)]
 
     def _join_batch(self, admitted: list[_Pending]) -> None:
-        now = time.monotonic()
         for pending in admitted:
             assert pending.caches is not None
             self.prefix_cache.store(pending.request.prompt_ids[: pending.done], pending.caches)
-            with self.metrics.lock:
-                self.metrics.ttft_s.append(now - pending.submitted_at)
         caches = [
             BatchKVCache.merge([p.caches[layer] for p in admitted])  # type: ignore[index]
             for layer in range(self._num_layers)
         ]
+        self._add_rows(admitted, caches)
+
+    def _join_group(self, group: _PromptGroup) -> None:
+        for row, pending in enumerate(group.rows):
+            prefix = pending.request.prompt_ids[:-1]
+            own = [_row_cache(cache, row, len(prefix)) for cache in group.caches]
+            self.prefix_cache.store(prefix, own)
+        self._add_rows(group.rows, group.caches)
+
+    def _add_rows(self, joining: list[_Pending], caches: list[BatchKVCache]) -> None:
+        now = time.monotonic()
+        with self.metrics.lock:
+            self.metrics.ttft_s.extend(now - p.submitted_at for p in joining)
         self._batch.add(
             caches,
-            [p.stream_id for p in admitted],
-            [p.request.max_tokens for p in admitted],
-            [Sampler(p.request.sampling) for p in admitted],
-            [p.request.prompt_ids[-1] for p in admitted],
+            [p.stream_id for p in joining],
+            [p.request.max_tokens for p in joining],
+            [Sampler(p.request.sampling) for p in joining],
+            [p.request.prompt_ids[-1] for p in joining],
         )
 
     def _ping_waiting(self) -> None:

@@ -13,6 +13,7 @@ class EngineMetrics:
     running: int = 0
     steps: int = 0
     prefill_tokens: int = 0
+    prefill_passes: int = 0  # forward passes; one may carry several prompts
     decode_tokens: int = 0
     cache_hit_tokens: int = 0
     requests_finished: int = 0
@@ -37,6 +38,7 @@ class EngineMetrics:
             "running": self.running,
             "steps": self.steps,
             "prefill_tokens": self.prefill_tokens,
+            "prefill_passes": self.prefill_passes,
             "decode_tokens": self.decode_tokens,
             "cache_hit_tokens": self.cache_hit_tokens,
             "requests_finished": self.requests_finished,
