@@ -3,7 +3,8 @@
 Per stream: mlx-lm's streaming detokenizer (the one mlx-lm picks for the tokenizer), stop
 sequences matched across token boundaries with hold-back, Anthropic events encoded with orjson,
 SSE framing. Per step: one `loop.call_soon_threadsafe` hands every stream's frames to the event
-loop, which appends them to per-stream queues and wakes the readers waiting on them.
+loop, which appends them to per-stream queues and wakes the readers waiting on them (one
+`wake_all` call per loop, as the Rust router does).
 
 `PyRouter` and `PyReader` have the interface of `mlxgate._native.Router` and `Reader` for
 streamed Anthropic messages (no OpenAI dialect, no non-streamed bodies, no thinking or tool-call
@@ -30,6 +31,8 @@ from mlxgate.models.tokenizer import ChatTokenizer
 RUNNING, END_TURN, MAX_TOKENS = 0, 1, 2
 
 CONTEXT_LENGTH = 8192  # only written into tokenizer_config.json
+
+WakeAll = Callable[[list[Any]], object]  # see Reader.park
 
 
 def mlx_lm_tokenizer(tokenizer: ChatTokenizer) -> TokenizerWrapper:
@@ -95,7 +98,7 @@ class PyReader:
         self._queue: list[bytes] = []
         self._unread = 0
         self._closed = False
-        self._wake: Callable[[], object] | None = None
+        self._parked: tuple[object, WakeAll] | None = None
 
     def take(self) -> bytes | None:
         if self._queue:
@@ -105,10 +108,10 @@ class PyReader:
             return data
         return None if self._closed else b""
 
-    def park(self, wake: Callable[[], object]) -> bool:
+    def park(self, waiter: object, wake_all: WakeAll) -> bool:
         if self._queue or self._closed:
             return False
-        self._wake = wake
+        self._parked = (waiter, wake_all)
         return True
 
     def cancel(self) -> None:
@@ -118,31 +121,40 @@ class PyReader:
         self._queue = []
         self._unread = 0
         self._on_cancel(self.stream_id)
-        self._wake_up()
+        if parked := self._unpark():
+            waiter, wake_all = parked
+            wake_all([waiter])
 
     @property
     def unread_bytes(self) -> int:
         return self._unread
 
-    def put(self, data: bytes, closed: bool) -> None:
+    def put(self, data: bytes, closed: bool) -> tuple[object, WakeAll] | None:
+        """Queue `data`; returns what the reader parked, for the caller to wake."""
         if self._closed:
-            return
+            return None
         if data:
             self._queue.append(data)
             self._unread += len(data)
         self._closed = closed
-        self._wake_up()
+        return self._unpark()
 
-    def _wake_up(self) -> None:
-        if self._wake is not None:
-            wake, self._wake = self._wake, None
-            wake()
+    def _unpark(self) -> tuple[object, WakeAll] | None:
+        parked, self._parked = self._parked, None
+        return parked
 
 
 def _deliver(deliveries: Iterable[tuple[PyReader, bytes, bool]]) -> None:
-    """On the event loop: one step's frames into each stream's queue."""
+    """On the event loop: one step's frames into each stream's queue, then one call per wake_all
+    with the waiters of every reader parked with it."""
+    woken: dict[WakeAll, list[object]] = {}
     for reader, data, closed in deliveries:
-        reader.put(data, closed)
+        parked = reader.put(data, closed)
+        if parked is not None:
+            waiter, wake_all = parked
+            woken.setdefault(wake_all, []).append(waiter)
+    for wake_all, waiters in woken.items():
+        wake_all(waiters)
 
 
 class _AnthropicStream:

@@ -7,10 +7,10 @@ finish codes) for streams past message_start that are streaming text deltas. The
 call is what is timed; between rounds the event loop delivers, and every reader takes its frames.
 
 Two reader states, both common under load. `waiting`: every reader is parked, like an asyncio
-task awaiting its next frame; the Rust router wakes each one itself (one `call_soon_threadsafe`
-per stream, as `mlxgate.streams` parks them), the Python path hands the whole step to the loop
-with one `call_soon_threadsafe` (its per-stream wakes run on the loop, untimed). `behind`: no
-reader is parked (each still has frames to send), so frames only queue.
+task awaiting its next frame, with its loop's one `wake_all` (as `mlxgate.streams` parks them);
+the Rust router wakes them all with one `call_soon_threadsafe`, the Python path hands the whole
+step to the loop with one `call_soon_threadsafe` (its wakes run on the loop, untimed). `behind`:
+no reader is parked (each still has frames to send), so frames only queue.
 """
 
 from __future__ import annotations
@@ -27,16 +27,12 @@ from pure_python_stream import MAX_TOKENS, PyRouter, mlx_lm_tokenizer
 from stream_workload import GENERATED_TEXT, STOP_SEQUENCES, Workload, load_workload
 
 from mlxgate._native import Router
+from mlxgate.streams import wake_all_for
 
 STREAM_COUNTS = [1, 32, 256]
 PATHS = ["rust", "python"]
 WARMUP_STEPS = 8  # past message_start, ping and content_block_start
 ROUNDS = 300  # mlx-lm's detokenizer keeps each stream's whole text: stay near a real length
-
-
-def _resolve(future: asyncio.Future[None]) -> None:  # as in mlxgate.streams
-    if not future.done():
-        future.set_result(None)
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +72,7 @@ class OpenStreams:
         self.router = router
         self.workload = workload
         self.loop = loop
+        self.wake_all = wake_all_for(loop)
         self.stream_ids = np.arange(1, count + 1, dtype=np.uint32)
         # Apart in the text, so one step mixes words, spaces, newlines and partial characters.
         self.positions = self.stream_ids.astype(np.int64) * 37
@@ -107,8 +104,7 @@ class OpenStreams:
         """Drain, park every reader again (unless `park` is False); the next step's arrays."""
         self.drain()
         for reader in self.readers if park else ():
-            future = self.loop.create_future()
-            reader.park(functools.partial(self.loop.call_soon_threadsafe, _resolve, future))
+            reader.park(self.loop.create_future(), self.wake_all)
         tokens = self.workload.tokens_at(self.positions)
         self.positions += 1
         codes = self.running if finish_codes is None else finish_codes

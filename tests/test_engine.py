@@ -91,7 +91,7 @@ def body(reader: Reader, timeout_s: float = 120.0) -> dict[str, Any]:
         if data:
             return orjson.loads(data)  # type: ignore[no-any-return]
         ready.clear()
-        if reader.park(ready.set):
+        if reader.park(ready, lambda _: ready.set()):
             ready.wait(deadline - time.monotonic())
     raise TimeoutError("no body")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import functools
 import json
 import sys
 import threading
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 
 from mlxgate._native import Markup, NativeError, Reader, Router, Vocab
+from mlxgate.streams import chunks
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 INPUTS = sorted(p for p in FIXTURES.glob("*.json") if not p.name.endswith(".body.json"))
@@ -309,48 +309,94 @@ def test_non_streaming_body_only_at_end_then_eof() -> None:
     assert reader.take() is None
 
 
+class Woken:
+    """A wake_all that records each call's waiters."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[Any]] = []
+
+    def __call__(self, waiters: list[Any]) -> None:
+        self.calls.append(waiters)
+
+
 def test_park_semantics() -> None:
     router = Router(text_vocab())
     reader = open_text(router, 1)
-    calls: list[str] = []
-    assert reader.park(lambda: calls.append("early")) is False, "message_start is pending"
+    woken = Woken()
+    assert reader.park("early", woken) is False, "message_start is pending"
     assert reader.unread_bytes > 0
     assert reader.take()
     assert reader.unread_bytes == 0
-    assert reader.park(lambda: calls.append("first")) is True
-    assert reader.park(lambda: calls.append("second")) is True
+    assert reader.park("first", woken) is True
+    assert reader.park("second", woken) is True
     router.step([1], [3], [0])  # half an emoji: nothing to send, no wake
-    assert calls == []
+    assert woken.calls == []
     router.step([1], [4], [0])
-    assert calls == ["second"]
+    assert woken.calls == [["second"]]
     router.step([1], [1], [0])
-    assert calls == ["second"], "woken once, then cleared"
+    assert woken.calls == [["second"]], "woken once, then cleared"
     assert reader.take()
-    assert reader.park(lambda: calls.append("close")) is True
+    assert reader.park("close", woken) is True
     router.step([1], [0], [1])
-    assert calls == ["second", "close"]
-    assert reader.park(lambda: calls.append("never")) is False
+    assert woken.calls == [["second"], ["close"]]
+    assert reader.park("never", woken) is False
     assert reader.take()
     assert reader.take() is None
-    assert reader.park(lambda: calls.append("never")) is False
+    assert reader.park("never", woken) is False
     with pytest.raises(TypeError):
-        reader.park(3)  # type: ignore[arg-type]
+        reader.park("waiter", 3)  # type: ignore[arg-type]
 
 
-def test_failing_waker_does_not_break_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_step_wakes_each_wake_all_once() -> None:
+    router = Router(text_vocab())
+    readers = [open_text(router, sid) for sid in range(1, 9)]
+    loop_a, loop_b = Woken(), Woken()
+    for sid, reader in enumerate(readers, start=1):
+        reader.take()
+        assert reader.park(f"w{sid}", loop_a if sid <= 6 else loop_b)
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    router.step(ids, [1] * 8, [0] * 8)
+    assert loop_a.calls == [["w1", "w2", "w3", "w4", "w5", "w6"]]
+    assert loop_b.calls == [["w7", "w8"]]
+    router.step(ids, [1] * 8, [0] * 8)
+    assert len(loop_a.calls) == 1 and len(loop_b.calls) == 1, "nobody parked again"
+
+
+def test_fail_close_ping_and_cancel_wake_their_reader() -> None:
+    router = Router(text_vocab())
+    readers = {sid: open_text(router, sid) for sid in (1, 2, 3, 4)}
+    woken = Woken()
+    for sid, reader in readers.items():
+        reader.take()
+        assert reader.park(sid, woken)
+    router.ping(1)
+    router.fail(2, "api_error", "boom")
+    router.close(3)
+    readers[4].cancel()
+    assert woken.calls == [[1], [2], [3], [4]]
+    router.ping(1)
+    router.close(3)
+    assert len(woken.calls) == 4, "woken once each"
+
+
+def test_failing_wake_all_does_not_break_step(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[BaseException | None] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
     router = Router(text_vocab())
-    reader = open_text(router, 1)
-    reader.take()
+    failing, working = open_text(router, 1), open_text(router, 2)
+    failing.take()
+    working.take()
 
-    def boom() -> None:
+    def boom(waiters: list[Any]) -> None:
         raise RuntimeError("loop closed")
 
-    assert reader.park(boom)
-    assert router.step([1], [1], [0]) == []
+    woken = Woken()
+    assert failing.park("f", boom)
+    assert working.park("w", woken)
+    assert router.step([1, 2], [1, 1], [0, 0]) == []
     assert len(seen) == 1 and isinstance(seen[0], RuntimeError)
-    assert reader.take()
+    assert woken.calls == [["w"]]
+    assert failing.take()
 
 
 def test_cancel_before_first_token_and_mid_stream() -> None:
@@ -358,15 +404,15 @@ def test_cancel_before_first_token_and_mid_stream() -> None:
     prefilling = open_text(router, 1)
     running = open_text(router, 2)
     other = open_text(router, 3)
-    woken: list[int] = []
+    woken = Woken()
     running.take()
-    assert running.park(lambda: woken.append(2))
+    assert running.park(2, woken)
     prefilling.cancel()
     assert router.cancelled() == [1]
     assert router.cancelled() == []
     assert prefilling.take() is None
     running.cancel()
-    assert woken == [2], "a parked reader is woken by cancel"
+    assert woken.calls == [[2]], "a parked reader is woken by cancel"
     assert running.take() is None
     assert router.step([2, 3], [1, 1], [0, 0]) == [2]
     assert len(router) == 1
@@ -401,24 +447,46 @@ def test_ping_keepalive() -> None:
 
 
 async def read_stream(reader: Reader) -> bytes:
-    """The lead's facade pattern: take all, else park a future woken via call_soon_threadsafe."""
-    loop = asyncio.get_running_loop()
-    out = bytearray()
+    return b"".join([chunk async for chunk in chunks(reader)])
 
-    def resolve(fut: asyncio.Future[None]) -> None:
-        if not fut.done():
-            fut.set_result(None)
 
-    while True:
-        data = reader.take()
-        if data is None:
-            return bytes(out)
-        if data:
-            out.extend(data)
-            continue
-        fut: asyncio.Future[None] = loop.create_future()
-        if reader.park(functools.partial(loop.call_soon_threadsafe, resolve, fut)):
-            await fut
+class CountingLoop(asyncio.SelectorEventLoop):
+    def __init__(self) -> None:
+        super().__init__()
+        self.threadsafe_calls = 0
+
+    def call_soon_threadsafe(self, *args: Any, **kwargs: Any) -> Any:
+        self.threadsafe_calls += 1
+        return super().call_soon_threadsafe(*args, **kwargs)
+
+
+def test_chunks_one_threadsafe_call_per_step() -> None:
+    """Readers parked by mlxgate.streams share their loop's wake_all: one wake per step."""
+    router = Router(text_vocab())
+    ids = list(range(1, 33))
+    readers: list[Reader] = []
+
+    async def settle() -> None:
+        for _ in range(5):  # woken tasks take their frames and park again
+            await asyncio.sleep(0)
+
+    async def main() -> list[bytes]:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, CountingLoop)
+        tasks = [asyncio.create_task(read_stream(reader)) for reader in readers]
+        await settle()
+        router.step(ids, [1] * 32, [0] * 32)
+        assert loop.threadsafe_calls == 1
+        await settle()
+        router.step(ids, [0] * 32, [1] * 32)
+        assert loop.threadsafe_calls == 2
+        return await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+    for _ in range(2):  # a second loop gets its own wake_all
+        readers = [open_text(router, sid) for sid in ids]
+        with asyncio.Runner(loop_factory=CountingLoop) as runner:
+            received = runner.run(main())
+        assert all(b"message_stop" in sse for sse in received)
 
 
 def test_threaded_producer_matches_golden() -> None:

@@ -2,7 +2,7 @@
 bounded channels."""
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol, final, type_check_only
+from typing import Any, Literal, Protocol, TypeVar, final, type_check_only
 
 from typing_extensions import Buffer
 
@@ -14,6 +14,7 @@ class _IntArray(Protocol):
     def __array__(self) -> Any: ...
 
 _Ints = Sequence[int] | Buffer | _IntArray
+_Waiter = TypeVar("_Waiter")
 
 __all__ = ["Markup", "NativeError", "Reader", "Router", "Vocab"]
 
@@ -95,13 +96,19 @@ class Reader:
     def take(self) -> bytes | None:
         """All pending bytes as one object; b"" if nothing is pending yet; None at end of stream."""
 
-    def park(self, wake: Callable[[], object]) -> bool:
-        """If data is pending or the stream is closed: return False and do not store `wake`.
-        Otherwise store it (replacing an earlier one) and return True; the producer calls it once,
-        from the engine thread, on the next append or close."""
+    def park(self, waiter: _Waiter, wake_all: Callable[[list[_Waiter]], object]) -> bool:
+        """If data is pending or the stream is closed: return False and store nothing. Otherwise
+        store `waiter` and `wake_all` (replacing an earlier pair) and return True. On the next
+        append or close, from the engine thread, the router calls `wake_all` once with a list of
+        the waiters of every reader it wakes at that moment (one step, or one fail, close, ping
+        or cancel) that parked with this same `wake_all` object. So readers of one event loop
+        should share one `wake_all` that hands the list to `loop.call_soon_threadsafe`
+        (`mlxgate.streams.wake_all_for`): then one step wakes them all with one call. A
+        `wake_all` that raises is reported as unraisable (sys.unraisablehook); the step goes
+        on."""
 
     def cancel(self) -> None:
-        """The client went away: drop pending bytes and end the stream (a parked `wake` is called).
+        """The client went away: drop pending bytes and end the stream (a parked waiter is woken).
         The router reports the id from its next step() or cancelled() call."""
 
     @property

@@ -3,20 +3,48 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 
 from mlxgate._native import Reader
 
+WakeAll = Callable[[list[asyncio.Future[None]]], object]
 
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+
+def _resolve_all(futures: list[asyncio.Future[None]]) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(None)
+
+
+class _ThisThreadsLoop(threading.local):
+    # A thread runs one loop at a time; keeping only the latest lets old loops be collected.
+    loop: asyncio.AbstractEventLoop | None = None
+    wake_all: WakeAll | None = None
+
+
+_this_threads_loop = _ThisThreadsLoop()
+
+
+def wake_all_for(loop: asyncio.AbstractEventLoop) -> WakeAll:
+    """The one `wake_all` every reader of `loop` parks with. The router groups parked readers by
+    their wake_all's identity, so a step wakes all of a loop's readers with one
+    `call_soon_threadsafe` (one write to the loop's self-pipe). Call it from the loop's thread."""
+    cached = _this_threads_loop
+    if cached.wake_all is None or cached.loop is not loop:  # a new loop (tests start many)
+
+        def wake_all(futures: list[asyncio.Future[None]]) -> None:
+            loop.call_soon_threadsafe(_resolve_all, futures)
+
+        cached.loop = loop
+        cached.wake_all = wake_all
+    return cached.wake_all
 
 
 async def chunks(reader: Reader) -> AsyncIterator[bytes]:
     """Yield everything the engine has queued for this stream, coalesced, until it closes."""
     loop = asyncio.get_running_loop()
+    wake_all = wake_all_for(loop)
     while True:
         data = reader.take()
         if data is None:
@@ -25,5 +53,5 @@ async def chunks(reader: Reader) -> AsyncIterator[bytes]:
             yield data
             continue
         future: asyncio.Future[None] = loop.create_future()
-        if reader.park(functools.partial(loop.call_soon_threadsafe, _resolve, future)):
+        if reader.park(future, wake_all):
             await future

@@ -7,6 +7,7 @@ mod vocab;
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 
 use crate::error::CoreError;
 
@@ -23,12 +24,30 @@ impl From<CoreError> for PyErr {
     }
 }
 
-/// Calls reader wakers. Runs with no Rust lock held; a failing waker (e.g. its event loop is
-/// closed) is reported as unraisable so the engine's step never fails for one client.
-fn call_wakers(py: Python<'_>, wakers: impl IntoIterator<Item = Py<PyAny>>) {
-    for waker in wakers {
-        if let Err(err) = waker.call0(py) {
-            err.write_unraisable(py, Some(waker.bind(py)));
+/// What a parked reader stored: an object to hand back, and the callable that wakes it together
+/// with every other reader parked with the same callable.
+pub(crate) struct Waker {
+    waiter: Py<PyAny>,
+    wake_all: Py<PyAny>,
+}
+
+/// Wakes parked readers: groups their waiters by `wake_all` (identity) and calls each `wake_all`
+/// once with the list, so a step wakes all readers of one event loop with one call. Runs with no
+/// Rust lock held; a failing `wake_all` (e.g. its event loop is closed) is reported as
+/// unraisable so the engine's step never fails for one client.
+fn wake(py: Python<'_>, wakers: impl IntoIterator<Item = Waker>) {
+    // Usually one group per event loop, so a linear search is enough.
+    let mut groups: Vec<(Py<PyAny>, Vec<Py<PyAny>>)> = Vec::new();
+    for Waker { waiter, wake_all } in wakers {
+        match groups.iter_mut().find(|(group, _)| group.is(&wake_all)) {
+            Some((_, waiters)) => waiters.push(waiter),
+            None => groups.push((wake_all, vec![waiter])),
+        }
+    }
+    for (wake_all, waiters) in groups {
+        let called = PyList::new(py, waiters).and_then(|list| wake_all.call1(py, (list,)));
+        if let Err(err) = called {
+            err.write_unraisable(py, Some(wake_all.bind(py)));
         }
     }
 }

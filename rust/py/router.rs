@@ -7,16 +7,14 @@ use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
-use super::call_wakers;
 use super::markup::PyMarkup;
 use super::vocab::PyVocab;
+use super::{wake, Waker};
 use crate::channel::{Channel, Park};
 use crate::events::anthropic::{AnthropicParams, AnthropicStream};
 use crate::events::openai::{CompletionKind, OpenAiParams};
 use crate::events::Protocol;
 use crate::router::{Router, DEFAULT_MAX_UNREAD_BYTES};
-
-type Waker = Py<PyAny>;
 
 const _: () = assert!(DEFAULT_MAX_UNREAD_BYTES == 1048576);
 
@@ -33,22 +31,28 @@ impl PyReader {
         self.channel.take_with(|bytes| PyBytes::new(py, bytes))
     }
 
-    /// Stores `wake` to be called once on the next append or close, unless data is pending or
-    /// the stream is closed (then returns False).
-    fn park(&self, wake: &Bound<'_, PyAny>) -> PyResult<bool> {
-        if !wake.is_callable() {
-            return Err(PyTypeError::new_err("park() needs a callable"));
+    /// Stores `waiter` and `wake_all` unless data is pending or the stream is closed (then
+    /// returns False). On the next append or close, `wake_all` is called with a list holding
+    /// `waiter` and the waiters of every other reader woken at the same time with the same
+    /// `wake_all`.
+    fn park(&self, waiter: &Bound<'_, PyAny>, wake_all: &Bound<'_, PyAny>) -> PyResult<bool> {
+        if !wake_all.is_callable() {
+            return Err(PyTypeError::new_err("park() needs a callable wake_all"));
         }
+        let waker = Waker {
+            waiter: waiter.clone().unbind(),
+            wake_all: wake_all.clone().unbind(),
+        };
         // A replaced or refused waker is dropped here, after the channel lock is released.
-        Ok(match self.channel.park(wake.clone().unbind()) {
+        Ok(match self.channel.park(waker) {
             Park::Parked(_replaced) => true,
             Park::Ready(_) => false,
         })
     }
 
-    /// The client went away. A parked waker is called so its task sees end of stream.
+    /// The client went away. A parked waiter is woken so its task sees end of stream.
     fn cancel(&self, py: Python<'_>) {
-        call_wakers(py, self.channel.cancel());
+        wake(py, self.channel.cancel());
     }
 
     #[getter]
@@ -78,8 +82,8 @@ impl Drop for PyReader {
     }
 }
 
-/// All open streams. Every method runs briefly with the GIL held and calls Python (wakers) only
-/// after releasing the router lock.
+/// All open streams. Every method runs briefly with the GIL held and calls Python (`wake_all`)
+/// only after releasing the router lock.
 #[pyclass(module = "mlxgate._native", name = "Router", frozen)]
 pub struct PyRouter {
     inner: Mutex<Router<Waker>>,
@@ -192,15 +196,15 @@ impl PyRouter {
         let token_ids = narrow(extract_ints(token_ids)?);
         let finish_codes = narrow(extract_ints(finish_codes)?);
         let mut dropped = Vec::new();
-        let mut wake = Vec::new();
+        let mut woken = Vec::new();
         let result = self.lock().step(
             &stream_ids,
             &token_ids,
             &finish_codes,
             &mut dropped,
-            &mut wake,
+            &mut woken,
         );
-        call_wakers(py, wake);
+        wake(py, woken);
         result?;
         Ok(dropped)
     }
@@ -213,18 +217,18 @@ impl PyRouter {
 
     fn fail(&self, py: Python<'_>, stream_id: u64, error_type: &str, message: &str) {
         let waker = self.lock().fail(stream_id, error_type, message);
-        call_wakers(py, waker);
+        wake(py, waker);
     }
 
     fn close(&self, py: Python<'_>, stream_id: u64) {
         let waker = self.lock().close(stream_id);
-        call_wakers(py, waker);
+        wake(py, waker);
     }
 
     /// Queues a keep-alive `ping` event on a streaming response (e.g. during a long prefill).
     fn ping(&self, py: Python<'_>, stream_id: u64) {
         let waker = self.lock().ping(stream_id);
-        call_wakers(py, waker);
+        wake(py, waker);
     }
 
     /// Ids of open streams whose readers have more unread bytes than `max_unread_bytes`.
