@@ -1,4 +1,5 @@
-"""Shared fixtures: a real mlxgate server (granian subprocess, embedded model) on a free port."""
+"""Shared fixtures: real mlxgate servers (granian subprocesses, embedded model) on free ports, and
+one in-process app whose engine can be made to fail on demand."""
 
 from __future__ import annotations
 
@@ -10,9 +11,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
+import httpx2  # what the anthropic and openai SDKs are built on
 import pytest
+
+if TYPE_CHECKING:
+    from mlxgate._native import Router
+    from mlxgate.app import App
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,3 +81,92 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     running = start_server(tmp_path_factory.mktemp("server"))
     yield running
     stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """An API key, a one-request queue and an output-token limit."""
+    running = start_server(
+        tmp_path_factory.mktemp("strict"),
+        "--api-key", "sk-right",
+        "--max-queued", "1",
+        "--max-output-tokens", "4096",
+    )  # fmt: skip
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """At most two requests in flight per client."""
+    running = start_server(tmp_path_factory.mktemp("limited"), "--max-per-client", "2")
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="session")
+def aliased_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """Answers only to the served model's name and two aliases."""
+    running = start_server(
+        tmp_path_factory.mktemp("aliased"),
+        "--model-alias", "claude-local=SmolLM2-135M-Instruct",
+        "--model-alias", "gpt-local=SmolLM2-135M-Instruct",
+        "--strict-models",
+    )  # fmt: skip
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class FaultyRouter:
+    """The engine's stream router with a fault switch: armed with `fail_after(n)`, the engine
+    step after the next n raises inside the engine thread, as a bug in generation would."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+        self._steps_until_fault: int | None = None
+
+    def fail_after(self, steps: int) -> None:
+        self._steps_until_fault = steps
+
+    def step(self, *args: Any) -> list[int]:
+        if self._steps_until_fault is not None:
+            if self._steps_until_fault == 0:
+                self._steps_until_fault = None
+                raise RuntimeError("injected fault")
+            self._steps_until_fault -= 1
+        return self._router.step(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._router, name)
+
+    def __len__(self) -> int:
+        return len(self._router)
+
+
+@dataclass
+class InProcessServer:
+    """The ASGI app with the real model in this process, reached through an ASGI transport."""
+
+    app: App
+    router: FaultyRouter
+    base_url: str = "http://mlxgate.test"
+
+    def http_client(self) -> httpx2.AsyncClient:
+        return httpx2.AsyncClient(transport=httpx2.ASGITransport(app=self.app))
+
+
+@pytest.fixture(scope="session")
+def in_process() -> Iterator[InProcessServer]:
+    from mlxgate.app import build_app
+    from mlxgate.config import Config
+
+    app = build_app(Config())
+    router = FaultyRouter(app.engine.router)
+    app.engine.router = router  # type: ignore[assignment]
+    yield InProcessServer(app, router)
+    app.engine.stop()

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
+import httpx2
 import pytest
 
-from conftest import RunningServer, start_server, stop_server
+from conftest import InProcessServer, RunningServer, start_server
+from mlxgate import chat, cli
+from mlxgate.api import http
+from mlxgate.streams import chunks
 
 BASH_TOOL = {
     "name": "Bash",
@@ -240,18 +245,6 @@ def test_not_found_and_request_too_large(
         client.messages.create(**huge)  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(
-        tmp_path_factory.mktemp("strict"),
-        "--api-key", "sk-right",
-        "--max-queued", "1",
-        "--max-output-tokens", "4096",
-    )  # fmt: skip
-    yield running
-    stop_server(running)
-
-
 def test_auth_and_limits_raise_the_right_sdk_errors(strict_server: RunningServer) -> None:
     wrong = anthropic.Anthropic(base_url=strict_server.url, api_key="sk-wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as caught:
@@ -296,13 +289,6 @@ def test_overload_is_529_with_retry_after(strict_server: RunningServer) -> None:
     assert int(caught.value.response.headers["retry-after"]) >= 1
 
 
-@pytest.fixture(scope="module")
-def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(tmp_path_factory.mktemp("limited"), "--max-per-client", "2")
-    yield running
-    stop_server(running)
-
-
 def test_rate_limit_per_client(limited_server: RunningServer) -> None:
     # Long prompts keep both requests in flight (prefilling) while the third arrives.
     body = {
@@ -328,12 +314,142 @@ def test_rate_limit_per_client(limited_server: RunningServer) -> None:
             )
         assert caught.value.response.headers["retry-after"] == "1"
         other = anthropic.Anthropic(base_url=limited_server.url, api_key="client-b", max_retries=0)
+        # Another client is admitted at once (its stream starts; no need to wait for its turn).
         with other.messages.stream(
             model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
-        ) as ok:
-            assert ok.get_final_message().usage.output_tokens >= 1  # another client is not limited
+        ) as admitted:
+            assert next(iter(admitted)).type == "message_start"
         for response in busy:
             response.close()
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_model_aliases_and_strict_models(aliased_server: RunningServer) -> None:
+    client = anthropic.Anthropic(base_url=aliased_server.url, api_key="sk-local", max_retries=0)
+    names = ["SmolLM2-135M-Instruct", "claude-local", "gpt-local"]
+    assert [model.id for model in client.models.list()] == names
+    assert client.models.retrieve("claude-local").type == "model"
+
+    reply = client.messages.create(model="claude-local", max_tokens=4, messages=QUESTION)  # type: ignore[arg-type]
+    assert reply.model == "SmolLM2-135M-Instruct"  # responses report the served model
+    assert client.messages.create(model=names[0], max_tokens=2, messages=QUESTION).content  # type: ignore[arg-type]
+
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.messages.create(model="claude-opus-5-5", max_tokens=4, messages=QUESTION)  # type: ignore[arg-type]
+    assert caught.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    assert "claude-opus-5-5" in caught.value.message
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="claude-opus-5-5", messages=QUESTION)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("claude-opus-5-5")
+
+
+def test_model_alias_must_name_the_served_model(tmp_path: Path) -> None:
+    config = cli.parse_config(["--model-alias", "claude-local=SmolLM2-135M-Instruct"])
+    assert config.model_aliases == {"claude-local": "SmolLM2-135M-Instruct"}
+    assert not config.strict_models
+    with pytest.raises(SystemExit):
+        cli.parse_config(["--model-alias", "no-equals-sign"])
+    with pytest.raises(SystemExit):
+        cli.parse_config(["--model-alias", "a=SmolLM2-135M-Instruct", "--model-alias", "a=b"])
+    with pytest.raises(RuntimeError) as caught:
+        start_server(tmp_path, "--model-alias", "claude-local=Qwen3-4B")
+    assert "this server serves one model, 'SmolLM2-135M-Instruct'" in str(caught.value)
+
+
+def in_process_client(in_process: InProcessServer) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(
+        base_url=in_process.base_url,
+        api_key="sk-local",
+        max_retries=0,
+        http_client=in_process.http_client(),
+    )
+
+
+def last_frame(sse: str) -> str:
+    return [frame for frame in sse.split("\n\n") if frame][-1]
+
+
+@pytest.mark.anyio
+async def test_engine_failure_is_500_api_error_and_serving_goes_on(
+    in_process: InProcessServer,
+) -> None:
+    async with in_process_client(in_process) as client:
+        in_process.router.fail_after(0)
+        with pytest.raises(anthropic.InternalServerError) as caught:
+            await client.messages.create(model="m", max_tokens=16, messages=QUESTION)  # type: ignore[arg-type]
+        assert caught.value.status_code == 500
+        assert caught.value.body == {  # type: ignore[comparison-overlap]
+            "type": "error",
+            "error": {"type": "api_error", "message": "generation failed: injected fault"},
+        }
+
+        # Streamed, the failure comes after the headers and some text: a last `event: error`.
+        in_process.router.fail_after(3)
+        seen = []
+        with pytest.raises(anthropic.APIStatusError) as streamed:
+            async with client.messages.stream(
+                model="m",
+                max_tokens=16,
+                messages=QUESTION,  # type: ignore[arg-type]
+            ) as stream:
+                async for event in stream:
+                    seen.append(event.type)
+        assert "content_block_delta" in seen
+        assert streamed.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+
+        in_process.router.fail_after(1)
+        raw = await client.post(
+            "/v1/messages",
+            body={"model": "m", "max_tokens": 16, "messages": QUESTION, "stream": True},
+            cast_to=httpx2.Response,
+        )
+        assert raw.status_code == 200
+        event, data = last_frame(raw.text).split("\n")
+        assert event == "event: error"
+        assert json.loads(data.removeprefix("data: "))["error"]["type"] == "api_error"
+
+        reply = await client.messages.create(model="m", max_tokens=8, messages=QUESTION)  # type: ignore[arg-type]
+        assert reply.content and reply.stop_reason in ("end_turn", "max_tokens")
+
+
+@pytest.mark.anyio
+async def test_unexpected_errors_before_and_after_headers(
+    in_process: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_render(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug in rendering")
+
+    async def broken_after_first_frames(reader: Any) -> AsyncIterator[bytes]:
+        async for data in chunks(reader):
+            yield data
+            raise RuntimeError("a bug in the stream writer")
+
+    async with in_process_client(in_process) as client:
+        with monkeypatch.context() as patch:
+            patch.setattr(chat, "render", broken_render)
+            with pytest.raises(anthropic.InternalServerError) as caught:
+                await client.messages.create(model="m", max_tokens=8, messages=QUESTION)  # type: ignore[arg-type]
+        assert caught.value.status_code == 500
+        assert caught.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+
+        with monkeypatch.context() as patch:
+            patch.setattr(http, "chunks", broken_after_first_frames)
+            raw = await client.post(
+                "/v1/messages",
+                body={"model": "m", "max_tokens": 8, "messages": QUESTION, "stream": True},
+                cast_to=httpx2.Response,
+            )
+        assert raw.status_code == 200 and raw.text.startswith("event: message_start")
+        event, data = last_frame(raw.text).split("\n")
+        assert event == "event: error"
+        assert json.loads(data.removeprefix("data: "))["error"]["type"] == "api_error"
+
+        reply = await client.messages.create(model="m", max_tokens=8, messages=QUESTION)  # type: ignore[arg-type]
+        assert reply.content
 
 
 def claude_code_path() -> Path:

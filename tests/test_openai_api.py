@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
+import httpx2
 import openai
 import pytest
 
-from conftest import RunningServer
+from conftest import InProcessServer, RunningServer
+from mlxgate import chat
+from mlxgate.api import http
+from mlxgate.streams import chunks
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 BASH = {
@@ -173,3 +179,194 @@ def test_errors_use_the_openai_envelope(client: openai.OpenAI, server: RunningSe
         "code",
     }
     assert "type" not in bad.json() or bad.json().get("type") != "error"
+
+
+def openai_error(response: httpx.Response | httpx2.Response, error_type: str) -> dict[str, Any]:
+    """The error of an OpenAI envelope, never Anthropic's `{"type": "error", ...}`."""
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == error_type
+    error: dict[str, Any] = body["error"]
+    return error
+
+
+def test_model_aliases_and_strict_models(aliased_server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=f"{aliased_server.url}/v1", api_key="sk-local", max_retries=0)
+    names = ["SmolLM2-135M-Instruct", "claude-local", "gpt-local"]
+    assert [model.id for model in client.models.list()] == names
+    assert client.models.retrieve("gpt-local").id == "gpt-local"
+    reply = client.chat.completions.create(model="gpt-local", messages=QUESTION, max_tokens=4)  # type: ignore[arg-type]
+    assert reply.model == "SmolLM2-135M-Instruct"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-5", messages=QUESTION, max_tokens=4)  # type: ignore[arg-type]
+    assert openai_error(caught.value.response, "invalid_request_error")["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-5", prompt="One, two,", max_tokens=2)
+
+
+def test_auth_error_is_401(strict_server: RunningServer) -> None:
+    wrong = openai.OpenAI(base_url=f"{strict_server.url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        wrong.chat.completions.create(model="m", messages=QUESTION, max_tokens=2)  # type: ignore[arg-type]
+    assert openai_error(caught.value.response, "invalid_request_error")["code"] == "invalid_api_key"
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    with pytest.raises(openai.AuthenticationError) as listing:
+        wrong.models.list()
+    openai_error(listing.value.response, "invalid_request_error")
+    right = openai.OpenAI(base_url=f"{strict_server.url}/v1", api_key="sk-right", max_retries=0)
+    assert right.chat.completions.create(model="m", messages=QUESTION, max_tokens=2).choices  # type: ignore[arg-type]
+
+
+def test_request_too_large_is_413(client: openai.OpenAI) -> None:
+    huge = [{"role": "user", "content": "x" * (33 * 1024 * 1024)}]
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model="m", messages=huge, max_tokens=1)  # type: ignore[arg-type]
+    assert caught.value.status_code == 413  # the SDK has no class of its own for 413
+    assert "32 MB" in openai_error(caught.value.response, "invalid_request_error")["message"]
+
+
+def test_queue_full_is_503_with_retry_after(strict_server: RunningServer) -> None:
+    long_prompt = [{"role": "user", "content": "word " * 3000}]
+    body = {"model": "m", "max_tokens": 4, "messages": long_prompt, "stream": True}
+    url = f"{strict_server.url}/v1/chat/completions"
+    sdk = openai.OpenAI(base_url=f"{strict_server.url}/v1", api_key="sk-right", max_retries=0)
+    with httpx.Client(timeout=120) as raw:
+        request = raw.build_request(
+            "POST", url, json=body, headers={"authorization": "Bearer sk-right"}
+        )
+        first = raw.send(request, stream=True)  # admitted: it fills the one-request queue
+        assert first.status_code == 200
+        with pytest.raises(openai.InternalServerError) as caught:
+            sdk.chat.completions.create(model="m", messages=long_prompt, max_tokens=4)  # type: ignore[arg-type]
+        first.close()
+    assert caught.value.status_code == 503
+    openai_error(caught.value.response, "server_error")
+    assert int(caught.value.response.headers["retry-after"]) >= 1
+
+
+def test_rate_limit_per_client_is_429(limited_server: RunningServer) -> None:
+    # Long prompts keep both requests in flight (prefilling) while the third arrives.
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "word " * 1500}],
+    }
+    url = f"{limited_server.url}/v1/chat/completions"
+    headers = {"authorization": "Bearer client-a"}
+    with httpx.Client(timeout=120) as raw:
+        busy = [
+            raw.send(
+                raw.build_request("POST", url, json={**body, "stream": True}, headers=headers),
+                stream=True,
+            )
+            for _ in range(2)
+        ]
+        assert [response.status_code for response in busy] == [200, 200]
+        same = openai.OpenAI(base_url=f"{limited_server.url}/v1", api_key="client-a", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as caught:
+            same.chat.completions.create(model="m", messages=QUESTION, max_tokens=2)  # type: ignore[arg-type]
+        error = openai_error(caught.value.response, "rate_limit_error")
+        assert error["code"] == "rate_limit_exceeded"
+        assert caught.value.response.headers["retry-after"] == "1"
+        other = openai.OpenAI(
+            base_url=f"{limited_server.url}/v1", api_key="client-b", max_retries=0
+        )
+        # Another client is admitted at once (its stream starts; no need to wait for its turn).
+        with other.chat.completions.create(
+            model="m",
+            messages=QUESTION,  # type: ignore[arg-type]
+            max_tokens=2,
+            stream=True,
+        ) as admitted:
+            assert next(iter(admitted)).choices[0].delta.role == "assistant"
+        for response in busy:
+            response.close()
+
+
+def in_process_client(in_process: InProcessServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"{in_process.base_url}/v1",
+        api_key="sk-local",
+        max_retries=0,
+        http_client=in_process.http_client(),
+    )
+
+
+def last_frames(sse: str, count: int) -> list[str]:
+    return [frame for frame in sse.split("\n\n") if frame][-count:]
+
+
+@pytest.mark.anyio
+async def test_engine_failure_is_500_in_the_openai_envelope(in_process: InProcessServer) -> None:
+    async with in_process_client(in_process) as client:
+        in_process.router.fail_after(0)
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=16)  # type: ignore[arg-type]
+        assert caught.value.status_code == 500
+        error = openai_error(caught.value.response, "server_error")
+        assert error["message"] == "generation failed: injected fault"
+
+        # Streamed, the failure comes after the headers and some text: an error chunk, [DONE].
+        in_process.router.fail_after(3)
+        texts = []
+        with pytest.raises(openai.APIError) as streamed:
+            async for chunk in await client.chat.completions.create(
+                model="m",
+                messages=QUESTION,  # type: ignore[arg-type]
+                max_tokens=16,
+                stream=True,
+            ):
+                texts.append(chunk.choices[0].delta.content or "")
+        assert "".join(texts)
+        assert streamed.value.body["type"] == "server_error"  # type: ignore[index]
+
+        in_process.router.fail_after(1)
+        raw = await client.post(
+            "/chat/completions",
+            body={"model": "m", "max_tokens": 16, "messages": QUESTION, "stream": True},
+            cast_to=httpx2.Response,
+        )
+        assert raw.status_code == 200
+        error_frame, done = last_frames(raw.text, 2)
+        assert json.loads(error_frame.removeprefix("data: "))["error"]["type"] == "server_error"
+        assert done == "data: [DONE]"
+
+        reply = await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=8)  # type: ignore[arg-type]
+        assert reply.choices[0].message.content
+
+
+@pytest.mark.anyio
+async def test_unexpected_errors_before_and_after_headers(
+    in_process: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_render(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug in rendering")
+
+    async def broken_after_first_frames(reader: Any) -> AsyncIterator[bytes]:
+        async for data in chunks(reader):
+            yield data
+            raise RuntimeError("a bug in the stream writer")
+
+    async with in_process_client(in_process) as client:
+        with monkeypatch.context() as patch:
+            patch.setattr(chat, "render", broken_render)
+            with pytest.raises(openai.InternalServerError) as caught:
+                await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=8)  # type: ignore[arg-type]
+        assert caught.value.status_code == 500
+        openai_error(caught.value.response, "server_error")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(http, "chunks", broken_after_first_frames)
+            raw = await client.post(
+                "/chat/completions",
+                body={"model": "m", "max_tokens": 8, "messages": QUESTION, "stream": True},
+                cast_to=httpx2.Response,
+            )
+        assert raw.status_code == 200 and raw.text.startswith("data: {")
+        error_frame, done = last_frames(raw.text, 2)
+        assert json.loads(error_frame.removeprefix("data: "))["error"]["type"] == "server_error"
+        assert done == "data: [DONE]"
+
+        reply = await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=8)  # type: ignore[arg-type]
+        assert reply.choices[0].message.content

@@ -25,6 +25,7 @@ from mlxgate.api.http import (
     send_bytes,
     send_json,
 )
+from mlxgate.api.models import ModelNames
 from mlxgate.api.openai import OpenAIAPI
 from mlxgate.config import Config
 from mlxgate.engine import Engine, EngineSettings, SamplingParams
@@ -44,14 +45,18 @@ class App:
     def __init__(self, engine: Engine, config: Config) -> None:
         self.engine = engine
         self.config = config
-        self.model_name = engine.loaded.name
-        self.created = int(time.time())
+        self.models = ModelNames(
+            engine.loaded.name,
+            config.model_aliases,
+            strict=config.strict_models,
+            model_arg=config.model,
+        )
         default_sampling = SamplingParams(config.temperature, config.top_p, config.top_k)
         self.anthropic = AnthropicAPI(
-            engine, self.model_name, default_sampling, config.max_output_tokens
+            engine, self.models, default_sampling, config.max_output_tokens
         )
+        self.openai = OpenAIAPI(engine, self.models, default_sampling)
         # Longest suffix first: /v1/messages/count_tokens before /v1/messages.
-        self.openai = OpenAIAPI(engine, self.model_name, default_sampling)
         self.post_routes: list[tuple[str, Dialect, Handler]] = [
             ("/v1/messages/count_tokens", "anthropic", self.anthropic.count_tokens),
             ("/v1/messages", "anthropic", self.anthropic.messages),
@@ -71,7 +76,7 @@ class App:
             return
         path: str = scope["path"].rstrip("/") or "/"
         method: str = scope["method"]
-        route, dialect, handler = self._route(method, path)
+        route, dialect, handler = self._route(scope, method, path)
         status = 0
 
         async def send_tracked(message: Message) -> None:
@@ -83,20 +88,25 @@ class App:
         try:
             if not path.endswith("/health") and not self._authorized(scope):
                 raise ApiError(
-                    401, "invalid x-api-key or Authorization bearer token", should_retry=False
+                    401,
+                    "invalid x-api-key or Authorization bearer token",
+                    should_retry=False,
+                    code="invalid_api_key",
                 )
             if handler is not None:
                 body = await read_body(receive, self.config.max_body_bytes)
                 with self._client_slot(scope, route):
                     await handler(scope, receive, send_tracked, body)
             elif method in ("GET", "HEAD") and path.endswith("/health"):
-                await send_json(send_tracked, 200, {"status": "ok", "model": self.model_name})
+                health = {"status": "ok", "model": self.models.served}
+                await send_json(send_tracked, 200, health)
             elif method == "GET" and path.endswith("/metrics"):
                 await send_bytes(send_tracked, 200, generate_latest(), CONTENT_TYPE_LATEST.encode())
             elif method == "GET" and path.endswith("/v1/models"):
-                await self._models(scope, send_tracked)
+                await self.models.list(scope, send_tracked)
             elif method == "GET" and "/v1/models/" in path:
-                await self.openai.model(scope, send_tracked, path.split("/v1/models/", 1)[1])
+                model_id = path.split("/v1/models/", 1)[1]
+                await self.models.retrieve(scope, send_tracked, model_id)
             else:
                 raise ApiError(404, f"{method} {scope['path']} is not a route of this server")
         except ApiError as exc:
@@ -110,19 +120,22 @@ class App:
         except Exception:
             log.exception("unhandled error on %s %s", method, path)
             if status == 0:
-                await send_json(
-                    send_tracked, 500, ApiError(500, "internal server error").body(dialect)
-                )
+                error = ApiError(500, "internal server error (the server log has the details)")
+                await send_json(send_tracked, 500, error.body(dialect))
         finally:
             self.requests.labels(route, str(status or 499)).inc()
 
-    def _route(self, method: str, path: str) -> tuple[str, Dialect, Handler | None]:
+    def _route(self, scope: Scope, method: str, path: str) -> tuple[str, Dialect, Handler | None]:
         if method == "POST":
             for route, dialect, handler in self.post_routes:
                 if path.endswith(route):
                     return route, dialect, handler
-        # Anything else: OpenAI's envelope where the path or the model lookup is OpenAI's.
-        openai_path = "/v1/models/" in path or "completions" in path or "embeddings" in path
+        # Anything else: OpenAI's envelope where the path is OpenAI's; the model routes serve
+        # both dialects, and the anthropic-version header tells them apart.
+        if path.endswith("/v1/models") or "/v1/models/" in path:
+            openai_path = header(scope, b"anthropic-version") is None
+        else:
+            openai_path = "completions" in path or "embeddings" in path
         route = path if path.endswith(("/health", "/metrics", "/v1/models")) else "other"
         return route, "openai" if openai_path else "anthropic", None
 
@@ -140,7 +153,10 @@ class App:
         )
         if self._in_flight[client] >= limit:
             raise ApiError(
-                429, f"rate limit: at most {limit} concurrent requests per client", retry_after_s=1
+                429,
+                f"rate limit: at most {limit} concurrent requests per client",
+                retry_after_s=1,
+                code="rate_limit_exceeded",
             )
         self._in_flight[client] += 1
         try:
@@ -156,33 +172,6 @@ class App:
             return True
         bearer = header(scope, b"authorization") or ""
         return header(scope, b"x-api-key") == key or bearer == f"Bearer {key}"
-
-    async def _models(self, scope: Scope, send: Send) -> None:
-        if header(scope, b"anthropic-version") is not None:
-            entry: dict[str, object] = {
-                "type": "model",
-                "id": self.model_name,
-                "display_name": self.model_name,
-                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created)),
-            }
-            await send_json(
-                send,
-                200,
-                {
-                    "data": [entry],
-                    "has_more": False,
-                    "first_id": self.model_name,
-                    "last_id": self.model_name,
-                },
-            )
-        else:
-            entry = {
-                "id": self.model_name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "mlxgate",
-            }
-            await send_json(send, 200, {"object": "list", "data": [entry]})
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -8,6 +8,13 @@ import sys
 from mlxgate.config import Config
 
 
+def _alias(value: str) -> tuple[str, str]:
+    name, _, model = value.partition("=")
+    if not name.strip() or not model.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=MODEL, got {value!r}")
+    return name.strip(), model.strip()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxgate", description=__doc__)
     commands = parser.add_subparsers(dest="command")
@@ -22,6 +29,21 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="a .gguf file, an mlx-lm model directory or a Hugging Face org/repo id "
         "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    serve.add_argument(
+        "--model-alias",
+        type=_alias,
+        action="append",
+        default=[],
+        metavar="NAME=MODEL",
+        help="also answer to NAME: listed in /v1/models and found at /v1/models/NAME; MODEL "
+        "names the served model (its name or the --model value). Repeatable",
+    )
+    serve.add_argument(
+        "--strict-models",
+        action="store_true",
+        help="answer only the served model's name and its aliases; other names get 404 "
+        "(default: any model name is answered by the served model)",
     )
     serve.add_argument(
         "--temperature",
@@ -89,28 +111,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+def parse_config(argv: list[str]) -> Config:
+    """The settings a command line asks for; exits with a usage error on a bad one."""
     if not argv or argv[0] not in ("serve", "-h", "--help"):
         argv = ["serve", *argv]  # `mlxgate` and `python -m mlxgate` serve by default
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    aliases = dict(args.model_alias)
+    if len(aliases) < len(args.model_alias):
+        parser.error("--model-alias: the same NAME is given twice")
+    return Config(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        model_aliases=aliases,
+        strict_models=args.strict_models,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_queued=args.max_queued,
+        max_running=args.max_running,
+        step_token_budget=args.step_token_budget,
+        prefix_cache_mb=args.prefix_cache_mb,
+        api_key=args.api_key,
+        max_per_client=args.max_per_client,
+        max_output_tokens=args.max_output_tokens,
+        log_level=args.log_level,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(sys.argv[1:] if argv is None else argv)
     from mlxgate.server import serve
 
-    serve(
-        Config(
-            host=args.host,
-            port=args.port,
-            model=args.model,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            max_queued=args.max_queued,
-            max_running=args.max_running,
-            step_token_budget=args.step_token_budget,
-            prefix_cache_mb=args.prefix_cache_mb,
-            api_key=args.api_key,
-            max_per_client=args.max_per_client,
-            max_output_tokens=args.max_output_tokens,
-            log_level=args.log_level,
-        )
-    )
+    serve(config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 CONFIG_ENV = "MLXGATE_CONFIG"
 
@@ -14,6 +14,9 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8080
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    # Client-facing name -> the served model (its name, or the `model` value as given).
+    model_aliases: dict[str, str] = field(default_factory=dict)
+    strict_models: bool = False  # answer only the served name and the aliases (else 404)
     # Sampling for requests that do not say (the Anthropic API no longer has these fields).
     temperature: float = 0.0
     top_p: float = 1.0

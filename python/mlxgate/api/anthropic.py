@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mlxgate import chat
 from mlxgate.api.errors import ApiError, invalid
 from mlxgate.api.http import Receive, Scope, Send, respond, send_json
+from mlxgate.api.models import ModelNames
 from mlxgate.engine import AdmissionError, Engine, GenerationRequest, SamplingParams
 from mlxgate.models.tokenizer import ChatTokenizer
 
@@ -239,19 +240,20 @@ class AnthropicAPI:
     def __init__(
         self,
         engine: Engine,
-        model_name: str,
+        models: ModelNames,
         default_sampling: SamplingParams,
         max_output_tokens: int | None = None,
     ) -> None:
         self.engine = engine
+        self.models = models
         self.max_output_tokens = max_output_tokens
         self.default_sampling = default_sampling
         self.tokenizer = engine.loaded.tokenizer
         self.format = chat.ChatFormat.detect(self.tokenizer)
-        self.model_name = model_name
 
     async def messages(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request: MessagesRequest = parse(MessagesRequest, body)
+        self.models.check(request.model)
         if self.max_output_tokens is not None and request.max_tokens > self.max_output_tokens:
             # Exact wording: Claude Code parses M and retries with it.
             limit = self.max_output_tokens
@@ -270,7 +272,7 @@ class AnthropicAPI:
                 generation,
                 lambda stream_id, cached_tokens: self.engine.router.open_anthropic(
                     stream_id,
-                    model=self.model_name,
+                    model=self.models.served,
                     message_id=message_id,
                     input_tokens=len(prompt_ids) - cached_tokens,
                     cache_read_input_tokens=cached_tokens,
@@ -282,9 +284,10 @@ class AnthropicAPI:
             )
         except AdmissionError as exc:
             raise ApiError.from_admission(exc, "anthropic") from None
-        await respond(send, receive, reader, stream=request.stream, error_prefix=b'{"type":"error"')
+        await respond(send, receive, reader, stream=request.stream, dialect="anthropic")
 
     async def count_tokens(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request: CountTokensRequest = parse(CountTokensRequest, body)
+        self.models.check(request.model)
         prompt, _ = render(self.tokenizer, self.format, request)
         await send_json(send, 200, {"input_tokens": len(self.tokenizer.encode(prompt.text))})

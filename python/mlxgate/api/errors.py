@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import orjson
+
 from mlxgate.engine import AdmissionError, PromptTooLong, QueueFull
 
 Dialect = Literal["anthropic", "openai"]
@@ -91,6 +93,13 @@ class ApiError(Exception):
                 "message": self.message,
             },
         }
+
+    def event(self, dialect: Dialect) -> bytes:
+        """The error as the last SSE frame of a stream whose headers are already sent."""
+        data = orjson.dumps(self.body(dialect))
+        if dialect == "openai":
+            return b"data: " + data + b"\n\ndata: [DONE]\n\n"
+        return b"event: error\ndata: " + data + b"\n\n"
 
 
 def invalid(message: str) -> ApiError:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import orjson
 
 from mlxgate._native import Reader
+from mlxgate.api.errors import ApiError, Dialect
 from mlxgate.streams import chunks
+
+log = logging.getLogger("mlxgate")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -94,7 +98,7 @@ async def _unless_disconnected(receive: Receive, reader: Reader, work: Awaitable
     return task.result() if not task.cancelled() else None
 
 
-async def _stream(send: Send, reader: Reader) -> None:
+async def _stream(send: Send, reader: Reader, dialect: Dialect) -> None:
     await send(
         {
             "type": "http.response.start",
@@ -106,25 +110,33 @@ async def _stream(send: Send, reader: Reader) -> None:
             ],
         }
     )
-    async for data in chunks(reader):
-        await send({"type": "http.response.body", "body": data, "more_body": True})
+    try:
+        async for data in chunks(reader):
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+    except Exception:
+        # The status line is out: the client learns of the failure from a last error event.
+        log.exception("stream %d failed after its headers were sent", reader.stream_id)
+        reader.cancel()
+        error = ApiError(500, "the stream failed inside the server (the server log has details)")
+        await send({"type": "http.response.body", "body": error.event(dialect), "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def send_event_stream(send: Send, receive: Receive, reader: Reader) -> None:
+async def send_event_stream(send: Send, receive: Receive, reader: Reader, dialect: Dialect) -> None:
     """Stream SSE frames as the engine produces them; a disconnect cancels the generation."""
-    await _unless_disconnected(receive, reader, _stream(send, reader))
+    await _unless_disconnected(receive, reader, _stream(send, reader, dialect))
 
 
 async def respond(
-    send: Send, receive: Receive, reader: Reader, *, stream: bool, error_prefix: bytes
+    send: Send, receive: Receive, reader: Reader, *, stream: bool, dialect: Dialect
 ) -> None:
     """Answer with the generation: SSE as it happens, or the whole body (500 if it is an error)."""
     if stream:
-        await send_event_stream(send, receive, reader)
+        await send_event_stream(send, receive, reader, dialect)
         return
     body = await collect(receive, reader)
     if body is not None:
+        error_prefix = b'{"error"' if dialect == "openai" else b'{"type":"error"'
         await send_bytes(send, 500 if body.startswith(error_prefix) else 200, body)
 
 

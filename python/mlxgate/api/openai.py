@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxgate import chat
 from mlxgate.api.anthropic import parse
 from mlxgate.api.errors import ApiError, invalid
-from mlxgate.api.http import Receive, Scope, Send, respond, send_json
+from mlxgate.api.http import Receive, Scope, Send, respond
+from mlxgate.api.models import ModelNames
 from mlxgate.engine import AdmissionError, Engine, GenerationRequest, SamplingParams
 
 
@@ -173,9 +174,11 @@ def _tool_choice(request: ChatCompletionRequest) -> chat.ToolChoice | None:
 
 
 class OpenAIAPI:
-    def __init__(self, engine: Engine, model_name: str, default_sampling: SamplingParams) -> None:
+    def __init__(
+        self, engine: Engine, models: ModelNames, default_sampling: SamplingParams
+    ) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.models = models
         self.default_sampling = default_sampling
         self.tokenizer = engine.loaded.tokenizer
         self.format = chat.ChatFormat.detect(self.tokenizer)
@@ -185,6 +188,7 @@ class OpenAIAPI:
     ) -> None:
         request: ChatCompletionRequest = parse(ChatCompletionRequest, body)
         request.check()
+        self.models.check(request.model)
         tools = [
             {"type": "function", "function": t.function.model_dump()} for t in request.tools or []
         ]
@@ -214,6 +218,7 @@ class OpenAIAPI:
     async def completions(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request: CompletionRequest = parse(CompletionRequest, body)
         request.check()
+        self.models.check(request.model)
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         if len(prompts) != 1:
             raise ApiError(400, "prompt: exactly one prompt is supported", param="prompt")
@@ -245,7 +250,7 @@ class OpenAIAPI:
                 GenerationRequest(prompt_ids, max_tokens, request.sampling(self.default_sampling)),
                 lambda stream_id, cached_tokens: self.engine.router.open_openai(
                     stream_id,
-                    model=self.model_name,
+                    model=self.models.served,
                     completion_id=completion_id,
                     created=int(time.time()),
                     prompt_tokens=len(prompt_ids),
@@ -260,14 +265,4 @@ class OpenAIAPI:
             )
         except AdmissionError as exc:
             raise ApiError.from_admission(exc, "openai") from None
-        await respond(send, receive, reader, stream=request.stream, error_prefix=b'{"error"')
-
-    async def model(self, scope: Scope, send: Send, model_id: str) -> None:
-        if model_id != self.model_name:
-            raise ApiError(404, f"The model '{model_id}' does not exist", code="model_not_found")
-        created = int(time.time())
-        await send_json(
-            send,
-            200,
-            {"id": model_id, "object": "model", "created": created, "owned_by": "mlxgate"},
-        )
+        await respond(send, receive, reader, stream=request.stream, dialect="openai")
