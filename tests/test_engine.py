@@ -115,12 +115,35 @@ def idle(engine: Engine) -> bool:
 
 def test_concurrent_requests_get_their_own_greedy_outputs(engine: Engine) -> None:
     prompts = [prompt_ids(engine, q) for q in QUESTIONS]
-    alone = [text(body(submit(engine, ids, 16))) for ids in prompts]
-    readers = [submit(engine, ids, 16) for ids in prompts]
-    together = [text(body(reader)) for reader in readers]
+    engine.prefix_cache.max_bytes, saved = 0, engine.prefix_cache.max_bytes  # all computed
+    try:
+        alone = [text(body(submit(engine, ids, 16))) for ids in prompts]
+        passes = engine.metrics.prefill_passes
+        readers = [submit(engine, ids, 16) for ids in prompts]
+        together = [text(body(reader)) for reader in readers]
+    finally:
+        engine.prefix_cache.max_bytes = saved
     assert together == alone
+    # Short prompts arriving together are prefilled several to a forward pass.
+    assert engine.metrics.prefill_passes - passes < len(prompts) // 2
     assert len(set(alone)) > 8  # distinct prompts really gave distinct answers
     assert "Paris" in alone[0]
+
+
+def test_prompts_prefilled_together_are_cached_exactly(engine: Engine) -> None:
+    # Different lengths, some sharing a cached prefix: rows padded differently in one pass.
+    prompts = [
+        prompt_ids(engine, q + " Answer in a few words." * (i % 3))
+        for i, q in enumerate(QUESTIONS[:8])
+    ]
+    body(submit(engine, prompts[0], 1))  # caches the first prompt
+    passes = engine.metrics.prefill_passes
+    readers = [submit(engine, ids, 12) for ids in prompts]
+    together = [text(body(reader)) for reader in readers]
+    assert engine.metrics.prefill_passes - passes < len(prompts)
+    again = [body(submit(engine, ids, 12)) for ids in prompts]
+    assert [m["usage"]["cache_read_input_tokens"] for m in again] == [len(p) - 1 for p in prompts]
+    assert [text(m) for m in again] == together
 
 
 def test_stop_sequence_ends_generation_without_leaking(engine: Engine) -> None:
