@@ -146,6 +146,24 @@ def test_prompts_prefilled_together_are_cached_exactly(engine: Engine) -> None:
     assert [text(m) for m in again] == together
 
 
+def test_a_joining_row_takes_a_finished_rows_slot_exactly(engine: Engine) -> None:
+    prompts = [prompt_ids(engine, q) for q in QUESTIONS[:5]]
+    engine.prefix_cache.max_bytes, saved = 0, engine.prefix_cache.max_bytes  # all computed
+    try:
+        alone = [text(body(submit(engine, ids, 12))) for ids in prompts]
+        keeper = submit(engine, prompt_ids(engine, "Write a very long story about a dragon."), 400)
+        wait_until(lambda: engine.metrics.running == 1, 30.0)
+        beside = []
+        for ids in prompts:  # one after another: each is written into the slot the last one left
+            beside.append(text(body(submit(engine, ids, 12))))
+            assert len(engine._batch.stream_ids) == 2, "a slot was added instead of reused"
+        keeper.cancel()
+        wait_until(lambda: idle(engine), 10.0)
+    finally:
+        engine.prefix_cache.max_bytes = saved
+    assert beside == alone
+
+
 def test_stop_sequence_ends_generation_without_leaking(engine: Engine) -> None:
     ids = prompt_ids(engine, QUESTIONS[0])
     plain = text(body(submit(engine, ids, 32)))
@@ -182,8 +200,8 @@ def test_cancel_during_prefill_stops_the_prefill(engine: Engine) -> None:
     wait_until(lambda: engine.metrics.prefill_tokens > prefilled, 30.0)
     reader.cancel()
     wait_until(lambda: idle(engine), 10.0)
-    # The prefill stopped inside its first chunk: not one more chunk was counted.
-    assert engine.metrics.prefill_tokens - prefilled <= engine.settings.idle_prefill_chunk
+    # The prefill stopped inside the chunk under way when the cancel came.
+    assert engine.metrics.prefill_tokens - prefilled <= 2 * engine.settings.max_prefill_chunk
     assert engine.metrics.prefill_tokens - prefilled < len(long_prompt) // 2
 
 
