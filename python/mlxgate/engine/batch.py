@@ -97,6 +97,8 @@ class DecodeBatch:
             [self.remaining, np.asarray([remaining[r] for r in appended], np.int64)]
         )
         self.samplers.extend(samplers[r] for r in appended)
+        # The copies are paid now, by the step that admits, not by the next decode step.
+        mx.eval([(c.keys, c.values) for c in self.caches])
 
     def _write_slots(
         self,

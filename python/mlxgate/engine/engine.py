@@ -55,6 +55,7 @@ class _Pending:
     last_ping: float = field(default_factory=time.monotonic)
     caches: list[KVCache] | None = None  # per layer, once prefill has started
     done: int = 0  # prompt tokens whose keys/values are in `caches`
+    last_chunk: tuple[int, float] | None = None  # (tokens, seconds) of its latest prefill pass
 
     @property
     def todo(self) -> int:
@@ -98,7 +99,7 @@ class EngineSettings:
     # per token (256 tokens: ~245 tok/s, 512: ~195 tok/s with SmolLM2-135M).
     max_prefill_chunk: int = 256
     # Never prefill less than this per step, however many rows decode.
-    min_prefill_chunk: int = 32
+    min_prefill_chunk: int = 16
     prefix_cache_bytes: int = 1 << 30
     # A reader may fall behind (its frames coalesce); one that stays over the router's unread
     # bound this long has stopped reading, and its sequence is cancelled with an error event.
@@ -229,7 +230,9 @@ class Engine:
             self._decode_s = _ema(self._decode_s, time.perf_counter() - started)
         if self._waiting:
             prefill_started = time.perf_counter()
-            prefilled = self._prefill(self._prefill_budget(decoding))
+            prefilled = self._prefill(
+                self._prefill_budget(decoding), self._prefill_allowance_s(decoding)
+            )
             if prefilled >= self.settings.min_prefill_chunk:
                 per_token = (time.perf_counter() - prefill_started) / prefilled
                 self._prefill_token_s = _ema(self._prefill_token_s, per_token)
@@ -264,6 +267,15 @@ class Engine:
             self.metrics.requests_cancelled += int(ended.sum())
             self._batch.drop(ended)
 
+    def _prefill_allowance_s(self, decoding: int) -> float | None:
+        """Seconds of prefill this step may add to decoding; None when nothing limits it."""
+        s = self.settings
+        if not decoding or s.step_token_budget or self._decode_s is None:
+            return None
+        # More prompts waiting than streams decoding: the waiting clients get the larger share.
+        stretch = max(1.0, len(self._waiting) / decoding)
+        return (s.max_step_ratio - 1.0) * self._decode_s * stretch
+
     def _prefill_budget(self, decoding: int) -> int:
         """Prompt tokens this step may prefill without stalling the `decoding` streams too long."""
         s = self.settings
@@ -271,12 +283,24 @@ class Engine:
             return s.max_prefill_tokens  # nobody waits on this step: go for throughput
         if s.step_token_budget:
             return max(s.min_prefill_chunk, s.step_token_budget - decoding)
-        if self._decode_s is None or self._prefill_token_s is None:
+        allowance = self._prefill_allowance_s(decoding)
+        if allowance is None or self._prefill_token_s is None:
             return s.min_prefill_chunk
-        fits = (s.max_step_ratio - 1.0) * self._decode_s / self._prefill_token_s
-        # More prompts waiting than streams decoding: the waiting clients get the larger share.
-        fits *= max(1.0, len(self._waiting) / decoding)
+        fits = allowance / self._prefill_token_s
         return int(min(s.max_prefill_tokens, max(s.min_prefill_chunk, fits)))
+
+    def _steered_chunk(self, pending: _Pending, allowance_s: float) -> int:
+        """The next chunk of a prompt in prefill, sized from its own previous pass.
+
+        A pass costs a fixed part (every weight is read once) plus a part per token that grows
+        with the prompt's length so far, which a global per-token rate does not capture.
+        """
+        assert pending.last_chunk is not None
+        tokens, took = pending.last_chunk
+        steered = int(tokens * allowance_s / max(took, 1e-3))
+        steered = min(2 * tokens, max(tokens // 2, steered))
+        s = self.settings
+        return min(pending.todo, s.max_prefill_chunk, max(s.min_prefill_chunk, steered))
 
     def _update_gauges(self) -> None:
         self.metrics.queue_depth = len(self._waiting)
@@ -332,8 +356,12 @@ class Engine:
             ended[live] = finished | cancelled
             batch.drop(ended)
 
-    def _prefill(self, budget: int) -> int:
-        """Prefill up to `budget` prompt tokens, oldest sequence first; returns how many."""
+    def _prefill(self, budget: int, allowance_s: float | None) -> int:
+        """Prefill up to `budget` prompt tokens, oldest sequence first; returns how many.
+
+        With streams decoding (`allowance_s` set), a prompt already in prefill takes one chunk
+        sized from its previous pass instead.
+        """
         admitted: list[_Pending] = []
         groups: list[_PromptGroup] = []
         idle = not len(self._batch)
@@ -362,17 +390,25 @@ class Engine:
             pending = self._waiting[0]
             if pending.caches is None:
                 self._start_prefill(pending)
-            chunk = min(budget, pending.todo, self.settings.max_prefill_chunk)
+            steered = allowance_s is not None and pending.last_chunk is not None
+            if steered:
+                chunk = self._steered_chunk(pending, allowance_s)  # type: ignore[arg-type]
+            else:
+                chunk = min(budget, pending.todo, self.settings.max_prefill_chunk)
             if chunk > 0:
                 prompt = pending.request.prompt_ids
                 tokens_in = mx.array(prompt[pending.done : pending.done + chunk])[None]
+                pass_started = time.perf_counter()
                 if not self._forward_prompt(tokens_in, pending):
                     break  # its client left mid-chunk; the next step drops it
+                pending.last_chunk = (chunk, time.perf_counter() - pass_started)
                 pending.done += chunk
-                budget -= chunk
+                budget = 0 if steered else budget - chunk
                 spent += chunk
                 self.metrics.prefill_tokens += chunk
                 self.metrics.prefill_passes += 1
+                if steered and pending.todo == 0:
+                    break  # joining copies the batch's cache: the next step does it, not this one
             if pending.todo == 0:
                 admitted.append(self._waiting.popleft())
             if idle and admitted:
