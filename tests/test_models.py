@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
@@ -54,3 +57,28 @@ def test_greedy_generation_is_sensible(smollm: LoadedModel) -> None:
         out.append(token)
         logits = smollm.model(mx.array([[token]]), cache=cache)[:, -1, :]
     assert "Paris" in tok.decode(out)
+
+
+@pytest.mark.parametrize("padding", [None, [0, 7, 30, 55]])
+def test_prefill_attention_through_numpy_equals_mlx(padding: list[int] | None) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
+
+    from mlxgate.models import cpu_attention
+
+    rows, n, t = (1, 256, 1280) if padding is None else (4, 80, 120)
+    queries = mx.random.normal((rows, 9, n, 64), key=mx.random.key(1))
+    keys = mx.random.normal((rows, 3, t, 64), key=mx.random.key(2))
+    values = mx.random.normal((rows, 3, t, 64), key=mx.random.key(3))
+    mask: Any = "causal"
+    if padding is not None:
+        mask = create_causal_mask(n, offset=t - n, left_padding=mx.array(padding))
+    assert rows * 9 * n * t >= cpu_attention.MIN_SCORES  # the numpy path, not the fallback
+    ours = cpu_attention.scaled_dot_product_attention(queries, keys, values, None, 0.125, mask)
+    theirs = scaled_dot_product_attention(queries, keys, values, None, 0.125, mask)  # type: ignore[arg-type]
+    # Query rows with no key to attend to (left padding only) are never used; compare the rest.
+    used = np.ones((rows, 1, n), dtype=bool) if padding is None else np.asarray(mask).any(-1)
+    used = np.broadcast_to(used, (rows, 9, n))
+    diff = np.abs(np.asarray(ours) - np.asarray(theirs)).max(axis=-1)
+    assert diff[used].max() < 1e-4
+    assert np.isfinite(np.asarray(ours)).all()

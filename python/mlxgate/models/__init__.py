@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxgate.models import cpu_attention
 from mlxgate.models.tokenizer import ChatTokenizer
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -53,6 +54,12 @@ def _download(repo_id: str) -> Path:
 
 def load(spec: str | None, dtype: mx.Dtype = mx.float32) -> LoadedModel:
     """Load the model named by `--model`; None means the embedded default."""
+    loaded = _load(spec, dtype)
+    cpu_attention.install(loaded.model)
+    return loaded
+
+
+def _load(spec: str | None, dtype: mx.Dtype) -> LoadedModel:
     if spec is None:
         from mlxgate.models.gguf import load_gguf
 
