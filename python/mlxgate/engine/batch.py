@@ -129,12 +129,34 @@ class DecodeBatch:
             mine.left_padding, mine.offset = padding_mx, offset_mx
 
     def _append(self, caches: Sequence[BatchKVCache], rows: list[int]) -> None:
-        """Grow the batch by `rows` of the joining caches (copies the whole batch cache)."""
+        """Grow the batch by `rows` of the joining caches: one new buffer, both right-aligned.
+
+        (mlx-lm's `BatchKVCache.extend` pads both sides and concatenates: three copies.)
+        """
         index = mx.array(rows, dtype=mx.int32)
         for mine, theirs in zip(self.caches, caches, strict=True):
-            if len(rows) < theirs.offset.shape[0]:
-                theirs.filter(index)
-            mine.extend(theirs)
+            assert mine.keys is not None and mine.values is not None
+            assert theirs.keys is not None and theirs.values is not None
+            ours, joining = mine.size(), theirs.size()
+            columns = max(ours, joining)
+            capacity = -(-columns // mine.step) * mine.step  # room for the next tokens
+            old = mine.keys.shape[0]
+            grown = []
+            for mine_kv, theirs_kv in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                _, heads, _, dim = mine_kv.shape
+                both = mx.zeros((old + len(rows), heads, capacity, dim), dtype=mine_kv.dtype)
+                both[:old, :, columns - ours : columns, :] = mine_kv[..., :ours, :]
+                both[old:, :, columns - joining : columns, :] = theirs_kv[index, :, :joining, :]
+                grown.append(both)
+            mine.keys, mine.values = grown
+            mine.left_padding = mx.concatenate(
+                [
+                    mine.left_padding + (columns - ours),
+                    theirs.left_padding[index] + (columns - joining),
+                ]
+            )
+            mine.offset = mx.concatenate([mine.offset, theirs.offset[index]])
+            mine._idx = columns
 
     def drop(self, ended: np.ndarray) -> None:
         """Free the slots of rows that ended (a boolean mask over slots)."""
