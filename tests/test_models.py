@@ -59,14 +59,22 @@ def test_greedy_generation_is_sensible(smollm: LoadedModel) -> None:
     assert "Paris" in tok.decode(out)
 
 
-@pytest.mark.parametrize("padding", [None, [0, 7, 30, 55]])
-def test_prefill_attention_through_numpy_equals_mlx(padding: list[int] | None) -> None:
+@pytest.mark.parametrize(
+    ("rows", "n", "t", "padding"),
+    [
+        (1, 256, 1280, None),  # a prefill chunk deep into a prompt
+        (4, 80, 120, [0, 7, 30, 55]),  # prompts prefilled together, left-padded
+        (32, 1, 150, [i * 3 for i in range(32)]),  # a decode step of 32 rows
+    ],
+)
+def test_attention_through_numpy_equals_mlx(
+    rows: int, n: int, t: int, padding: list[int] | None
+) -> None:
     import mlx.core as mx
     from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 
     from mlxgate.models import cpu_attention
 
-    rows, n, t = (1, 256, 1280) if padding is None else (4, 80, 120)
     queries = mx.random.normal((rows, 9, n, 64), key=mx.random.key(1))
     keys = mx.random.normal((rows, 3, t, 64), key=mx.random.key(2))
     values = mx.random.normal((rows, 3, t, 64), key=mx.random.key(3))
