@@ -2,12 +2,12 @@
 
     .venv/bin/python benches/stalled_reader.py [--streams 31] [--tokens 128]
 
-One mlxgate server on the embedded model. Run A: the streams alone. Run B: the same streams
-while one more client sends a streaming request with a 4 KiB receive buffer and never reads a
-byte of the answer. Reported: inter-token latency of the streams (p50/p95) in both runs, their
-ratio, failures, and the server's resident memory after each run. The engine never waits for a
-reader: the stalled stream's frames coalesce in its channel (bounded by `max_unread_bytes`)
-and past the stall timeout it is cancelled with an error event.
+One mlxgate server on the embedded model (prefix cache off). Run A: the streams alone. Run B:
+the same streams while one more client sends a streaming request with a 4 KiB receive buffer
+and never reads a byte of the answer. Reported: inter-token latency of the streams (p50/p95)
+in both runs, their ratio, failures, and the server's resident memory after each run. The
+engine never waits for a reader: the stalled stream's frames coalesce in its channel (bounded
+by `max_unread_bytes`) and past the stall timeout it is cancelled with an error event.
 """
 
 from __future__ import annotations
@@ -76,13 +76,14 @@ async def main_async(args: argparse.Namespace) -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     server = Server(
         "mlxgate",
-        server_command("mlxgate", port, BENCHES / ".cache/smollm2-mlx", []),
+        # No prefix cache: the second run would reuse the first one's prompts.
+        server_command("mlxgate", port, BENCHES / ".cache/smollm2-mlx", ["--prefix-cache-mb", "0"]),
         port,
         BENCHES / f".cache/logs/{stamp}-stalled-reader.log",
     )
     server.start()
     try:
-        await measure(server.url, 2, 8)  # warm-up
+        await measure(server.url, args.streams, 8)  # warm-up: every batch size once
         alone = await measure(server.url, args.streams, args.tokens)
         alone["rss_mb"] = rss_mb(server.pid)
         sock = stalled_client(server.url, 4000)
