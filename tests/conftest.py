@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -170,3 +170,25 @@ def in_process() -> Iterator[InProcessServer]:
     app.engine.router = router  # type: ignore[assignment]
     yield InProcessServer(app, router)
     app.engine.stop()
+
+
+# Faults for the in-process app (`monkeypatch.setattr` them over the real pieces).
+
+
+def broken_render(*args: Any, **kwargs: Any) -> None:
+    """Stands in for `mlxgate.chat.render`: a bug before the response's headers."""
+    raise RuntimeError("a bug in rendering")
+
+
+async def broken_after_first_frames(reader: Any) -> AsyncIterator[bytes]:
+    """Stands in for `mlxgate.api.http.chunks`: a bug after the response's headers."""
+    from mlxgate.streams import chunks
+
+    async for data in chunks(reader):
+        yield data
+        raise RuntimeError("a bug in the stream writer")
+
+
+def last_frames(sse: str, count: int) -> list[str]:
+    """The last `count` frames of an SSE body."""
+    return [frame for frame in sse.split("\n\n") if frame][-count:]

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import anthropic
 import httpx
 import httpx2
 import pytest
 
-from conftest import InProcessServer, RunningServer, start_server
+from conftest import (
+    InProcessServer,
+    RunningServer,
+    broken_after_first_frames,
+    broken_render,
+    last_frames,
+    start_server,
+)
 from mlxgate import chat, cli
 from mlxgate.api import http
-from mlxgate.streams import chunks
 
 BASH_TOOL = {
     "name": "Bash",
@@ -369,10 +374,6 @@ def in_process_client(in_process: InProcessServer) -> anthropic.AsyncAnthropic:
     )
 
 
-def last_frame(sse: str) -> str:
-    return [frame for frame in sse.split("\n\n") if frame][-1]
-
-
 @pytest.mark.anyio
 async def test_engine_failure_is_500_api_error_and_serving_goes_on(
     in_process: InProcessServer,
@@ -408,7 +409,7 @@ async def test_engine_failure_is_500_api_error_and_serving_goes_on(
             cast_to=httpx2.Response,
         )
         assert raw.status_code == 200
-        event, data = last_frame(raw.text).split("\n")
+        event, data = last_frames(raw.text, 1)[0].split("\n")
         assert event == "event: error"
         assert json.loads(data.removeprefix("data: "))["error"]["type"] == "api_error"
 
@@ -420,14 +421,6 @@ async def test_engine_failure_is_500_api_error_and_serving_goes_on(
 async def test_unexpected_errors_before_and_after_headers(
     in_process: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken_render(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("a bug in rendering")
-
-    async def broken_after_first_frames(reader: Any) -> AsyncIterator[bytes]:
-        async for data in chunks(reader):
-            yield data
-            raise RuntimeError("a bug in the stream writer")
-
     async with in_process_client(in_process) as client:
         with monkeypatch.context() as patch:
             patch.setattr(chat, "render", broken_render)
@@ -444,7 +437,7 @@ async def test_unexpected_errors_before_and_after_headers(
                 cast_to=httpx2.Response,
             )
         assert raw.status_code == 200 and raw.text.startswith("event: message_start")
-        event, data = last_frame(raw.text).split("\n")
+        event, data = last_frames(raw.text, 1)[0].split("\n")
         assert event == "event: error"
         assert json.loads(data.removeprefix("data: "))["error"]["type"] == "api_error"
 

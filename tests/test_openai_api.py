@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -11,10 +10,15 @@ import httpx2
 import openai
 import pytest
 
-from conftest import InProcessServer, RunningServer
+from conftest import (
+    InProcessServer,
+    RunningServer,
+    broken_after_first_frames,
+    broken_render,
+    last_frames,
+)
 from mlxgate import chat
 from mlxgate.api import http
-from mlxgate.streams import chunks
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 BASH = {
@@ -293,10 +297,6 @@ def in_process_client(in_process: InProcessServer) -> openai.AsyncOpenAI:
     )
 
 
-def last_frames(sse: str, count: int) -> list[str]:
-    return [frame for frame in sse.split("\n\n") if frame][-count:]
-
-
 @pytest.mark.anyio
 async def test_engine_failure_is_500_in_the_openai_envelope(in_process: InProcessServer) -> None:
     async with in_process_client(in_process) as client:
@@ -340,14 +340,6 @@ async def test_engine_failure_is_500_in_the_openai_envelope(in_process: InProces
 async def test_unexpected_errors_before_and_after_headers(
     in_process: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken_render(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("a bug in rendering")
-
-    async def broken_after_first_frames(reader: Any) -> AsyncIterator[bytes]:
-        async for data in chunks(reader):
-            yield data
-            raise RuntimeError("a bug in the stream writer")
-
     async with in_process_client(in_process) as client:
         with monkeypatch.context() as patch:
             patch.setattr(chat, "render", broken_render)

@@ -72,17 +72,6 @@ class _PromptGroup:
     caches: list[BatchKVCache]  # per layer
 
 
-def _row_cache(batched: BatchKVCache, row: int, length: int) -> KVCache:
-    """A copy of one row's last `length` keys/values, its padding left out."""
-    assert batched.keys is not None and batched.values is not None
-    end = batched.size()
-    cache = KVCache()
-    cache.keys = mx.contiguous(batched.keys[row : row + 1, :, end - length : end])
-    cache.values = mx.contiguous(batched.values[row : row + 1, :, end - length : end])
-    cache.offset = length
-    return cache
-
-
 @dataclass(frozen=True)
 class EngineSettings:
     max_queued: int = 64
@@ -230,9 +219,8 @@ class Engine:
             self._decode_s = _ema(self._decode_s, time.perf_counter() - started)
         if self._waiting:
             prefill_started = time.perf_counter()
-            prefilled = self._prefill(
-                self._prefill_budget(decoding), self._prefill_allowance_s(decoding)
-            )
+            allowance_s = self._prefill_allowance_s(decoding)
+            prefilled = self._prefill(self._prefill_budget(decoding, allowance_s), allowance_s)
             if prefilled >= self.settings.min_prefill_chunk:
                 per_token = (time.perf_counter() - prefill_started) / prefilled
                 self._prefill_token_s = _ema(self._prefill_token_s, per_token)
@@ -276,17 +264,16 @@ class Engine:
         stretch = max(1.0, len(self._waiting) / decoding)
         return (s.max_step_ratio - 1.0) * self._decode_s * stretch
 
-    def _prefill_budget(self, decoding: int) -> int:
+    def _prefill_budget(self, decoding: int, allowance_s: float | None) -> int:
         """Prompt tokens this step may prefill without stalling the `decoding` streams too long."""
         s = self.settings
         if not decoding:
             return s.max_prefill_tokens  # nobody waits on this step: go for throughput
         if s.step_token_budget:
             return max(s.min_prefill_chunk, s.step_token_budget - decoding)
-        allowance = self._prefill_allowance_s(decoding)
-        if allowance is None or self._prefill_token_s is None:
+        if allowance_s is None or self._prefill_token_s is None:
             return s.min_prefill_chunk
-        fits = allowance / self._prefill_token_s
+        fits = allowance_s / self._prefill_token_s
         return int(min(s.max_prefill_tokens, max(s.min_prefill_chunk, fits)))
 
     def _steered_chunk(self, pending: _Pending, allowance_s: float) -> int:
@@ -455,19 +442,9 @@ class Engine:
 
     def _forward_group(self, group: _PromptGroup) -> bool:
         """Prefill a group's prompts together; False if every one of its clients left meanwhile."""
-        tokens = mx.array(group.tokens)
         ids = {p.stream_id for p in group.rows}
-        if not self._layerwise:
-            self._backbone(tokens, cache=group.caches)
-        else:
-            backbone = self._backbone
-            hidden = backbone.embed_tokens(tokens)
-            mask = create_attention_mask(hidden, group.caches[0])
-            for layer, cache in zip(backbone.layers, group.caches, strict=True):
-                hidden = layer(hidden, mask, cache=cache)
-                mx.eval(hidden)
-                if ids <= self._poll_cancelled():
-                    return False
+        if not self._forward(mx.array(group.tokens), group.caches, lambda gone: ids <= gone):
+            return False
         # The right padding moves to the left, where the decode batch expects it.
         for cache in group.caches:
             cache.finalize()
@@ -476,8 +453,14 @@ class Engine:
 
     def _forward_prompt(self, tokens: mx.array, pending: _Pending) -> bool:
         """Add `tokens` to the pending sequence's KV cache; False if it was cancelled meanwhile."""
-        caches = pending.caches
-        assert caches is not None
+        assert pending.caches is not None
+        return self._forward(tokens, pending.caches, lambda gone: pending.stream_id in gone)
+
+    def _forward(
+        self, tokens: mx.array, caches: list[Any], left: Callable[[set[int]], bool]
+    ) -> bool:
+        """Run the backbone over `tokens` into `caches`, layer by layer where the model allows,
+        so that it stops once `left(cancelled stream ids)` says its clients went away."""
         if not self._layerwise:
             self._backbone(tokens, cache=caches)
             mx.eval([c.state for c in caches])
@@ -488,7 +471,7 @@ class Engine:
         for layer, cache in zip(backbone.layers, caches, strict=True):
             hidden = layer(hidden, mask, cache=cache)
             mx.eval(hidden)
-            if pending.stream_id in self._poll_cancelled():
+            if left(self._poll_cancelled()):
                 return False
         return True
 
@@ -513,9 +496,8 @@ class Engine:
 
     def _join_group(self, group: _PromptGroup) -> None:
         for row, pending in enumerate(group.rows):
-            prefix = pending.request.prompt_ids[:-1]
-            own = [_row_cache(cache, row, len(prefix)) for cache in group.caches]
-            self.prefix_cache.store(prefix, own)
+            own = [cache.extract(row) for cache in group.caches]  # copies, padding left out
+            self.prefix_cache.store(pending.request.prompt_ids[:-1], own)
         self._add_rows(group.rows, group.caches)
 
     def _add_rows(self, joining: list[_Pending], caches: list[BatchKVCache]) -> None:
