@@ -164,6 +164,37 @@ def test_a_joining_row_takes_a_finished_rows_slot_exactly(engine: Engine) -> Non
     assert beside == alone
 
 
+def test_a_long_prompt_decodes_in_a_band_of_its_own_exactly(engine: Engine) -> None:
+    story = prompt_ids(engine, "Write a very long story about a dragon.")
+    long_prompt = prompt_ids(engine, "word " * 700 + "Summarize that.")
+    engine.prefix_cache.max_bytes, saved = 0, engine.prefix_cache.max_bytes  # all computed
+    bands_seen: set[int] = set()
+    done = threading.Event()
+
+    def watch_bands() -> None:
+        while not done.is_set():
+            bands_seen.add(len(engine._batch.bands))
+            time.sleep(0.005)
+
+    try:
+        story_alone = text(body(submit(engine, story, 120)))
+        long_alone = text(body(submit(engine, long_prompt, 8)))
+        watcher = threading.Thread(target=watch_bands)
+        watcher.start()
+        keeper = submit(engine, story, 120)
+        wait_until(lambda: engine.metrics.running == 1, 30.0)
+        long_beside = text(body(submit(engine, long_prompt, 8)))
+        story_beside = text(body(keeper))
+        done.set()
+        watcher.join()
+    finally:
+        engine.prefix_cache.max_bytes = saved
+    # ~700 tokens joining a row of ~100: a band of its own, not 600 columns of padding for both.
+    assert 2 in bands_seen
+    assert long_beside == long_alone
+    assert story_beside == story_alone
+
+
 def test_stop_sequence_ends_generation_without_leaking(engine: Engine) -> None:
     ids = prompt_ids(engine, QUESTIONS[0])
     plain = text(body(submit(engine, ids, 32)))

@@ -1,13 +1,21 @@
-"""The running batch: one row per decoding sequence, a shared batched KV cache, batched sampling.
+"""The running batch: one row per decoding sequence, batched KV caches, batched sampling.
 
-Copying the batch's whole KV cache costs ~0.15 s at 32 rows, so rows are slots: a sequence that
-ends leaves its slot in the batch (still computed, its tokens ignored) until a joining sequence
-is written into it, and the batch is only compacted once more slots are free than in use.
+Rows live in bands of similar length, each band one `BatchKVCache` per layer whose rows are
+left-padded to the band's width. A 1,500-token row joining rows of 200 tokens starts a band of
+its own: in one shared cache it would pad every row to 1,500 columns (a ~0.3 s copy to join,
+then attention over the padding at every step). All bands go through the model in one call;
+only attention sees them apart (models/banded_cache.py).
+
+Copying a band's whole KV cache costs ~0.15 s at 32 rows, so rows are slots: a sequence that
+ends leaves its slot (still computed, its tokens ignored) until a joining sequence is written
+into it, and a band is only compacted once more of its slots are free than in use.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -15,33 +23,37 @@ from mlx_lm.models.cache import BatchKVCache
 
 from mlxgate.engine.request import SamplingParams
 from mlxgate.engine.sampling import Sampler
+from mlxgate.models.banded_cache import BandedCache
 
 FREE = 0  # the stream id of a free slot (stream ids start at 1)
 # Columns no live row uses (all pad them) before the cache is shifted to drop them: at 32 rows
-# each column costs ~0.7 ms of attention per step, a shift one copy of the cache (~0.13 s).
+# each column costs ~0.35 ms of attention per step, a shift one copy of the cache (~0.13 s).
 TRIM_COLUMNS = 32
+# A joining row starts a new band when the closest band would need more padding than this many
+# row-columns to take it: each costs a little attention at every step, a band ~5 ms of extra ops.
+BAND_PADDING = 512
+MAX_BANDS = 4
 
 _GREEDY = Sampler(SamplingParams())
 
 
 class DecodeBatch:
-    """Per-slot state lives in numpy arrays so a step's bookkeeping is a few vector operations,
-    whatever the batch size.
-    """
+    """The bands, seen as one batch: rows (slots) in band order."""
 
-    def __init__(self) -> None:
-        self._empty()
-
-    def _empty(self) -> None:
-        self.caches: list[BatchKVCache] = []
-        self.stream_ids = np.zeros(0, dtype=np.uint64)  # per slot; FREE when the slot is free
-        self.remaining = np.zeros(0, dtype=np.int64)  # tokens each row may still produce
-        self.samplers: list[Sampler] = []
-        self.inputs: mx.array | None = None  # the token each slot feeds next
+    def __init__(self, banded: bool = True) -> None:
+        self.max_bands = MAX_BANDS if banded else 1
+        self.bands: list[_Band] = []
 
     def __len__(self) -> int:
         """Live rows (sequences decoding)."""
-        return int(np.count_nonzero(self.stream_ids))
+        return sum(len(band) for band in self.bands)
+
+    @property
+    def stream_ids(self) -> np.ndarray:
+        """Per slot; FREE for a free slot."""
+        if not self.bands:
+            return np.zeros(0, dtype=np.uint64)
+        return np.concatenate([band.stream_ids for band in self.bands])
 
     @property
     def live(self) -> np.ndarray:
@@ -50,6 +62,21 @@ class DecodeBatch:
     @property
     def running_ids(self) -> list[int]:
         return self.stream_ids[self.live].tolist()  # type: ignore[no-any-return]
+
+    @property
+    def inputs(self) -> mx.array:
+        """The token each slot feeds next."""
+        if len(self.bands) == 1:
+            return self.bands[0].inputs
+        return mx.concatenate([band.inputs for band in self.bands])
+
+    @property
+    def caches(self) -> list[Any]:
+        """Per layer: the one band's BatchKVCache, or a BandedCache over all bands."""
+        if len(self.bands) == 1:
+            return self.bands[0].caches
+        layers = zip(*(band.caches for band in self.bands), strict=True)
+        return [BandedCache(band_caches) for band_caches in layers]
 
     def add(
         self,
@@ -60,20 +87,123 @@ class DecodeBatch:
         inputs: Sequence[int],
     ) -> None:
         """Join rows whose keys/values `caches` hold (per layer, rows left-padded to its end)."""
+        lengths = np.array(caches[0].offset).tolist()
+        bands = list(self.bands)
+        widths = [band.columns for band in bands]
+        slots = [len(band.stream_ids) for band in bands]
+        rows: list[list[int]] = [[] for _ in bands]
+        # Longest first, so that a new band is as wide as its first row.
+        for row in sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True):
+            length = lengths[row]
+            padding = [
+                width - length if length <= width else (length - width) * n
+                for width, n in zip(widths, slots, strict=True)
+            ]
+            best = int(np.argmin(padding)) if padding else -1
+            if best < 0 or (padding[best] > BAND_PADDING and len(bands) < self.max_bands):
+                bands.append(_Band())
+                widths.append(length)
+                slots.append(1)
+                rows.append([row])
+                continue
+            rows[best].append(row)
+            widths[best] = max(widths[best], length)
+            slots[best] += 1
+        for band, band_rows in zip(bands, rows, strict=True):
+            if band_rows:
+                band.add(caches, sorted(band_rows), stream_ids, remaining, samplers, inputs)
+        self.bands = bands
+        # The copies are paid now, by the step that admits, not by the next decode step.
+        mx.eval([(c.keys, c.values) for band in bands for c in band.caches])
+
+    def drop(self, ended: np.ndarray) -> None:
+        """Free the slots of rows that ended (a boolean mask over slots)."""
+        if not ended.any():
+            return
+        start = 0
+        for band in self.bands:
+            stop = start + len(band.stream_ids)
+            band.drop(ended[start:stop])
+            start = stop
+        self.bands = [band for band in self.bands if len(band)]
+
+    def advance(self, tokens: mx.array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Feed each slot its sampled token next; for the live rows, return their stream ids,
+        tokens, and whether each has now produced all it may."""
+        token_ids = np.array(tokens, copy=False)
+        parts = []
+        start = 0
+        for band in self.bands:
+            stop = start + len(band.stream_ids)
+            band_tokens = tokens if len(self.bands) == 1 else tokens[start:stop]
+            parts.append(band.advance(band_tokens, token_ids[start:stop]))
+            start = stop
+        stream_ids, token_ids, exhausted = (np.concatenate(c) for c in zip(*parts, strict=True))
+        return stream_ids, token_ids, exhausted
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """Next token per row: one argmax for greedy rows, per-row samplers for the others."""
+        samplers = list(itertools.chain.from_iterable(band.samplers for band in self.bands))
+        if all(s.params.greedy for s in samplers):
+            return mx.argmax(logits, axis=-1).astype(mx.uint32)
+        greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        picks = [
+            greedy[i : i + 1] if s.params.greedy else s(logits[i : i + 1]).astype(mx.uint32)
+            for i, s in enumerate(samplers)
+        ]
+        return mx.concatenate(picks)
+
+
+class _Band:
+    """Rows sharing one BatchKVCache per layer. Per-slot state lives in numpy arrays, so a
+    step's bookkeeping is a few vector operations whatever the number of rows.
+    """
+
+    def __init__(self) -> None:
+        self._empty()
+
+    def _empty(self) -> None:
+        self.caches: list[BatchKVCache] = []
+        self.stream_ids = np.zeros(0, dtype=np.uint64)  # per slot; FREE when the slot is free
+        self.remaining = np.zeros(0, dtype=np.int64)  # tokens each row may still produce
+        self.samplers: list[Sampler] = []
+        self.inputs = mx.array([], dtype=mx.uint32)  # the token each slot feeds next
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.stream_ids))
+
+    @property
+    def live(self) -> np.ndarray:
+        return self.stream_ids != FREE
+
+    @property
+    def columns(self) -> int:
+        return self.caches[0].size() if self.caches else 0
+
+    def add(
+        self,
+        caches: Sequence[BatchKVCache],
+        rows: list[int],
+        stream_ids: Sequence[int],
+        remaining: Sequence[int],
+        samplers: Sequence[Sampler],
+        inputs: Sequence[int],
+    ) -> None:
+        """Join `rows` of the joining `caches` (per layer, rows left-padded to its end)."""
         if not self.caches:
-            self.caches = list(caches)
-            self.stream_ids = np.asarray(stream_ids, dtype=np.uint64)
-            self.remaining = np.asarray(remaining, dtype=np.int64)
-            self.samplers = list(samplers)
-            self.inputs = mx.array(list(inputs), dtype=mx.uint32)
+            self.caches = [_rows_of(cache, rows) for cache in caches]
+            self.stream_ids = np.asarray([stream_ids[r] for r in rows], dtype=np.uint64)
+            self.remaining = np.asarray([remaining[r] for r in rows], dtype=np.int64)
+            self.samplers = [samplers[r] for r in rows]
+            self.inputs = mx.array([inputs[r] for r in rows], dtype=mx.uint32)
             return
         lengths = np.array(caches[0].offset).tolist()
-        columns = self.caches[0].size()
+        columns = self.columns
         free = np.flatnonzero(~self.live).tolist()
         placed: list[tuple[int, int]] = []  # (slot, joining row)
         appended: list[int] = []
-        for row, length in enumerate(lengths):
-            if free and length <= columns:
+        for row in rows:
+            if free and lengths[row] <= columns:
                 placed.append((free.pop(0), row))
             else:
                 appended.append(row)
@@ -81,7 +211,7 @@ class DecodeBatch:
             self._write_slots(caches, placed, lengths, columns)
         if appended:
             self._append(caches, appended)
-        tokens = np.array(self.inputs, copy=True)  # type: ignore[arg-type]
+        tokens = np.array(self.inputs, copy=True)
         for slot, row in placed:
             tokens[slot] = inputs[row]
         tokens = np.concatenate([tokens, np.asarray([inputs[r] for r in appended], np.uint32)])
@@ -97,8 +227,14 @@ class DecodeBatch:
             [self.remaining, np.asarray([remaining[r] for r in appended], np.int64)]
         )
         self.samplers.extend(samplers[r] for r in appended)
-        # The copies are paid now, by the step that admits, not by the next decode step.
-        mx.eval([(c.keys, c.values) for c in self.caches])
+
+    def advance(
+        self, tokens: mx.array, token_ids: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self.inputs = tokens
+        live = self.live
+        self.remaining[live] -= 1
+        return self.stream_ids[live], token_ids[live], self.remaining[live] <= 0
 
     def _write_slots(
         self,
@@ -183,7 +319,6 @@ class DecodeBatch:
         self.stream_ids = self.stream_ids[rows]
         self.remaining = self.remaining[rows]
         self.samplers = [self.samplers[i] for i in rows]
-        assert self.inputs is not None
         self.inputs = self.inputs[index]
 
     def _trim(self) -> None:
@@ -201,17 +336,6 @@ class DecodeBatch:
             cache.left_padding = padding_mx
             _own_buffers(cache)
 
-    def sample(self, logits: mx.array) -> mx.array:
-        """Next token per row: one argmax for greedy rows, per-row samplers for the others."""
-        if all(s.params.greedy for s in self.samplers):
-            return mx.argmax(logits, axis=-1).astype(mx.uint32)
-        greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
-        picks = [
-            greedy[i : i + 1] if s.params.greedy else s(logits[i : i + 1]).astype(mx.uint32)
-            for i, s in enumerate(self.samplers)
-        ]
-        return mx.concatenate(picks)
-
 
 def _own_buffers(cache: BatchKVCache) -> None:
     """A column slice is a strided view; writing the next token into a view copies the whole
@@ -219,3 +343,11 @@ def _own_buffers(cache: BatchKVCache) -> None:
     assert cache.keys is not None and cache.values is not None
     cache.keys = mx.contiguous(cache.keys)
     cache.values = mx.contiguous(cache.values)
+
+
+def _rows_of(cache: BatchKVCache, rows: list[int]) -> BatchKVCache:
+    """The joining cache itself if it is all `rows`, else a copy of just those rows."""
+    assert cache.keys is not None
+    if rows == list(range(cache.keys.shape[0])):
+        return cache
+    return BatchKVCache.merge([cache.extract(row) for row in rows])

@@ -29,7 +29,7 @@ from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.prefix_cache import PrefixCache, PrefixMatch
 from mlxgate.engine.request import GenerationRequest
 from mlxgate.engine.sampling import Sampler
-from mlxgate.models import LoadedModel
+from mlxgate.models import LoadedModel, cpu_attention
 
 log = logging.getLogger("mlxgate.engine")
 
@@ -130,7 +130,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         # Engine-thread state.
         self._waiting: deque[_Pending] = deque()
-        self._batch = DecodeBatch()
+        # Bands of rows need the attention that attends band by band.
+        self._banded = cpu_attention.installed(self.model)
+        self._batch = DecodeBatch(self._banded)
 
     @property
     def context_length(self) -> int:
@@ -186,7 +188,7 @@ class Engine:
 
     def _run(self) -> None:
         # MLX streams are per thread: every array the engine evaluates is made on this thread.
-        self._batch = DecodeBatch()
+        self._batch = DecodeBatch(self._banded)
         while self._running.is_set():
             with self._wakeup:
                 if not (self._incoming or self._waiting or len(self._batch)):
@@ -205,7 +207,7 @@ class Engine:
         for pending in self._waiting:
             self.router.fail(pending.stream_id, "api_error", message)
         self._waiting.clear()
-        self._batch = DecodeBatch()
+        self._batch = DecodeBatch(self._banded)
 
     def _step(self) -> None:
         self._drop_cancelled()
@@ -310,22 +312,15 @@ class Engine:
 
     def _decode(self) -> None:
         batch = self._batch
-        assert batch.inputs is not None
         logits = self.model(batch.inputs[:, None], cache=batch.caches)[:, -1, :]
         tokens = batch.sample(logits)
         mx.eval(tokens)
-        batch.inputs = tokens
-        live = batch.live
-        every_slot = bool(live.all())
-        stream_ids = batch.stream_ids if every_slot else batch.stream_ids[live]
-        token_ids = np.array(tokens, copy=False)
-        if not every_slot:
-            token_ids = token_ids[live]  # free slots were computed too: their tokens go nowhere
-        batch.remaining[live] -= 1
+        # Free slots were computed too: their tokens go nowhere.
+        stream_ids, token_ids, exhausted = batch.advance(tokens)
         codes = np.where(
             np.isin(token_ids, self.eos_ids),
             END_TURN,
-            np.where(batch.remaining[live] <= 0, MAX_TOKENS, RUNNING),
+            np.where(exhausted, MAX_TOKENS, RUNNING),
         ).astype(np.uint32)
         # Take cancellations first, so the ids step() drops are the ones it ended itself.
         cancelled = np.isin(stream_ids, list(self._poll_cancelled()))
@@ -339,9 +334,7 @@ class Engine:
             m.requests_finished += int(finished.sum())
             m.requests_cancelled += int(cancelled.sum())
             self._gone.difference_update(stream_ids[cancelled].tolist())
-            ended = np.zeros(len(live), dtype=bool)
-            ended[live] = finished | cancelled
-            batch.drop(ended)
+            batch.drop(np.isin(batch.stream_ids, stream_ids[finished | cancelled]))
 
     def _prefill(self, budget: int, allowance_s: float | None) -> int:
         """Prefill up to `budget` prompt tokens, oldest sequence first; returns how many.
@@ -488,11 +481,8 @@ class Engine:
         for pending in admitted:
             assert pending.caches is not None
             self.prefix_cache.store(pending.request.prompt_ids[: pending.done], pending.caches)
-        caches = [
-            BatchKVCache.merge([p.caches[layer] for p in admitted])  # type: ignore[index]
-            for layer in range(self._num_layers)
-        ]
-        self._add_rows(admitted, caches)
+            # One at a time: together they would be padded to the longest before joining.
+            self._add_rows([pending], [BatchKVCache.merge([c]) for c in pending.caches])
 
     def _join_group(self, group: _PromptGroup) -> None:
         for row, pending in enumerate(group.rows):

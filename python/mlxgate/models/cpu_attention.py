@@ -21,11 +21,13 @@ from __future__ import annotations
 import math
 import sys
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base
+
+from mlxgate.models.banded_cache import BandedCache
 
 # Attention scores per layer (batch x heads x queries x keys) from which each way pays off:
 # below MLX_SCORES MLX's own attention has fewer ops to launch, from NUMPY_SCORES on numpy's exp
@@ -85,6 +87,14 @@ def scaled_dot_product_attention(
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
 ) -> mx.array:
+    if isinstance(cache, BandedCache):
+        # Its update_and_fetch and make_mask gave one keys, values and mask per band.
+        bands = zip(
+            cache.split(queries), keys, values, cache.bands, cast(list[Any], mask), strict=True
+        )
+        return mx.concatenate(
+            [scaled_dot_product_attention(q, k, v, c, scale, m, sinks) for q, k, v, c, m in bands]
+        )
     batch, heads, n, head_dim = queries.shape
     kv_heads, t = keys.shape[1], keys.shape[2]
     if (
@@ -142,6 +152,12 @@ def _additive(mask: mx.array | str, n: int, t: int) -> np.ndarray:
         allowed = array
     additive = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
     return additive[:, :, None] if additive.ndim == 4 else additive
+
+
+def installed(model: Any) -> bool:
+    """Whether `model`'s attention goes through this module (and so can take a BandedCache)."""
+    module = sys.modules[type(model).__module__]
+    return getattr(module, "scaled_dot_product_attention", None) is scaled_dot_product_attention
 
 
 def install(model: Any) -> bool:
