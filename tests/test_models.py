@@ -91,3 +91,17 @@ def test_attention_equals_mlx(rows: int, n: int, t: int, padding: list[int] | No
     diff = np.abs(np.asarray(ours) - np.asarray(theirs)).max(axis=-1)
     assert diff[used].max() < 1e-5
     assert np.isfinite(np.asarray(ours)).all()
+
+
+def test_swiglu_without_mlx_exp_equals_mlx() -> None:
+    import mlx.core as mx
+    from mlx_lm.models.activations import swiglu
+
+    from mlxgate.models import fast_exp
+
+    extremes = mx.array([-200.0, -80.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 80.0, 200.0])
+    gate = mx.concatenate([mx.random.normal((64 * 1536,), key=mx.random.key(4)) * 6, extremes])
+    x = mx.random.normal(gate.shape, key=mx.random.key(5))
+    ours, theirs = np.asarray(fast_exp.swiglu(gate, x)), np.asarray(swiglu(gate, x))
+    assert np.isfinite(ours).all()
+    np.testing.assert_allclose(ours, theirs, rtol=2e-6, atol=1e-30)

@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxgate.models import cpu_attention
+from mlxgate.models import cpu_attention, fast_exp
 from mlxgate.models.tokenizer import ChatTokenizer
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -56,6 +56,7 @@ def load(spec: str | None, dtype: mx.Dtype = mx.float32) -> LoadedModel:
     """Load the model named by `--model`; None means the embedded default."""
     loaded = _load(spec, dtype)
     cpu_attention.install(loaded.model)
+    fast_exp.install(loaded.model)
     return loaded
 
 
