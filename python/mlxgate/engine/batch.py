@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxgate.engine.request import SamplingParams
 from mlxgate.engine.sampling import Sampler
@@ -351,3 +351,25 @@ def _rows_of(cache: BatchKVCache, rows: list[int]) -> BatchKVCache:
     if rows == list(range(cache.keys.shape[0])):
         return cache
     return BatchKVCache.merge([cache.extract(row) for row in rows])
+
+
+def one_row(cache: KVCache) -> BatchKVCache:
+    """One prompt's cache copied into a one-row batch cache, with room for the next tokens.
+
+    (`BatchKVCache.merge` leaves no room, so the first decode step would copy it again to grow
+    it: ~0.1 s for a 1,500-token prompt.)
+    """
+    assert cache.keys is not None and cache.values is not None
+    length = cache.offset
+    capacity = -(-(length + 1) // cache.step) * cache.step
+    keys, values = (_with_room(kv[..., :length, :], capacity) for kv in (cache.keys, cache.values))
+    row = BatchKVCache([0])
+    row.state = (keys, values, mx.array([length]), row.left_padding, length)
+    return row
+
+
+def _with_room(kv: mx.array, capacity: int) -> mx.array:
+    """`kv` followed by zeros up to `capacity` columns."""
+    batch, heads, columns, dim = kv.shape
+    room = mx.zeros((batch, heads, capacity - columns, dim), dtype=kv.dtype)
+    return mx.concatenate([kv, room], axis=2)

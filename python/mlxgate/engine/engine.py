@@ -23,7 +23,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxgate._native import Reader, Router
-from mlxgate.engine.batch import DecodeBatch
+from mlxgate.engine.batch import DecodeBatch, one_row
 from mlxgate.engine.errors import EngineStopped, PromptTooLong, QueueFull
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.prefix_cache import PrefixCache, PrefixMatch
@@ -482,7 +482,7 @@ class Engine:
             assert pending.caches is not None
             self.prefix_cache.store(pending.request.prompt_ids[: pending.done], pending.caches)
             # One at a time: together they would be padded to the longest before joining.
-            self._add_rows([pending], [BatchKVCache.merge([c]) for c in pending.caches])
+            self._add_rows([pending], [one_row(cache) for cache in pending.caches])
 
     def _join_group(self, group: _PromptGroup) -> None:
         for row, pending in enumerate(group.rows):
