@@ -57,12 +57,17 @@ def _softmax_numpy(scores: mx.array, mask: mx.array | str | None, n: int, t: int
     batch, kv_heads, rows, _ = scores.shape
     probs = np.array(scores).reshape(batch, kv_heads, rows // n, n, t)
     if mask is not None:
-        probs += _additive(mask, n, t)
+        array = np.asarray(_grouped_mask(mask, n, t))
+        probs += (
+            np.where(array, np.float32(0.0), np.float32(-np.inf))
+            if array.dtype == np.bool_
+            else array
+        )
     peak = probs.max(axis=-1, keepdims=True)
     peak[~np.isfinite(peak)] = 0.0  # a row with every key masked gives zeros, not NaN
     probs -= peak
     np.exp(probs, out=probs)
-    probs /= np.maximum(probs.sum(axis=-1, keepdims=True), np.finfo(np.float32).tiny)
+    probs /= np.maximum(probs.sum(axis=-1, keepdims=True), _TINY)
     return mx.array(probs.reshape(batch, kv_heads, rows, t))
 
 
@@ -116,30 +121,20 @@ def scaled_dot_product_attention(
 def _masked(scores: mx.array, mask: mx.array | str, n: int, t: int) -> mx.array:
     """Scores [batch, kv_heads, repeats * n, t] with masked keys at -inf."""
     batch, kv_heads, rows, _ = scores.shape
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"unsupported attention mask {mask!r}")
-        array = base.create_causal_mask(n, offset=t - n)
-    else:
-        array = mask[:, :, None] if mask.ndim == 4 else mask  # [batch, 1, n, t] per query head
+    array = _grouped_mask(mask, n, t)
     grouped = scores.reshape(batch, kv_heads, rows // n, n, t)
     grouped = mx.where(array, grouped, -mx.inf) if array.dtype == mx.bool_ else grouped + array
     return grouped.reshape(batch, kv_heads, rows, t)
 
 
-def _additive(mask: mx.array | str, n: int, t: int) -> np.ndarray:
-    """The mask as 0 / -inf to add to scores shaped [batch, kv_heads, repeats, n, t]."""
+def _grouped_mask(mask: mx.array | str, n: int, t: int) -> mx.array:
+    """The mask (boolean, or additive) shaped to broadcast over scores grouped as
+    [batch, kv_heads, repeats, n, t]."""
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unsupported attention mask {mask!r}")
-        allowed = np.arange(t - n, t)[:, None] >= np.arange(t)[None, :]
-    else:
-        array = np.asarray(mask)
-        if array.dtype != np.bool_:
-            return array.astype(np.float32)[:, :, None]  # already additive
-        allowed = array
-    additive = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
-    return additive[:, :, None] if additive.ndim == 4 else additive
+        return base.create_causal_mask(n, offset=t - n)
+    return mask[:, :, None] if mask.ndim == 4 else mask  # [batch, 1, n, t] per query head
 
 
 def installed(model: Any) -> bool:
