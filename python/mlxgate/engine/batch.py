@@ -75,8 +75,7 @@ class DecodeBatch:
         """Per layer: the one band's BatchKVCache, or a BandedCache over all bands."""
         if len(self.bands) == 1:
             return self.bands[0].caches
-        layers = zip(*(band.caches for band in self.bands), strict=True)
-        return [BandedCache(band_caches) for band_caches in layers]
+        return BandedCache.per_layer([band.caches for band in self.bands])
 
     def add(
         self,

@@ -18,12 +18,22 @@ from mlx_lm.models.cache import BatchKVCache
 
 
 class BandedCache:
-    def __init__(self, bands: Sequence[BatchKVCache]) -> None:
+    def __init__(
+        self, bands: Sequence[BatchKVCache], ranges: list[tuple[int, int]], offset: mx.array
+    ) -> None:
         self.bands = list(bands)
-        rows = [band.offset.shape[0] for band in self.bands]
-        self.ranges = list(itertools.pairwise([0, *itertools.accumulate(rows)]))
-        # Read by the model's rotary embedding before `update_and_fetch`.
-        self.offset = mx.concatenate([band.offset for band in self.bands])
+        self.ranges = ranges  # each band's rows in the batch, [start, stop)
+        self.offset = offset  # read by the model's rotary embedding before `update_and_fetch`
+
+    @classmethod
+    def per_layer(cls, bands: Sequence[Sequence[BatchKVCache]]) -> list[BandedCache]:
+        """One BandedCache per layer for `bands[band][layer]`. Every layer has the same rows and
+        offsets at the start of a step, so they are worked out once, from the first layer."""
+        first = [layers[0] for layers in bands]
+        rows = [cache.offset.shape[0] for cache in first]
+        ranges = list(itertools.pairwise([0, *itertools.accumulate(rows)]))
+        offset = mx.concatenate([cache.offset for cache in first])
+        return [cls(layer, ranges, offset) for layer in zip(*bands, strict=True)]
 
     def split(self, rows: mx.array) -> list[mx.array]:
         """`rows` (batch first) cut into the bands' parts."""
