@@ -56,12 +56,9 @@ class DecodeBatch:
         return np.concatenate([band.stream_ids for band in self.bands])
 
     @property
-    def live(self) -> np.ndarray:
-        return self.stream_ids != FREE
-
-    @property
     def running_ids(self) -> list[int]:
-        return self.stream_ids[self.live].tolist()  # type: ignore[no-any-return]
+        stream_ids = self.stream_ids
+        return stream_ids[stream_ids != FREE].tolist()  # type: ignore[no-any-return]
 
     @property
     def inputs(self) -> mx.array:
@@ -110,7 +107,9 @@ class DecodeBatch:
             slots[best] += 1
         for band, band_rows in zip(bands, rows, strict=True):
             if band_rows:
-                band.add(caches, sorted(band_rows), stream_ids, remaining, samplers, inputs)
+                band.add(
+                    caches, lengths, sorted(band_rows), stream_ids, remaining, samplers, inputs
+                )
         self.bands = bands
         # The copies are paid now, by the step that admits, not by the next decode step.
         mx.eval([(c.keys, c.values) for band in bands for c in band.caches])
@@ -182,43 +181,40 @@ class _Band:
     def add(
         self,
         caches: Sequence[BatchKVCache],
+        lengths: list[int],
         rows: list[int],
         stream_ids: Sequence[int],
         remaining: Sequence[int],
         samplers: Sequence[Sampler],
         inputs: Sequence[int],
     ) -> None:
-        """Join `rows` of the joining `caches` (per layer, rows left-padded to its end)."""
+        """Join `rows` of the joining `caches` (per layer, rows left-padded to its end; `lengths`
+        their tokens): into free slots where they fit, else as new slots."""
+        placed: list[tuple[int, int]] = []  # (slot, joining row)
+        appended: list[int] = rows
         if not self.caches:
             self.caches = [_rows_of(cache, rows) for cache in caches]
-            self.stream_ids = np.asarray([stream_ids[r] for r in rows], dtype=np.uint64)
-            self.remaining = np.asarray([remaining[r] for r in rows], dtype=np.int64)
-            self.samplers = [samplers[r] for r in rows]
-            self.inputs = mx.array([inputs[r] for r in rows], dtype=mx.uint32)
-            return
-        lengths = np.array(caches[0].offset).tolist()
-        columns = self.columns
-        free = np.flatnonzero(~self.live).tolist()
-        placed: list[tuple[int, int]] = []  # (slot, joining row)
-        appended: list[int] = []
-        for row in rows:
-            if free and lengths[row] <= columns:
-                placed.append((free.pop(0), row))
-            else:
-                appended.append(row)
-        if placed:
-            self._write_slots(caches, placed, lengths, columns)
-        if appended:
-            self._append(caches, appended)
+        else:
+            columns = self.columns
+            free = np.flatnonzero(~self.live).tolist()
+            appended = []
+            for row in rows:
+                if free and lengths[row] <= columns:
+                    placed.append((free.pop(0), row))
+                else:
+                    appended.append(row)
+            if placed:
+                self._write_slots(caches, placed, lengths, columns)
+            if appended:
+                self._append(caches, appended)
         tokens = np.array(self.inputs, copy=True)
         for slot, row in placed:
             tokens[slot] = inputs[row]
-        tokens = np.concatenate([tokens, np.asarray([inputs[r] for r in appended], np.uint32)])
-        self.inputs = mx.array(tokens)
-        for slot, row in placed:
             self.stream_ids[slot] = stream_ids[row]
             self.remaining[slot] = remaining[row]
             self.samplers[slot] = samplers[row]
+        tokens = np.concatenate([tokens, np.asarray([inputs[r] for r in appended], np.uint32)])
+        self.inputs = mx.array(tokens)
         self.stream_ids = np.concatenate(
             [self.stream_ids, np.asarray([stream_ids[r] for r in appended], np.uint64)]
         )
