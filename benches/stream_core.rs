@@ -6,10 +6,10 @@ use std::sync::Arc;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use mlxgate::channel::Channel;
 use mlxgate::detok::Detok;
-use mlxgate::events::anthropic::{AnthropicParams, AnthropicStream};
-use mlxgate::events::Protocol;
+use mlxgate::events::anthropic::AnthropicParams;
+use mlxgate::events::{DialectParams, FinishReason, PromptUsage};
 use mlxgate::markup::{MarkupSpec, ToolFormat};
-use mlxgate::router::Router;
+use mlxgate::router::{Router, StreamSpec};
 use mlxgate::vocab::Vocab;
 
 const STREAMS: usize = 256;
@@ -29,21 +29,30 @@ fn vocab() -> Arc<Vocab> {
     Arc::new(Vocab::from_token_bytes(&tokens, &[0]).unwrap())
 }
 
-fn params(stream: bool) -> AnthropicParams {
-    AnthropicParams {
+fn spec(stream: bool, stops: &[&str], markup: Option<Arc<MarkupSpec>>) -> StreamSpec {
+    let params = AnthropicParams {
         model: "smollm2-135m-instruct".into(),
         message_id: "msg_01XFDUDYJgAACzvnptvVoYEL".into(),
-        input_tokens: 100,
-        cache_read_input_tokens: 0,
         stream,
+    };
+    StreamSpec {
+        dialect: DialectParams::Anthropic(params),
+        stop_sequences: stops.iter().map(|s| s.to_string()).collect(),
+        markup,
+        prefill: String::new(),
+        eos_ids: vec![0],
     }
 }
+
+const USAGE: PromptUsage = PromptUsage {
+    prompt_tokens: 100,
+    cached_tokens: 0,
+};
 
 struct Batch {
     router: Router<()>,
     readers: Vec<Arc<Channel<()>>>,
     ids: Vec<u64>,
-    codes: Vec<u32>,
     tokens: Vec<Vec<u32>>,
     step: usize,
 }
@@ -62,14 +71,9 @@ fn batch_with(stops: &[&str], stream: bool, markup: Option<Arc<MarkupSpec>>) -> 
     let vocab = vocab();
     let n = vocab.len() as u32;
     let mut router = Router::new(vocab, 1 << 20);
-    let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+    let spec = spec(stream, stops, markup);
     let readers = (0..STREAMS as u64)
-        .map(|id| {
-            let protocol = Protocol::Anthropic(AnthropicStream::new(params(stream)));
-            router
-                .open(id, protocol, stops.clone(), markup.clone(), "")
-                .unwrap()
-        })
+        .map(|id| router.open(id, &spec, USAGE, u64::MAX).unwrap())
         .collect();
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let tokens = (0..64)
@@ -88,7 +92,6 @@ fn batch_with(stops: &[&str], stream: bool, markup: Option<Arc<MarkupSpec>>) -> 
         router,
         readers,
         ids: (0..STREAMS as u64).collect(),
-        codes: vec![0; STREAMS],
         tokens,
         step: 0,
     }
@@ -96,14 +99,12 @@ fn batch_with(stops: &[&str], stream: bool, markup: Option<Arc<MarkupSpec>>) -> 
 
 impl Batch {
     /// One engine step, then every reader takes its bytes (as the asyncio side would).
-    fn run(&mut self, dropped: &mut Vec<u64>, wake: &mut Vec<()>) -> usize {
+    fn run(&mut self, ended: &mut Vec<(u64, FinishReason)>, wake: &mut Vec<()>) -> usize {
         let tokens = &self.tokens[self.step % self.tokens.len()];
         self.step += 1;
-        dropped.clear();
+        ended.clear();
         wake.clear();
-        self.router
-            .step(&self.ids, tokens, &self.codes, dropped, wake)
-            .unwrap();
+        self.router.step(&self.ids, tokens, ended, wake).unwrap();
         self.readers
             .iter()
             .map(|r| r.take_with(|b| b.len()).unwrap_or(0))
@@ -146,13 +147,13 @@ fn bench_open_finish(c: &mut Criterion) {
         bench.iter_batched(
             || Router::<()>::new(vocab.clone(), 1 << 20),
             |mut router| {
-                let reader = router.open_anthropic(1, params(true), vec![]).unwrap();
-                let (mut dropped, mut wake) = (Vec::new(), Vec::new());
+                let reader = router
+                    .open(1, &spec(true, &[], None), USAGE, u64::MAX)
+                    .unwrap();
+                let (mut ended, mut wake) = (Vec::new(), Vec::new());
                 for t in 1..=10 {
-                    let code = u32::from(t == 10);
-                    router
-                        .step(&[1], &[t], &[code], &mut dropped, &mut wake)
-                        .unwrap();
+                    let token = if t == 10 { 0 } else { t };
+                    router.step(&[1], &[token], &mut ended, &mut wake).unwrap();
                 }
                 black_box(reader.take_with(|b| b.len()))
             },

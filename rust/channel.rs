@@ -26,6 +26,8 @@ struct State<W> {
     spare: Vec<u8>,
     closed: bool,
     cancelled: bool,
+    /// The HTTP status a non-streamed answer gets: 200 unless the stream ended with an error.
+    status: u16,
     waker: Option<W>,
 }
 
@@ -48,6 +50,7 @@ impl<W> Channel<W> {
             spare: Vec::new(),
             closed: false,
             cancelled: false,
+            status: 200,
             waker: None,
         };
         Self {
@@ -101,6 +104,23 @@ impl<W> Channel<W> {
         f(&mut state.buf);
         state.closed = true;
         state.waker.take()
+    }
+
+    /// Lets `f` append an error's frames and say the HTTP status it implies, then marks end of
+    /// stream. Returns the parked waker.
+    pub fn fail_with(&self, f: impl FnOnce(&mut Vec<u8>) -> u16) -> Option<W> {
+        let mut state = self.lock();
+        if state.closed {
+            return None;
+        }
+        state.status = f(&mut state.buf);
+        state.closed = true;
+        state.waker.take()
+    }
+
+    /// 200, or the status of the error the stream ended with.
+    pub fn status(&self) -> u16 {
+        self.lock().status
     }
 
     /// Unread bytes exceed the bound: the reader is lagging.

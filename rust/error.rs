@@ -5,23 +5,13 @@ use std::fmt;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CoreError {
     UnknownVocabKind(String),
-    SpecialIdOutOfRange {
-        id: u32,
-        vocab_len: usize,
-    },
+    SpecialIdOutOfRange { id: u32, vocab_len: usize },
     DuplicateStream(u64),
-    LengthMismatch {
-        stream_ids: usize,
-        token_ids: usize,
-        finish_codes: usize,
-    },
-    InvalidFinishCode {
-        stream_id: u64,
-        code: u32,
-    },
+    LengthMismatch { stream_ids: usize, token_ids: usize },
     UnknownToolFormat(String),
     EmptyThinkTag,
     UnknownCompletionKind(String),
+    UnknownErrorKind(String),
 }
 
 impl fmt::Display for CoreError {
@@ -34,19 +24,16 @@ impl fmt::Display for CoreError {
                 write!(f, "special token id {id} is out of range for a vocab of {vocab_len} tokens")
             }
             Self::DuplicateStream(id) => write!(f, "stream {id} is already open"),
-            Self::LengthMismatch { stream_ids, token_ids, finish_codes } => write!(
+            Self::LengthMismatch { stream_ids, token_ids } => write!(
                 f,
-                "step arguments differ in length: {stream_ids} stream ids, {token_ids} token ids, {finish_codes} finish codes"
-            ),
-            Self::InvalidFinishCode { stream_id, code } => write!(
-                f,
-                "invalid finish code {code} for stream {stream_id} (expected 0 running, 1 end_turn, 2 max_tokens)"
+                "step arguments differ in length: {stream_ids} stream ids, {token_ids} token ids"
             ),
             Self::UnknownToolFormat(format) => write!(
                 f,
                 "unknown tool call format {format:?} (expected \"hermes\", \"mistral\" or \"llama3_json\")"
             ),
             Self::EmptyThinkTag => write!(f, "think tags must not be empty"),
+            Self::UnknownErrorKind(kind) => write!(f, "unknown error kind {kind:?}"),
             Self::UnknownCompletionKind(kind) => {
                 write!(f, "unknown completion kind {kind:?} (expected \"chat\" or \"completion\")")
             }

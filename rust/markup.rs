@@ -1084,7 +1084,14 @@ mod tests {
         let (got, parser) = run(
             spec(false, Some(ToolFormat::Hermes)),
             "<tool_call>\n{\"name\": \"Bash\", \"arguments\": ",
-            &["\n{\"a\": {\"b\"", ": 1}", "}", "\n</", "tool_call>", "\n\nDone."],
+            &[
+                "\n{\"a\": {\"b\"",
+                ": 1}",
+                "}",
+                "\n</",
+                "tool_call>",
+                "\n\nDone.",
+            ],
         );
         assert_eq!(
             got,

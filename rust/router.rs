@@ -7,21 +7,36 @@ use std::sync::Arc;
 use crate::channel::{CancelInbox, Channel};
 use crate::detok::Detok;
 use crate::error::CoreError;
-use crate::events::anthropic::{AnthropicParams, AnthropicStream};
-use crate::events::openai::{OpenAiParams, OpenAiStream};
-use crate::events::{Finish, Protocol};
+use crate::events::{DialectParams, ErrorKind, Finish, FinishReason, PromptUsage, Protocol};
 use crate::markup::{MarkupParser, MarkupSpec, PieceKind, Pieces};
 use crate::stop::StopMatcher;
 use crate::vocab::Vocab;
 
-/// `finish_codes` values of [`Router::step`].
-pub const RUNNING: u32 = 0;
-/// The token is EOS: counted, not rendered.
-pub const END_TURN: u32 = 1;
-/// The token is rendered, then the stream ends.
-pub const MAX_TOKENS: u32 = 2;
-
 pub const DEFAULT_MAX_UNREAD_BYTES: usize = 1 << 20;
+
+/// Everything that decides how a stream reads and when it ends, but the engine's numbers: the
+/// dialect, stop sequences, the model's markup and its end-of-turn tokens. Built by the API.
+#[derive(Debug, Clone)]
+pub struct StreamSpec {
+    pub dialect: DialectParams,
+    pub stop_sequences: Vec<String>,
+    /// Thinking and tool-call markup to parse; `None` for plain text.
+    pub markup: Option<Arc<MarkupSpec>>,
+    /// Markup the prompt already holds (an opened `<think>`, a forced call's opening).
+    pub prefill: String,
+    /// Tokens that end the turn: counted, not rendered.
+    pub eos_ids: Vec<u32>,
+}
+
+/// What one token does to its stream, before stop sequences and markup are considered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TokenEnd {
+    Running,
+    /// An end-of-turn token: counted, not rendered.
+    EndTurn,
+    /// The last token `max_tokens` allows: rendered, then the stream ends.
+    MaxTokens,
+}
 
 /// Routes engine output to every open stream. `W` is the reader's waker type (see [`Channel`]).
 #[derive(Debug)]
@@ -49,6 +64,8 @@ struct Stream<W> {
     protocol: Protocol,
     channel: Arc<Channel<W>>,
     output_tokens: u64,
+    max_tokens: u64,
+    eos_ids: Box<[u32]>,
 }
 
 impl<W> Router<W> {
@@ -74,51 +91,18 @@ impl<W> Router<W> {
         self.streams.is_empty()
     }
 
-    /// Opens an Anthropic Messages stream; streaming ones get `message_start` and `ping` at once.
-    pub fn open_anthropic(
-        &mut self,
-        stream_id: u64,
-        params: AnthropicParams,
-        stop_sequences: Vec<String>,
-    ) -> Result<Arc<Channel<W>>, CoreError> {
-        self.open(
-            stream_id,
-            Protocol::Anthropic(AnthropicStream::new(params)),
-            stop_sequences,
-            None,
-            "",
-        )
-    }
-
-    /// Opens an OpenAI stream; streaming chat ones get the role chunk at once.
-    pub fn open_openai(
-        &mut self,
-        stream_id: u64,
-        params: OpenAiParams,
-        stop_sequences: Vec<String>,
-        markup: Option<Arc<MarkupSpec>>,
-        prefill: &str,
-    ) -> Result<Arc<Channel<W>>, CoreError> {
-        self.open(
-            stream_id,
-            Protocol::OpenAi(Box::new(OpenAiStream::new(params))),
-            stop_sequences,
-            markup,
-            prefill,
-        )
-    }
-
-    /// Opens a stream of any dialect. With `markup`, text is split into text, thinking and tool
-    /// calls before stop sequences see it (so stops match visible text only); the parser starts
-    /// as if it had read `prefill`, and tool pieces the prefill completes (a forced call's name)
-    /// are emitted at once. Without `markup`, `prefill` is ignored.
+    /// Opens a stream as `spec` says, for a prompt of `usage` that may add `max_tokens` tokens.
+    /// Frames due at once (Anthropic's `message_start`, OpenAI's role chunk) are queued now.
+    ///
+    /// With markup, text is split into text, thinking and tool calls before stop sequences see
+    /// it (so stops match visible text only); the parser starts as if it had read the prefill,
+    /// and tool pieces the prefill completes (a forced call's name) are emitted at once.
     pub fn open(
         &mut self,
         stream_id: u64,
-        mut protocol: Protocol,
-        stop_sequences: Vec<String>,
-        markup: Option<Arc<MarkupSpec>>,
-        prefill: &str,
+        spec: &StreamSpec,
+        usage: PromptUsage,
+        max_tokens: u64,
     ) -> Result<Arc<Channel<W>>, CoreError> {
         if self.streams.contains_key(&stream_id) {
             return Err(CoreError::DuplicateStream(stream_id));
@@ -131,13 +115,16 @@ impl<W> Router<W> {
             self.max_unread_bytes,
             self.inbox.clone(),
         ));
-        let mut markup = markup
+        let mut protocol = spec.dialect.protocol(usage);
+        let mut markup = spec
+            .markup
+            .clone()
             .filter(|_| protocol.supports_markup())
-            .map(|spec| Box::new(MarkupParser::new(spec)));
+            .map(|markup| Box::new(MarkupParser::new(markup)));
         let pieces = &mut self.pieces;
         pieces.clear();
         if let Some(parser) = markup.as_deref_mut() {
-            parser.prefill(prefill, pieces);
+            parser.prefill(&spec.prefill, pieces);
         }
         // A new channel has no waker yet, so there is nobody to wake.
         let _ = channel.append_with(|buf| {
@@ -147,43 +134,38 @@ impl<W> Router<W> {
         let stream = Stream {
             serial,
             detok: Detok::new(self.vocab.trim_leading_space()),
-            stop: StopMatcher::new(stop_sequences),
+            stop: StopMatcher::new(spec.stop_sequences.clone()),
             markup,
             protocol,
             channel: channel.clone(),
             output_tokens: 0,
+            max_tokens: max_tokens.max(1),
+            eos_ids: spec.eos_ids.clone().into_boxed_slice(),
         };
         self.streams.insert(stream_id, stream);
         Ok(channel)
     }
 
-    /// One engine step: `stream_ids[i]` produced `token_ids[i]` with `finish_codes[i]`.
+    /// One engine step: `stream_ids[i]` produced `token_ids[i]`.
     ///
-    /// Appends to `dropped` the streams the engine must drop because the router ended them
-    /// (cancelled readers, matched stop sequences), and to `wake` the wakers to call once no lock
-    /// is held. Unknown stream ids are ignored.
+    /// Appends to `ended` every stream that ended, and why: an end-of-turn token, `max_tokens`,
+    /// a stop sequence, a finished tool call, or a reader that cancelled since the last report.
+    /// The engine drops exactly those. Appends to `wake` the wakers to call once no lock is held.
+    /// Unknown stream ids are ignored.
     pub fn step(
         &mut self,
         stream_ids: &[u64],
         token_ids: &[u32],
-        finish_codes: &[u32],
-        dropped: &mut Vec<u64>,
+        ended: &mut Vec<(u64, FinishReason)>,
         wake: &mut Vec<W>,
     ) -> Result<(), CoreError> {
-        if stream_ids.len() != token_ids.len() || stream_ids.len() != finish_codes.len() {
+        if stream_ids.len() != token_ids.len() {
             return Err(CoreError::LengthMismatch {
                 stream_ids: stream_ids.len(),
                 token_ids: token_ids.len(),
-                finish_codes: finish_codes.len(),
             });
         }
-        if let Some(i) = finish_codes.iter().position(|&code| code > MAX_TOKENS) {
-            return Err(CoreError::InvalidFinishCode {
-                stream_id: stream_ids[i],
-                code: finish_codes[i],
-            });
-        }
-        self.cancelled(dropped);
+        self.drain_cancelled(|stream_id| ended.push((stream_id, FinishReason::Cancelled)));
 
         let Self {
             vocab,
@@ -194,40 +176,46 @@ impl<W> Router<W> {
             staged,
             ..
         } = self;
-        for ((&stream_id, &token_id), &code) in stream_ids.iter().zip(token_ids).zip(finish_codes) {
+        for (&stream_id, &token_id) in stream_ids.iter().zip(token_ids) {
             let Some(stream) = streams.get_mut(&stream_id) else {
                 continue;
             };
             stream.output_tokens += 1;
+            let code = if stream.eos_ids.contains(&token_id) {
+                TokenEnd::EndTurn
+            } else if stream.output_tokens >= stream.max_tokens {
+                TokenEnd::MaxTokens
+            } else {
+                TokenEnd::Running
+            };
             raw.clear();
             text.clear();
-            if code != END_TURN {
+            if code != TokenEnd::EndTurn {
                 stream.detok.push(vocab.token_bytes(token_id), raw);
             }
-            if code != RUNNING {
+            if code != TokenEnd::Running {
                 stream.detok.finish(raw);
             }
             if stream.markup.is_some() {
-                let waker = step_markup(stream, raw, code, pieces, staged);
-                wake.extend(waker.0);
-                if waker.1 {
+                let (waker, finish) = step_markup(stream, raw, code, pieces, staged);
+                wake.extend(waker);
+                if let Some(reason) = finish {
                     streams.remove(&stream_id);
-                    if code == RUNNING {
-                        dropped.push(stream_id);
-                    }
+                    ended.push((stream_id, reason));
                 }
                 continue;
             }
             let matched = stream.stop.push(raw, text);
-            if matched.is_none() && code != RUNNING {
+            if matched.is_none() && code != TokenEnd::Running {
                 stream.stop.finish(text);
             }
             let finish = match (matched, code) {
                 (Some(index), _) => Some(Finish::StopSequence(stream.stop.stop(index))),
-                (None, END_TURN) => Some(Finish::EndTurn),
-                (None, MAX_TOKENS) => Some(Finish::MaxTokens),
-                (None, _) => None,
+                (None, TokenEnd::EndTurn) => Some(Finish::EndTurn),
+                (None, TokenEnd::MaxTokens) => Some(Finish::MaxTokens),
+                (None, TokenEnd::Running) => None,
             };
+            let reason = finish.map(Finish::reason);
             let output_tokens = stream.output_tokens;
             let protocol = &mut stream.protocol;
             let waker = match finish {
@@ -239,11 +227,9 @@ impl<W> Router<W> {
                 }),
             };
             wake.extend(waker);
-            if finish.is_some() {
+            if let Some(reason) = reason {
                 streams.remove(&stream_id);
-                if code == RUNNING {
-                    dropped.push(stream_id);
-                }
+                ended.push((stream_id, reason));
             }
         }
         Ok(())
@@ -251,6 +237,10 @@ impl<W> Router<W> {
 
     /// Removes the streams whose readers cancelled since the last call and appends their ids.
     pub fn cancelled(&mut self, out: &mut Vec<u64>) {
+        self.drain_cancelled(|stream_id| out.push(stream_id));
+    }
+
+    fn drain_cancelled(&mut self, mut report: impl FnMut(u64)) {
         let cancelled = std::mem::take(&mut *self.inbox.lock().unwrap_or_else(|p| p.into_inner()));
         for (stream_id, serial) in cancelled {
             if self
@@ -259,18 +249,19 @@ impl<W> Router<W> {
                 .is_some_and(|s| s.serial == serial)
             {
                 self.streams.remove(&stream_id);
-                out.push(stream_id);
+                report(stream_id);
             }
         }
     }
 
-    /// Ends a stream with an error event (streaming) or error body (not). Returns the waker.
-    pub fn fail(&mut self, stream_id: u64, error_type: &str, message: &str) -> Option<W> {
+    /// Ends a stream with an error in its dialect: an error event (streaming) or the error
+    /// envelope as the body, whose HTTP status the reader then reports. Returns the waker.
+    pub fn fail(&mut self, stream_id: u64, kind: ErrorKind, message: &str) -> Option<W> {
         let mut stream = self.streams.remove(&stream_id)?;
         let protocol = &mut stream.protocol;
         stream
             .channel
-            .close_with(|buf| protocol.error(error_type, message, buf))
+            .fail_with(|buf| protocol.error(kind, message, buf))
     }
 
     /// Drops a stream without emitting anything; its reader sees end of stream.
@@ -300,23 +291,23 @@ impl<W> Router<W> {
 }
 
 /// The markup path of one step for one stream: parse, match stops on visible text, emit.
-/// Returns the waker to call and whether the stream ended.
+/// Returns the waker to call and why the stream ended, if it did.
 // NOTE: kept out of line so the plain-text loop in `step` stays as small as before markup.
 #[inline(never)]
 fn step_markup<W>(
     stream: &mut Stream<W>,
     raw: &str,
-    code: u32,
+    code: TokenEnd,
     pieces: &mut Pieces,
     staged: &mut Pieces,
-) -> (Option<W>, bool) {
+) -> (Option<W>, Option<FinishReason>) {
     let Some(markup) = stream.markup.as_deref_mut() else {
-        return (None, false);
+        return (None, None);
     };
     pieces.clear();
     staged.clear();
     markup.push(raw, pieces);
-    if code != RUNNING {
+    if code != TokenEnd::Running {
         markup.finish(pieces);
     }
     let stop = &mut stream.stop;
@@ -333,14 +324,14 @@ fn step_markup<W>(
             staged.push(kind, piece);
         }
     }
-    if matched.is_none() && code != RUNNING {
+    if matched.is_none() && code != TokenEnd::Running {
         staged.push_with(PieceKind::Text, |buf| stop.finish(buf));
     }
     let finish = match (matched, code) {
         (Some(index), _) => Some(Finish::StopSequence(stop.stop(index))),
-        (None, END_TURN) => Some(Finish::EndTurn),
-        (None, MAX_TOKENS) => Some(Finish::MaxTokens),
-        (None, _) => None,
+        (None, TokenEnd::EndTurn) => Some(Finish::EndTurn),
+        (None, TokenEnd::MaxTokens) => Some(Finish::MaxTokens),
+        (None, TokenEnd::Running) => None,
     };
     // After a complete tool call the client must run it, however generation ended; a call cut
     // short keeps the real reason (usually max_tokens).
@@ -363,7 +354,7 @@ fn step_markup<W>(
             protocol.finish(finish, output_tokens, buf);
         }),
     };
-    (waker, finish.is_some())
+    (waker, finish.map(Finish::reason))
 }
 
 fn emit(protocol: &mut Protocol, pieces: &Pieces, out: &mut Vec<u8>) {
@@ -403,6 +394,7 @@ impl Hasher for IdHasher {
 mod tests {
     use super::*;
     use crate::channel::Park;
+    use crate::events::anthropic::AnthropicParams;
     use crate::vocab::VocabKind;
 
     type TestRouter = Router<u32>;
@@ -424,14 +416,30 @@ mod tests {
         Arc::new(Vocab::from_token_bytes(&tokens, &[0]).unwrap())
     }
 
-    fn params(stream: bool) -> AnthropicParams {
-        AnthropicParams {
-            model: "m".into(),
-            message_id: "msg_x".into(),
-            input_tokens: 3,
-            cache_read_input_tokens: 0,
-            stream,
-        }
+    /// An Anthropic stream ending at token 0 (`<eos>`) or after `max_tokens`.
+    fn open(
+        r: &mut TestRouter,
+        id: u64,
+        stream: bool,
+        stops: &[&str],
+        max_tokens: u64,
+    ) -> Result<Arc<Channel<u32>>, CoreError> {
+        let spec = StreamSpec {
+            dialect: DialectParams::Anthropic(AnthropicParams {
+                model: "m".into(),
+                message_id: "msg_x".into(),
+                stream,
+            }),
+            stop_sequences: stops.iter().map(|s| (*s).to_owned()).collect(),
+            markup: None,
+            prefill: String::new(),
+            eos_ids: vec![0],
+        };
+        let usage = PromptUsage {
+            prompt_tokens: 3,
+            cached_tokens: 0,
+        };
+        r.open(id, &spec, usage, max_tokens)
     }
 
     fn read_all(ch: &Channel<u32>) -> String {
@@ -451,25 +459,32 @@ mod tests {
             .collect()
     }
 
-    fn step(r: &mut TestRouter, ids: &[u64], toks: &[u32], codes: &[u32]) -> (Vec<u64>, Vec<u32>) {
-        let (mut dropped, mut wake) = (Vec::new(), Vec::new());
-        r.step(ids, toks, codes, &mut dropped, &mut wake).unwrap();
-        (dropped, wake)
+    type Ended = Vec<(u64, FinishReason)>;
+
+    fn step(r: &mut TestRouter, ids: &[u64], toks: &[u32]) -> (Ended, Vec<u32>) {
+        let (mut ended, mut wake) = (Vec::new(), Vec::new());
+        r.step(ids, toks, &mut ended, &mut wake).unwrap();
+        (ended, wake)
     }
+
+    const NONE: Ended = Vec::new();
 
     #[test]
     fn event_order_for_two_interleaved_streams() {
         let mut r = TestRouter::new(vocab(), DEFAULT_MAX_UNREAD_BYTES);
-        let a = r.open_anthropic(1, params(true), vec![]).unwrap();
-        let b = r.open_anthropic(2, params(true), vec![]).unwrap();
+        let a = open(&mut r, 1, true, &[], u64::MAX).unwrap();
+        let b = open(&mut r, 2, true, &[], 3).unwrap();
         assert_eq!(
             events(&read_all(&a)),
             ["event: message_start", "event: ping"]
         );
-        step(&mut r, &[1, 2], &[1, 3], &[0, 0]);
-        step(&mut r, &[2, 1], &[4, 2], &[0, 0]);
-        let (dropped, _) = step(&mut r, &[1, 2], &[0, 8], &[1, 2]);
-        assert!(dropped.is_empty());
+        step(&mut r, &[1, 2], &[1, 3]);
+        step(&mut r, &[2, 1], &[4, 2]);
+        let (ended, _) = step(&mut r, &[1, 2], &[0, 8]);
+        assert_eq!(
+            ended,
+            [(1, FinishReason::EndTurn), (2, FinishReason::MaxTokens)]
+        );
         assert_eq!(r.len(), 0);
         let a = read_all(&a);
         assert_eq!(
@@ -502,14 +517,15 @@ mod tests {
     #[test]
     fn stop_sequence_over_three_tokens_ends_stream_and_is_reported() {
         let mut r = TestRouter::new(vocab(), DEFAULT_MAX_UNREAD_BYTES);
-        let ch = r
-            .open_anthropic(9, params(true), vec!["</stop>".into()])
-            .unwrap();
+        let ch = open(&mut r, 9, true, &["</stop>"], u64::MAX).unwrap();
         read_all(&ch);
         for tok in [1, 5, 6] {
-            assert_eq!(step(&mut r, &[9], &[tok], &[0]).0, Vec::<u64>::new());
+            assert_eq!(step(&mut r, &[9], &[tok]).0, NONE);
         }
-        assert_eq!(step(&mut r, &[9], &[7], &[0]).0, [9]);
+        assert_eq!(
+            step(&mut r, &[9], &[7]).0,
+            [(9, FinishReason::StopSequence)]
+        );
         assert!(r.is_empty());
         let sse = read_all(&ch);
         assert_eq!(sse.matches("text_delta").count(), 1);
@@ -519,24 +535,22 @@ mod tests {
         ));
         assert_eq!(ch.take_with(|_| ()), None);
         // Later steps for the dropped id are ignored.
-        assert_eq!(step(&mut r, &[9], &[1], &[0]).0, Vec::<u64>::new());
+        assert_eq!(step(&mut r, &[9], &[1]).0, NONE);
     }
 
     #[test]
     fn holdback_and_partial_char_released_at_finish() {
         let mut r = TestRouter::new(vocab(), DEFAULT_MAX_UNREAD_BYTES);
-        let ch = r
-            .open_anthropic(1, params(false), vec!["</stop>".into()])
-            .unwrap();
+        let ch = open(&mut r, 1, false, &["</stop>"], u64::MAX).unwrap();
         assert_eq!(
             ch.take_with(<[u8]>::to_vec),
             Some(vec![]),
             "non-streaming: nothing yet"
         );
-        step(&mut r, &[1], &[1], &[0]);
-        step(&mut r, &[1], &[5], &[0]);
-        step(&mut r, &[1], &[3], &[0]);
-        step(&mut r, &[1], &[0], &[1]);
+        step(&mut r, &[1], &[1]);
+        step(&mut r, &[1], &[5]);
+        step(&mut r, &[1], &[3]);
+        step(&mut r, &[1], &[0]);
         let body = read_all(&ch);
         assert!(
             body.contains("\"content\":[{\"type\":\"text\",\"text\":\"Hi</\u{fffd}\"}]"),
@@ -548,11 +562,11 @@ mod tests {
     #[test]
     fn cancel_reported_by_step_and_cancelled() {
         let mut r = TestRouter::new(vocab(), DEFAULT_MAX_UNREAD_BYTES);
-        let a = r.open_anthropic(1, params(true), vec![]).unwrap();
-        let b = r.open_anthropic(2, params(true), vec![]).unwrap();
-        let c = r.open_anthropic(3, params(true), vec![]).unwrap();
+        let a = open(&mut r, 1, true, &[], u64::MAX).unwrap();
+        let b = open(&mut r, 2, true, &[], u64::MAX).unwrap();
+        let c = open(&mut r, 3, true, &[], u64::MAX).unwrap();
         a.cancel();
-        assert_eq!(step(&mut r, &[2], &[1], &[0]).0, [1]);
+        assert_eq!(step(&mut r, &[2], &[1]).0, [(1, FinishReason::Cancelled)]);
         b.cancel();
         c.cancel();
         let mut out = Vec::new();
@@ -567,9 +581,9 @@ mod tests {
     #[test]
     fn stale_cancel_does_not_hit_reused_id() {
         let mut r = TestRouter::new(vocab(), DEFAULT_MAX_UNREAD_BYTES);
-        let old = r.open_anthropic(1, params(true), vec![]).unwrap();
-        step(&mut r, &[1], &[0], &[1]);
-        let _new = r.open_anthropic(1, params(true), vec![]).unwrap();
+        let old = open(&mut r, 1, true, &[], u64::MAX).unwrap();
+        step(&mut r, &[1], &[0]);
+        let _new = open(&mut r, 1, true, &[], u64::MAX).unwrap();
         old.cancel();
         let mut out = Vec::new();
         r.cancelled(&mut out);
@@ -580,17 +594,17 @@ mod tests {
     #[test]
     fn wakers_come_back_once_per_append() {
         let mut r = TestRouter::new(vocab(), DEFAULT_MAX_UNREAD_BYTES);
-        let ch = r.open_anthropic(1, params(true), vec![]).unwrap();
+        let ch = open(&mut r, 1, true, &[], u64::MAX).unwrap();
         read_all(&ch);
         assert!(matches!(ch.park(11), Park::Parked(None)));
         assert_eq!(
-            step(&mut r, &[1], &[3], &[0]).1,
+            step(&mut r, &[1], &[3]).1,
             Vec::<u32>::new(),
             "held half char"
         );
-        assert_eq!(step(&mut r, &[1], &[4], &[0]).1, [11]);
+        assert_eq!(step(&mut r, &[1], &[4]).1, [11]);
         assert_eq!(
-            step(&mut r, &[1], &[1], &[0]).1,
+            step(&mut r, &[1], &[1]).1,
             Vec::<u32>::new(),
             "not parked again"
         );
@@ -603,41 +617,34 @@ mod tests {
     #[test]
     fn fail_streaming_and_errors() {
         let mut r = TestRouter::new(vocab(), DEFAULT_MAX_UNREAD_BYTES);
-        let ch = r.open_anthropic(1, params(true), vec![]).unwrap();
-        step(&mut r, &[1], &[1], &[0]);
-        assert_eq!(r.fail(1, "overloaded_error", "Overloaded"), None);
-        assert_eq!(r.fail(1, "x", "y"), None);
+        let ch = open(&mut r, 1, true, &[], u64::MAX).unwrap();
+        step(&mut r, &[1], &[1]);
+        assert_eq!(r.fail(1, ErrorKind::Overloaded, "Overloaded"), None);
+        assert_eq!(r.fail(1, ErrorKind::Internal, "y"), None);
+        assert_eq!(ch.status(), 529);
         let sse = read_all(&ch);
         assert!(sse.ends_with(
             "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n"
         ));
         assert!(matches!(
-            r.open_anthropic(2, params(true), vec![])
-                .and_then(|_| r.open_anthropic(2, params(true), vec![])),
+            open(&mut r, 2, true, &[], u64::MAX).and_then(|_| open(&mut r, 2, true, &[], u64::MAX)),
             Err(CoreError::DuplicateStream(2))
         ));
         let (mut d, mut w) = (Vec::new(), Vec::new());
         assert!(matches!(
-            r.step(&[2], &[], &[0], &mut d, &mut w),
+            r.step(&[2], &[], &mut d, &mut w),
             Err(CoreError::LengthMismatch { .. })
         ));
-        assert_eq!(
-            r.step(&[2], &[1], &[3], &mut d, &mut w),
-            Err(CoreError::InvalidFinishCode {
-                stream_id: 2,
-                code: 3
-            })
-        );
     }
 
     #[test]
     fn over_bound_lists_lagging_readers() {
         let mut r = TestRouter::new(vocab(), 500);
-        let a = r.open_anthropic(1, params(true), vec![]).unwrap();
-        let _b = r.open_anthropic(2, params(true), vec![]).unwrap();
+        let a = open(&mut r, 1, true, &[], u64::MAX).unwrap();
+        let _b = open(&mut r, 2, true, &[], u64::MAX).unwrap();
         read_all(&a);
         for _ in 0..3 {
-            step(&mut r, &[1, 2], &[1, 1], &[0, 0]);
+            step(&mut r, &[1, 2], &[1, 1]);
         }
         let mut out = Vec::new();
         r.over_bound(&mut out);
@@ -651,8 +658,8 @@ mod tests {
             .unwrap()
             .with_trim_leading_space(true);
         let mut r = TestRouter::new(Arc::new(vocab), DEFAULT_MAX_UNREAD_BYTES);
-        let ch = r.open_anthropic(1, params(false), vec![]).unwrap();
-        step(&mut r, &[1, 1, 1], &[1, 2, 0], &[0, 0, 1]);
+        let ch = open(&mut r, 1, false, &[], u64::MAX).unwrap();
+        step(&mut r, &[1, 1, 1], &[1, 2, 0]);
         assert!(read_all(&ch).contains("\"text\":\"Hi there\""));
     }
 }

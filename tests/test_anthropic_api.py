@@ -423,7 +423,7 @@ async def test_unexpected_errors_before_and_after_headers(
 ) -> None:
     async with in_process_client(in_process) as client:
         with monkeypatch.context() as patch:
-            patch.setattr(chat, "render", broken_render)
+            patch.setattr(chat.Renderer, "render", broken_render)
             with pytest.raises(anthropic.InternalServerError) as caught:
                 await client.messages.create(model="m", max_tokens=8, messages=QUESTION)  # type: ignore[arg-type]
         assert caught.value.status_code == 500

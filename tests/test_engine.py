@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
-from mlxgate._native import Reader, Router, Vocab
+from mlxgate._native import Reader, Router, StreamSpec, Vocab
 from mlxgate.engine import Engine, EngineSettings, GenerationRequest, PromptTooLong, QueueFull
 from mlxgate.models import LoadedModel, load
 
@@ -67,18 +67,14 @@ def submit(
     stop: list[str] | None = None,
     stream: bool = False,
 ) -> Reader:
-    return engine.submit(
-        GenerationRequest(ids, max_tokens),
-        lambda stream_id, cached: engine.router.open_anthropic(
-            stream_id,
-            model="m",
-            message_id=f"msg_{stream_id}",
-            input_tokens=len(ids) - cached,
-            cache_read_input_tokens=cached,
-            stop_sequences=stop or [],
-            stream=stream,
-        ),
+    spec = StreamSpec.anthropic(
+        model="m",
+        message_id="msg_test",
+        stream=stream,
+        stop_sequences=stop or [],
+        eos_ids=sorted(engine.loaded.tokenizer.eos_ids),
     )
+    return engine.admit(GenerationRequest(ids, spec, max_tokens))
 
 
 def body(reader: Reader, timeout_s: float = 120.0) -> dict[str, Any]:
@@ -249,14 +245,32 @@ def test_cancel_while_queued(engine: Engine) -> None:
 def test_prompt_too_long(engine: Engine) -> None:
     with pytest.raises(PromptTooLong) as caught:
         submit(engine, [1] * 9000, 10)
-    assert str(caught.value) == "prompt is too long: 9000 tokens > 8192 maximum"
+    assert (caught.value.prompt_tokens, caught.value.context_length) == (9000, 8192)
 
 
 def test_max_tokens_is_clamped_to_the_context(engine: Engine) -> None:
-    ids = [1] * 8190
-    request = GenerationRequest(ids, 128000)
-    engine.check_prompt(len(ids))
-    assert engine.max_new_tokens(len(ids), request.max_tokens) == 2
+    opened: list[dict[str, Any]] = []
+    router = engine.router
+
+    class Recording:
+        """The engine's router, recording what each stream is opened with."""
+
+        def open(self, *args: Any, **kwargs: Any) -> Reader:
+            opened.append(kwargs)
+            return router.open(*args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(router, name)
+
+    engine.router = Recording()  # type: ignore[assignment]
+    try:
+        reader = submit(engine, [1] * 8190, 128000)
+    finally:
+        engine.router = router
+    reader.cancel()
+    wait_until(lambda: idle(engine), 30.0)
+    assert opened[0]["max_tokens"] == 2
+    assert opened[0]["prompt_tokens"] == 8190
 
 
 def test_queue_full_is_refused_and_the_engine_recovers(smollm: LoadedModel, engine: Engine) -> None:

@@ -13,11 +13,26 @@ from typing import Any
 
 import pytest
 
-from mlxgate._native import Markup, NativeError, Reader, Router, Vocab
+from mlxgate._native import (
+    Dialect,
+    ErrorKind,
+    FinishReason,
+    Markup,
+    NativeError,
+    Reader,
+    Router,
+    StreamSpec,
+    Vocab,
+)
 from mlxgate.streams import chunks
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 INPUTS = sorted(p for p in FIXTURES.glob("*.json") if not p.name.endswith(".body.json"))
+UNLIMITED = 2**64 - 1  # max_tokens when a fixture gives none, as in rust/tests/golden.rs
+
+END_TURN, MAX_TOKENS = FinishReason.END_TURN, FinishReason.MAX_TOKENS
+STOP_SEQUENCE, TOOL_USE = FinishReason.STOP_SEQUENCE, FinishReason.TOOL_USE
+CANCELLED = FinishReason.CANCELLED
 
 
 def vocab_from(spec: dict[str, Any]) -> Vocab:
@@ -37,32 +52,36 @@ def open_from(router: Router, spec: dict[str, Any]) -> Reader:
         markup = Markup(
             think=tuple(think) if think else None, tool_call=spec["markup"].get("tool_call")
         )
+    common: dict[str, Any] = {
+        "model": spec["model"],
+        "stream": spec.get("stream", True),
+        "stop_sequences": spec.get("stop_sequences", []),
+        "markup": markup,
+        "prefill": spec.get("prefill", ""),
+        "eos_ids": spec.get("eos_ids", []),
+    }
     if spec.get("dialect", "anthropic") == "openai":
-        return router.open_openai(
-            spec["stream_id"],
-            model=spec["model"],
+        stream_spec = StreamSpec.openai(
             completion_id=spec["completion_id"],
             created=spec["created"],
-            prompt_tokens=spec["prompt_tokens"],
-            cached_tokens=spec.get("cached_tokens", 0),
-            stop_sequences=spec.get("stop_sequences", []),
-            stream=spec.get("stream", True),
             include_usage=spec.get("include_usage", False),
             kind=spec.get("kind", "chat"),
-            markup=markup,
-            prefill=spec.get("prefill", ""),
+            **common,
         )
-    return router.open_anthropic(
+    else:
+        stream_spec = StreamSpec.anthropic(message_id=spec["message_id"], **common)
+    return router.open(
         spec["stream_id"],
-        model=spec["model"],
-        message_id=spec["message_id"],
-        input_tokens=spec["input_tokens"],
-        cache_read_input_tokens=spec.get("cache_read_input_tokens", 0),
-        stop_sequences=spec.get("stop_sequences", []),
-        stream=spec.get("stream", True),
-        markup=markup,
-        prefill=spec.get("prefill", ""),
+        stream_spec,
+        prompt_tokens=spec.get("prompt_tokens", 0),
+        cached_tokens=spec.get("cached_tokens", 0),
+        max_tokens=spec.get("max_tokens", UNLIMITED),
     )
+
+
+def ended_as(sid: int, step: dict[str, Any]) -> list[tuple[int, FinishReason]]:
+    """What router.step reports for a fixture's token step: its `ends` reason, if any."""
+    return [(sid, getattr(FinishReason, step["ends"].upper()))] if "ends" in step else []
 
 
 def golden_path(input_path: Path, fixture: dict[str, Any]) -> Path:
@@ -107,10 +126,10 @@ def test_golden_transcript(input_path: Path) -> None:
     drain()
     for i, step in enumerate(fixture["steps"]):
         if "fail" in step:
-            router.fail(sid, step["fail"]["type"], step["fail"]["message"])
+            kind = getattr(ErrorKind, step["fail"]["kind"].upper())
+            router.fail(sid, kind, step["fail"]["message"])
         else:
-            dropped = router.step([sid], [step["token"]], [step.get("finish", 0)])
-            assert (sid in dropped) == step.get("expect_dropped", False), f"step {i}"
+            assert router.step([sid], [step["token"]]) == ended_as(sid, step), f"step {i}"
         drain()
     assert len(router) == 0
     assert reader.take() is None
@@ -200,8 +219,15 @@ def text_vocab() -> Vocab:
     )
 
 
-def open_text(router: Router, sid: int, **kw: Any) -> Reader:
-    return router.open_anthropic(sid, model="m", message_id=f"msg_{sid}", input_tokens=1, **kw)
+def open_text(router: Router, sid: int, *, max_tokens: int = UNLIMITED, **kw: Any) -> Reader:
+    """An Anthropic stream over text_vocab(): token 0 (`<eos>`) ends the turn."""
+    spec = StreamSpec.anthropic(model="m", message_id=f"msg_{sid}", eos_ids=[0], **kw)
+    return router.open(sid, spec, prompt_tokens=1, max_tokens=max_tokens)
+
+
+def open_openai(router: Router, sid: int, *, max_tokens: int = UNLIMITED, **kw: Any) -> Reader:
+    spec = StreamSpec.openai(model="m", completion_id="c", created=1, eos_ids=[0], **kw)
+    return router.open(sid, spec, prompt_tokens=1, max_tokens=max_tokens)
 
 
 def test_vocab_kinds_and_decode() -> None:
@@ -224,39 +250,66 @@ def test_errors_are_native_value_errors() -> None:
     _reader = open_text(router, 1)
     with pytest.raises(NativeError, match="already open"):
         open_text(router, 1)
-    with pytest.raises(NativeError, match="differ in length"):
-        router.step([1], [1, 2], [0])
-    with pytest.raises(NativeError, match="invalid finish code 7"):
-        router.step([1], [1], [7])
+    with pytest.raises(
+        NativeError, match="step arguments differ in length: 1 stream ids, 2 token ids"
+    ):
+        router.step([1], [1, 2])
     with pytest.raises(TypeError):
-        router.step("ab", [1], [0])  # type: ignore[arg-type]
+        router.step("ab", [1])  # type: ignore[arg-type]
+
+
+def test_error_kinds_and_dialect_replies() -> None:
+    router = Router(text_vocab())
+    reader = open_text(router, 1)
+    with pytest.raises(TypeError):
+        router.fail(1, "overloaded_error", "x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        router.fail(1, 6, "x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        Dialect.OPENAI.error_status(Dialect.ANTHROPIC)  # type: ignore[arg-type]
+    assert len(router) == 1 and reader.status == 200, "a rejected fail changes nothing"
+    auth = ErrorKind.AUTHENTICATION
+    assert Dialect.OPENAI.error_status(auth) == Dialect.ANTHROPIC.error_status(auth) == 401
+    assert json.loads(Dialect.ANTHROPIC.error_reply(auth, "bad key")) == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "bad key"},
+    }
+    assert json.loads(Dialect.OPENAI.error_reply(auth, "bad key", code="invalid_api_key")) == {
+        "error": {
+            "message": "bad key",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
 
 
 def test_step_accepts_tuples_and_int_buffers() -> None:
     router = Router(text_vocab())
     reader = open_text(router, 5)
     reader.take()
-    assert router.step((5,), (1,), (0,)) == []
-    assert router.step(array.array("q", [5]), array.array("i", [2]), bytes([0])) == []
+    assert router.step((5,), (1,)) == []
+    assert router.step(array.array("q", [5]), array.array("i", [2])) == []
     import numpy as np
 
-    assert (
-        router.step(np.array([5], np.uint64), np.array([0], np.int32), np.array([1], np.int8)) == []
-    )
+    assert router.step(np.array([5], np.uint64), np.array([0], np.int32)) == [(5, END_TURN)]
     data = reader.take()
     assert data is not None and b'"text":"Hi"' in data and b'"text":" there"' in data
     assert b'"output_tokens":3' in data
+    other = open_text(router, 6)
+    assert router.step(bytes([6, 6]), np.array([1, 0], np.int8)) == [(6, END_TURN)]
+    assert b'"text":"Hi"' in (other.take() or b"")
     with pytest.raises(OverflowError):
-        router.step(array.array("q", [-1]), [1], [0])
+        router.step(array.array("q", [-1]), [1])
 
 
 def test_unknown_ids_ignored_and_len() -> None:
     router = Router(text_vocab())
     readers = [open_text(router, 1), open_text(router, 2)]
     assert len(router) == 2
-    assert router.step([3, 1], [1, 1], [0, 1]) == []
+    assert router.step([3, 1], [1, 0]) == [(1, END_TURN)]
     assert len(router) == 1
-    router.fail(99, "api_error", "x")
+    router.fail(99, ErrorKind.INTERNAL, "x")
     router.close(99)
     router.ping(99)
     router.close(2)
@@ -269,18 +322,18 @@ def test_dropping_reader_cancels() -> None:
     kept = open_text(router, 1)
     open_text(router, 2)  # reference dropped at once
     assert router.cancelled() == [2]
-    assert router.step([1, 2], [1, 1], [0, 0]) == []
+    assert router.step([1, 2], [1, 1]) == []
     del kept
-    assert router.step([1], [1], [0]) == [1]
+    assert router.step([1], [1]) == [(1, CANCELLED)]
     assert len(router) == 0
 
 
 def test_stop_sequence_reported_and_not_leaked() -> None:
     router = Router(text_vocab())
     reader = open_text(router, 1, stop_sequences=["thereEN", "zzz"])
-    assert router.step([1], [1], [0]) == []
-    assert router.step([1], [2], [0]) == []
-    assert router.step([1], [5], [0]) == [1]
+    assert router.step([1], [1]) == []
+    assert router.step([1], [2]) == []
+    assert router.step([1], [5]) == [(1, STOP_SEQUENCE)]
     data = reader.take()
     assert data is not None
     assert b"there" not in data.split(b"message_delta")[0]
@@ -292,21 +345,39 @@ def test_non_streaming_body_only_at_end_then_eof() -> None:
     router = Router(text_vocab())
     reader = open_text(router, 1, stream=False)
     assert reader.take() == b""
-    router.step([1], [1], [0])
+    assert router.step([1], [1]) == []
     assert reader.take() == b""
-    router.step([1], [0], [1])
+    assert router.step([1], [0]) == [(1, END_TURN)]
     body = json.loads(reader.take() or b"")
     assert body["content"] == [{"type": "text", "text": "Hi"}]
     assert body["usage"]["output_tokens"] == 2
     assert reader.take() is None
 
     reader = open_text(router, 2, stream=False)
-    router.fail(2, "overloaded_error", "Overloaded")
+    router.fail(2, ErrorKind.OVERLOADED, "Overloaded")
     assert json.loads(reader.take() or b"") == {
         "type": "error",
         "error": {"type": "overloaded_error", "message": "Overloaded"},
     }
     assert reader.take() is None
+
+
+@pytest.mark.parametrize(("dialect", "overloaded"), [("anthropic", 529), ("openai", 503)])
+def test_non_streaming_status(dialect: str, overloaded: int) -> None:
+    router = Router(text_vocab())
+    open_stream = open_openai if dialect == "openai" else open_text
+    done = open_stream(router, 1, stream=False)
+    failed = open_stream(router, 2, stream=False)
+    assert (done.status, failed.status) == (200, 200), "200 while running"
+    assert router.step([1, 2], [1, 1]) == []
+    router.fail(2, ErrorKind.OVERLOADED, "Overloaded")
+    assert router.step([1, 2], [0, 0]) == [(1, END_TURN)], "a failed stream is gone"
+    assert (done.status, failed.status) == (200, overloaded)
+    assert overloaded == getattr(Dialect, dialect.upper()).error_status(ErrorKind.OVERLOADED)
+    assert "error" not in json.loads(done.take() or b"")
+    assert "Overloaded" in json.loads(failed.take() or b"")["error"]["message"]
+    assert (done.take(), failed.take()) == (None, None)
+    assert (done.status, failed.status) == (200, overloaded), "kept after end of stream"
 
 
 class Woken:
@@ -329,15 +400,15 @@ def test_park_semantics() -> None:
     assert reader.unread_bytes == 0
     assert reader.park("first", woken) is True
     assert reader.park("second", woken) is True
-    router.step([1], [3], [0])  # half an emoji: nothing to send, no wake
+    router.step([1], [3])  # half an emoji: nothing to send, no wake
     assert woken.calls == []
-    router.step([1], [4], [0])
+    router.step([1], [4])
     assert woken.calls == [["second"]]
-    router.step([1], [1], [0])
+    router.step([1], [1])
     assert woken.calls == [["second"]], "woken once, then cleared"
     assert reader.take()
     assert reader.park("close", woken) is True
-    router.step([1], [0], [1])
+    assert router.step([1], [0]) == [(1, END_TURN)]
     assert woken.calls == [["second"], ["close"]]
     assert reader.park("never", woken) is False
     assert reader.take()
@@ -355,10 +426,10 @@ def test_one_step_wakes_each_wake_all_once() -> None:
         reader.take()
         assert reader.park(f"w{sid}", loop_a if sid <= 6 else loop_b)
     ids = [1, 2, 3, 4, 5, 6, 7, 8]
-    router.step(ids, [1] * 8, [0] * 8)
+    assert router.step(ids, [1] * 8) == []
     assert loop_a.calls == [["w1", "w2", "w3", "w4", "w5", "w6"]]
     assert loop_b.calls == [["w7", "w8"]]
-    router.step(ids, [1] * 8, [0] * 8)
+    assert router.step(ids, [1] * 8) == []
     assert len(loop_a.calls) == 1 and len(loop_b.calls) == 1, "nobody parked again"
 
 
@@ -370,7 +441,7 @@ def test_fail_close_ping_and_cancel_wake_their_reader() -> None:
         reader.take()
         assert reader.park(sid, woken)
     router.ping(1)
-    router.fail(2, "api_error", "boom")
+    router.fail(2, ErrorKind.INTERNAL, "boom")
     router.close(3)
     readers[4].cancel()
     assert woken.calls == [[1], [2], [3], [4]]
@@ -393,7 +464,7 @@ def test_failing_wake_all_does_not_break_step(monkeypatch: pytest.MonkeyPatch) -
     woken = Woken()
     assert failing.park("f", boom)
     assert working.park("w", woken)
-    assert router.step([1, 2], [1, 1], [0, 0]) == []
+    assert router.step([1, 2], [1, 1]) == []
     assert len(seen) == 1 and isinstance(seen[0], RuntimeError)
     assert woken.calls == [["w"]]
     assert failing.take()
@@ -414,11 +485,11 @@ def test_cancel_before_first_token_and_mid_stream() -> None:
     running.cancel()
     assert woken.calls == [[2]], "a parked reader is woken by cancel"
     assert running.take() is None
-    assert router.step([2, 3], [1, 1], [0, 0]) == [2]
+    assert router.step([2, 3], [1, 1]) == [(2, CANCELLED)]
     assert len(router) == 1
     other.cancel()
     other.cancel()
-    assert router.step([], [], []) == [3]
+    assert router.step([], []) == [(3, CANCELLED)]
     assert len(router) == 0
 
 
@@ -427,7 +498,7 @@ def test_over_bound_and_unread_bytes() -> None:
     fast = open_text(router, 1)
     slow = open_text(router, 2)
     for _ in range(4):
-        router.step([1, 2], [1, 1], [0, 0])
+        assert router.step([1, 2], [1, 1]) == []
         fast.take()
     assert router.over_bound() == [2]
     assert slow.unread_bytes > 600
@@ -475,10 +546,10 @@ def test_chunks_one_threadsafe_call_per_step() -> None:
         assert isinstance(loop, CountingLoop)
         tasks = [asyncio.create_task(read_stream(reader)) for reader in readers]
         await settle()
-        router.step(ids, [1] * 32, [0] * 32)
+        assert router.step(ids, [1] * 32) == []
         assert loop.threadsafe_calls == 1
         await settle()
-        router.step(ids, [0] * 32, [1] * 32)
+        assert router.step(ids, [0] * 32) == [(sid, END_TURN) for sid in ids]
         assert loop.threadsafe_calls == 2
         return await asyncio.wait_for(asyncio.gather(*tasks), 10)
 
@@ -495,11 +566,12 @@ def test_threaded_producer_matches_golden() -> None:
     router = Router(vocab_from(fixture["vocab"]))
     reader = open_from(router, fixture["open"])
     sid = fixture["open"]["stream_id"]
+    ended: list[tuple[int, FinishReason]] = []
 
     def produce() -> None:
         for step in fixture["steps"]:
             time.sleep(0.002)
-            router.step([sid], [step["token"]], [step.get("finish", 0)])
+            ended.extend(router.step([sid], [step["token"]]))
 
     async def main() -> bytes:
         producer = threading.Thread(target=produce)
@@ -510,6 +582,7 @@ def test_threaded_producer_matches_golden() -> None:
             producer.join()
 
     assert asyncio.run(main()) == (FIXTURES / "anthropic_text.sse").read_bytes()
+    assert ended == [e for step in fixture["steps"] for e in ended_as(sid, step)]
 
 
 def test_many_streams_no_lost_wakeups() -> None:
@@ -519,16 +592,17 @@ def test_many_streams_no_lost_wakeups() -> None:
     n_streams, n_steps = 64, 150
     readers = {sid: open_text(router, sid) for sid in range(n_streams)}
     cancel_sid = 7
+    ended: dict[int, list[FinishReason]] = {}
 
     def produce() -> None:
         live = set(range(n_streams))
         for step in range(n_steps):
             ids = sorted(live)
-            last = step == n_steps - 1
-            dropped = router.step(
-                ids, [1 + (sid + step) % 49 for sid in ids], [int(last)] * len(ids)
-            )
-            live -= set(dropped)
+            last = step == n_steps - 1  # the last token is <eos>: counted, not rendered
+            tokens = [0 if last else 1 + (sid + step) % 49 for sid in ids]
+            for sid, reason in router.step(ids, tokens):
+                ended.setdefault(sid, []).append(reason)
+                live.discard(sid)
             if step % 10 == 0:
                 time.sleep(0.001)
 
@@ -546,6 +620,9 @@ def test_many_streams_no_lost_wakeups() -> None:
 
     results = asyncio.run(main())
     assert len(router) == 0
+    # The cancel may land after the last step (the stream has then already ended).
+    assert ended.pop(cancel_sid) in ([CANCELLED], [END_TURN])
+    assert ended == {sid: [END_TURN] for sid in range(n_streams) if sid != cancel_sid}
     for sid, data in results.items():
         if sid == cancel_sid:
             continue
@@ -566,28 +643,53 @@ HERMES = Markup(tool_call="hermes")
 QWEN3 = Markup(think=("<think>", "</think>"), tool_call="hermes")
 
 
+# How each dialect words a FinishReason on the wire.
+WIRE_REASON = {
+    "anthropic": {
+        END_TURN: b'"stop_reason":"end_turn"',
+        MAX_TOKENS: b'"stop_reason":"max_tokens"',
+        STOP_SEQUENCE: b'"stop_reason":"stop_sequence"',
+        TOOL_USE: b'"stop_reason":"tool_use"',
+    },
+    "openai": {
+        END_TURN: b'"finish_reason":"stop"',
+        MAX_TOKENS: b'"finish_reason":"length"',
+        STOP_SEQUENCE: b'"finish_reason":"stop"',
+        TOOL_USE: b'"finish_reason":"tool_calls"',
+    },
+}
+
+
 def run_pieces(
-    pieces: list[bytes], *, dialect: str = "anthropic", finish: int = 1, **kw: Any
+    pieces: list[bytes], *, dialect: str = "anthropic", max_tokens: bool = False, **kw: Any
 ) -> bytes:
-    """Each piece is one token; the last step is EOS (finish=1) or the last piece (finish=2)."""
+    """Each piece is one token; the stream ends with EOS after the last piece, or (max_tokens)
+    at the last piece, unless the router ends it earlier. Checks the router reports the one end
+    the wire shows."""
     router = Router(Vocab.from_token_bytes([b"<eos>", *pieces], [0]))
+    n = len(pieces)
     if dialect == "openai":
-        reader = router.open_openai(
-            1, model="m", completion_id="chatcmpl-1", created=1, prompt_tokens=1, **kw
+        spec = StreamSpec.openai(
+            model="m", completion_id="chatcmpl-1", created=1, eos_ids=[0], **kw
         )
     else:
-        reader = router.open_anthropic(1, model="m", message_id="msg_1", input_tokens=1, **kw)
+        spec = StreamSpec.anthropic(model="m", message_id="msg_1", eos_ids=[0], **kw)
+    reader = router.open(1, spec, prompt_tokens=1, max_tokens=n if max_tokens else UNLIMITED)
     out = bytearray(reader.take() or b"")
-    n = len(pieces)
+    ended: list[tuple[int, FinishReason]] = []
     for i in range(n):
-        code = finish if (finish == 2 and i == n - 1) else 0
-        if router.step([1], [i + 1], [code]):
-            break
+        ended = router.step([1], [i + 1])
         out += reader.take() or b""
-    if finish == 1 and len(router):
-        router.step([1], [0], [1])
+        if ended:
+            break
+    if not ended:
+        assert not max_tokens
+        ended = router.step([1], [0])
     out += reader.take() or b""
     assert reader.take() is None
+    assert len(router) == 0
+    [(sid, reason)] = ended
+    assert sid == 1 and WIRE_REASON[dialect][reason] in out
     return bytes(out)
 
 
@@ -705,26 +807,18 @@ def test_stop_sequences_apply_to_visible_text_only() -> None:
 def test_prefill_forced_tool_call_starts_at_open() -> None:
     router = Router(Vocab.from_token_bytes([b"<eos>", b'{"command": "ls"}', b"}"], [0]))
     prefill = '<tool_call>\n{"name": "Bash", "arguments": '
-    reader = router.open_anthropic(
-        1, model="m", message_id="msg_1", input_tokens=1, markup=HERMES, prefill=prefill
+    spec = StreamSpec.anthropic(
+        model="m", message_id="msg_1", markup=HERMES, prefill=prefill, eos_ids=[0]
     )
+    reader = router.open(1, spec, prompt_tokens=1, max_tokens=UNLIMITED)
     start = reader.take() or b""
     assert b'"content_block_start","index":0,"content_block":{"type":"tool_use"' in start
-    router.step([1, 1, 1], [1, 2, 0], [0, 0, 1])
+    assert router.step([1, 1, 1], [1, 2, 0]) == [(1, TOOL_USE)]
     blocks, delta = anthropic_blocks(start + (reader.take() or b""))
     assert blocks[0]["json"] == '{"command": "ls"}' and delta["stop_reason"] == "tool_use"
 
-    reader = router.open_openai(
-        2,
-        model="m",
-        completion_id="c",
-        created=1,
-        prompt_tokens=1,
-        markup=QWEN3,
-        prefill="<think>\n",
-        stream=False,
-    )
-    router.step([2, 2], [2, 0], [0, 1])
+    reader = open_openai(router, 2, markup=QWEN3, prefill="<think>\n", stream=False)
+    assert router.step([2, 2], [2, 0]) == [(2, END_TURN)]
     message = json.loads(reader.take() or b"")["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "", "reasoning_content": "}"}
 
@@ -732,7 +826,7 @@ def test_prefill_forced_tool_call_starts_at_open() -> None:
 def test_max_tokens_inside_tool_call_keeps_json_valid() -> None:
     text = '<tool_call>{"name": "Bash", "arguments": {"command": "rm -rf /tmp/x'
     blocks, delta = anthropic_blocks(
-        run_pieces(split_bytes(text.encode(), 6), markup=HERMES, finish=2)
+        run_pieces(split_bytes(text.encode(), 6), markup=HERMES, max_tokens=True)
     )
     assert json.loads(blocks[0]["json"]) == {"command": "rm -rf /tmp/x"}
     assert delta["stop_reason"] == "max_tokens", "a cut-off call is not reported as tool_use"
@@ -746,28 +840,26 @@ def test_markup_values_and_errors() -> None:
         Markup(tool_call="xml")  # type: ignore[arg-type]
     with pytest.raises(NativeError, match="must not be empty"):
         Markup(think=("", "</think>"))
-    router = Router(text_vocab())
     with pytest.raises(NativeError, match="unknown completion kind"):
-        router.open_openai(1, model="m", completion_id="c", created=1, prompt_tokens=1, kind="x")  # type: ignore[arg-type]
+        StreamSpec.openai(model="m", completion_id="c", created=1, kind="x")  # type: ignore[arg-type]
 
 
 def test_openai_fail_and_ping() -> None:
     router = Router(text_vocab())
-    reader = router.open_openai(1, model="m", completion_id="c", created=1, prompt_tokens=1)
+    reader = open_openai(router, 1)
     reader.take()
     router.ping(1)
     assert reader.take() == b": keep-alive\n\n"
-    router.fail(1, "invalid_request_error", "bad")
+    router.fail(1, ErrorKind.INVALID_REQUEST, "bad")
     assert reader.take() == (
         b'data: {"error":{"message":"bad","type":"invalid_request_error","param":null,'
         b'"code":null}}\n\ndata: [DONE]\n\n'
     )
     assert reader.take() is None
-    reader = router.open_openai(
-        2, model="m", completion_id="c", created=1, prompt_tokens=1, stream=False
-    )
-    router.fail(2, "api_error", "boom")
+    reader = open_openai(router, 2, stream=False)
+    router.fail(2, ErrorKind.INTERNAL, "boom")
     assert json.loads(reader.take() or b"")["error"]["type"] == "server_error"
+    assert reader.status == 500
 
 
 def test_completion_kind_ignores_markup() -> None:

@@ -342,7 +342,7 @@ async def test_unexpected_errors_before_and_after_headers(
 ) -> None:
     async with in_process_client(in_process) as client:
         with monkeypatch.context() as patch:
-            patch.setattr(chat, "render", broken_render)
+            patch.setattr(chat.Renderer, "render", broken_render)
             with pytest.raises(openai.InternalServerError) as caught:
                 await client.chat.completions.create(model="m", messages=QUESTION, max_tokens=8)  # type: ignore[arg-type]
         assert caught.value.status_code == 500

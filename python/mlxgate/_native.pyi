@@ -2,7 +2,7 @@
 bounded channels."""
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol, TypeVar, final, type_check_only
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, final, type_check_only
 
 from typing_extensions import Buffer
 
@@ -16,7 +16,17 @@ class _IntArray(Protocol):
 _Ints = Sequence[int] | Buffer | _IntArray
 _Waiter = TypeVar("_Waiter")
 
-__all__ = ["Markup", "NativeError", "Reader", "Router", "Vocab"]
+__all__ = [
+    "Dialect",
+    "ErrorKind",
+    "FinishReason",
+    "Markup",
+    "NativeError",
+    "Reader",
+    "Router",
+    "StreamSpec",
+    "Vocab",
+]
 
 class NativeError(ValueError):
     """Invalid input to the stream core."""
@@ -89,6 +99,113 @@ class Markup:
     def tool_call(self) -> Literal["hermes", "mistral", "llama3_json"] | None: ...
 
 @final
+class FinishReason:
+    """Why a stream ended: what `Router.step` reports for every row that ended."""
+
+    END_TURN: ClassVar[FinishReason]
+    """An end-of-turn token (one of the spec's `eos_ids`): counted, not rendered."""
+    MAX_TOKENS: ClassVar[FinishReason]
+    STOP_SEQUENCE: ClassVar[FinishReason]
+    TOOL_USE: ClassVar[FinishReason]
+    """The generation ended after at least one complete tool call."""
+    CANCELLED: ClassVar[FinishReason]
+    """The reader went away."""
+    def __int__(self) -> int: ...
+
+@final
+class ErrorKind:
+    """What went wrong, in no dialect's words; a `Dialect` words it and picks the status."""
+
+    INVALID_REQUEST: ClassVar[ErrorKind]
+    AUTHENTICATION: ClassVar[ErrorKind]
+    PERMISSION: ClassVar[ErrorKind]
+    NOT_FOUND: ClassVar[ErrorKind]
+    REQUEST_TOO_LARGE: ClassVar[ErrorKind]
+    RATE_LIMITED: ClassVar[ErrorKind]
+    OVERLOADED: ClassVar[ErrorKind]
+    UNAVAILABLE: ClassVar[ErrorKind]
+    INTERNAL: ClassVar[ErrorKind]
+    def __int__(self) -> int: ...
+
+@final
+class Dialect:
+    """An API dialect: its error envelope and the status codes its clients act on.
+
+    Anthropic: `{"type":"error","error":{"type","message"}}`; 400 invalid_request_error, 401
+    authentication_error, 403 permission_error, 404 not_found_error, 413 request_too_large, 429
+    rate_limit_error, 529 (overloaded) and 503 (unavailable) overloaded_error, 500 api_error.
+    OpenAI: `{"error":{"message","type","param","code"}}`; client errors (400, 401, 403, 404,
+    413) invalid_request_error, 429 rate_limit_error, 503 (overloaded, unavailable) and 500
+    server_error."""
+
+    ANTHROPIC: ClassVar[Dialect]
+    OPENAI: ClassVar[Dialect]
+    def __int__(self) -> int: ...
+    def error_status(self, kind: ErrorKind) -> int: ...
+    def error_reply(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        stream: bool = False,
+    ) -> bytes:
+        """The envelope as a whole body, or (`stream`) as a stream's last frames: Anthropic's
+        `event: error`, OpenAI's `data: {"error": …}` then `data: [DONE]`."""
+
+@final
+class StreamSpec:
+    """How one request's stream reads and when it ends, all but the engine's numbers: built by
+    the API, handed to `Router.open` by the engine.
+
+    `markup` parses thinking and tool calls (see Markup). `prefill` is markup the prompt already
+    ends with (an opened `<think>`, or `<tool_call>\n{"name": "Bash", "arguments": ` to force a
+    tool): the parser starts as if it had read it, the text itself is not emitted, and a tool
+    call it names starts at once. Ignored without `markup`. `eos_ids` end the turn."""
+
+    @staticmethod
+    def anthropic(
+        *,
+        model: str,
+        message_id: str,
+        stream: bool = True,
+        stop_sequences: list[str] = ...,
+        markup: Markup | None = None,
+        prefill: str = "",
+        eos_ids: list[int] = ...,
+    ) -> StreamSpec:
+        """An Anthropic Messages stream. stream=True queues message_start and ping at once;
+        stream=False makes the whole JSON Message body readable once the stream ends."""
+
+    @staticmethod
+    def openai(
+        *,
+        model: str,
+        completion_id: str,
+        created: int,
+        stream: bool = True,
+        include_usage: bool = False,
+        kind: Literal["chat", "completion"] = "chat",
+        stop_sequences: list[str] = ...,
+        markup: Markup | None = None,
+        prefill: str = "",
+        eos_ids: list[int] = ...,
+    ) -> StreamSpec:
+        """An OpenAI stream. kind="chat" answers /v1/chat/completions (`chat.completion.chunk`s,
+        the first with the assistant role, queued at once); "completion" answers /v1/completions
+        (`text_completion`; plain text, markup ignored). Streaming: data-only SSE chunks ending in
+        `data: [DONE]`; include_usage (stream_options) adds `"usage":null` to every chunk and a
+        last chunk with empty choices and the usage. stream=False makes the JSON body readable
+        once the stream ends. finish_reason: "stop" (EOS or stop sequence), "length"
+        (max_tokens), "tool_calls". Raises NativeError if `kind` is unknown."""
+
+    @property
+    def dialect(self) -> Dialect: ...
+    @property
+    def stream(self) -> bool: ...
+
+@final
 class Reader:
     """Consumer side of one stream. Used from the asyncio thread. Dropping the last reference
     before the stream ends cancels it, like cancel()."""
@@ -115,80 +232,42 @@ class Reader:
     def unread_bytes(self) -> int: ...
     @property
     def stream_id(self) -> int: ...
+    @property
+    def status(self) -> int:
+        """200, or the HTTP status of the error the stream ended with (`Router.fail`)."""
 
 @final
 class Router:
     """Per-stream state for every open stream, fed once per engine step."""
 
     def __new__(cls, vocab: Vocab, *, max_unread_bytes: int = 1048576) -> Router: ...
-    def open_anthropic(
+    def open(
         self,
         stream_id: int,
+        spec: StreamSpec,
         *,
-        model: str,
-        message_id: str,
-        input_tokens: int,
-        cache_read_input_tokens: int = 0,
-        stop_sequences: list[str] = ...,
-        stream: bool = True,
-        markup: Markup | None = None,
-        prefill: str = "",
-    ) -> Reader:
-        """Open an Anthropic Messages stream. stream=True queues message_start and ping at once;
-        stream=False makes the whole JSON Message body readable once the stream ends.
-        `markup` parses thinking and tool calls (see Markup). `prefill` is markup the engine
-        appended to the prompt (an opened `<think>`, or `<tool_call>\n{"name": "Bash",
-        "arguments": ` to force a tool): the parser starts as if it had read it, the text itself
-        is not emitted, and a tool call it names starts at once. Ignored without `markup`.
-        Raises NativeError if `stream_id` is already open."""
-
-    def open_openai(
-        self,
-        stream_id: int,
-        *,
-        model: str,
-        completion_id: str,
-        created: int,
         prompt_tokens: int,
         cached_tokens: int = 0,
-        stop_sequences: list[str] = ...,
-        stream: bool = True,
-        include_usage: bool = False,
-        kind: Literal["chat", "completion"] = "chat",
-        markup: Markup | None = None,
-        prefill: str = "",
+        max_tokens: int,
     ) -> Reader:
-        """Open an OpenAI stream. kind="chat" answers /v1/chat/completions
-        (`chat.completion.chunk`s, the first with the assistant role, queued at once);
-        "completion" answers /v1/completions (`text_completion`; plain text, markup ignored).
-        Streaming: data-only SSE chunks ending in `data: [DONE]`; include_usage (stream_options)
-        adds `"usage":null` to every chunk and a last chunk with empty choices and the usage.
-        stream=False makes the JSON body readable once the stream ends. finish_reason: "stop"
-        (EOS or stop sequence), "length" (max_tokens), "tool_calls". markup and prefill as in
-        open_anthropic. Raises NativeError if `stream_id` is already open or `kind` is unknown."""
+        """Open a stream as `spec` says for an admitted prompt of `prompt_tokens` (of which
+        `cached_tokens` came from the prefix cache) that may add `max_tokens` tokens. Frames due
+        at once are queued. Raises NativeError if `stream_id` is already open."""
 
-    def step(
-        self,
-        stream_ids: _Ints,
-        token_ids: _Ints,
-        finish_codes: _Ints,
-    ) -> list[int]:
-        """One engine step: stream_ids[i] produced token_ids[i]. finish_codes[i]: 0 running,
-        1 end_turn (EOS, not rendered, counted), 2 max_tokens (rendered, then finish). Integer
-        buffers (numpy arrays, array.array) are accepted too. Returns the stream ids the engine
-        must drop now: stop sequence matched or reader cancelled. Unknown ids are ignored."""
+    def step(self, stream_ids: _Ints, token_ids: _Ints) -> list[tuple[int, FinishReason]]:
+        """One engine step: stream_ids[i] produced token_ids[i]. Returns every stream that ended,
+        and why: an end-of-turn token, max_tokens, a stop sequence, a finished tool call, or a
+        reader that cancelled since the last report (those are removed). The engine drops
+        exactly these. Integer buffers (numpy arrays, array.array) are accepted too. Unknown ids
+        are ignored."""
 
     def cancelled(self) -> list[int]:
         """Ids of streams whose readers cancelled since the last report; they are removed."""
 
-    def fail(self, stream_id: int, error_type: str, message: str) -> None:
-        """End a stream with an error in its dialect and remove it. `error_type` is Anthropic's
-        (`invalid_request_error`, `api_error`, `overloaded_error`, …). Anthropic: an SSE `error`
-        event, or the error envelope as the body. OpenAI: `data: {"error": {message, type, param,
-        code}}` then `data: [DONE]`, or `{"error": …}` as the body; the type maps to OpenAI's
-        (invalid_request_error, not_found_error, request_too_large -> invalid_request_error;
-        authentication_error, permission_error, rate_limit_error kept; api_error,
-        overloaded_error and anything else -> server_error). Unknown ids are ignored."""
+    def fail(self, stream_id: int, kind: ErrorKind, message: str) -> None:
+        """End a stream with an error in its dialect (see Dialect) and remove it: the error's last
+        frames when streaming, else the envelope as the body, and the reader's `status` becomes
+        the dialect's status for `kind`. Unknown ids are ignored."""
 
     def close(self, stream_id: int) -> None:
         """Remove a stream without emitting anything; its reader sees end of stream."""

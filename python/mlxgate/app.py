@@ -6,13 +6,14 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 
-from mlxgate._native import Router, Vocab
+from mlxgate import chat
+from mlxgate._native import Dialect, ErrorKind, Router, Vocab
 from mlxgate.api.anthropic import AnthropicAPI
-from mlxgate.api.errors import ApiError, Dialect
+from mlxgate.api.errors import ApiError
 from mlxgate.api.http import (
     BodyTooLarge,
     ClientGone,
@@ -27,13 +28,15 @@ from mlxgate.api.http import (
 )
 from mlxgate.api.models import ModelNames
 from mlxgate.api.openai import OpenAIAPI
+from mlxgate.api.shared import Route, Services
 from mlxgate.config import Config
-from mlxgate.engine import Engine, EngineSettings, SamplingParams
+from mlxgate.engine import Engine, EngineSettings, Generator, SamplingParams
 from mlxgate.metrics import EngineCollector
 
 log = logging.getLogger("mlxgate")
 
-Handler = Callable[[Scope, Receive, Send, bytes], Awaitable[None]]
+# Each dialect's routes; adding a dialect is one line here.
+DIALECTS = (AnthropicAPI, OpenAIAPI)
 
 
 class App:
@@ -42,26 +45,26 @@ class App:
     Each route has a dialect; every error on it is answered in that dialect's envelope.
     """
 
-    def __init__(self, engine: Engine, config: Config) -> None:
+    def __init__(
+        self, engine: Generator, renderer: chat.Renderer, served: str, config: Config
+    ) -> None:
         self.engine = engine
         self.config = config
         self.models = ModelNames(
-            engine.loaded.name,
-            config.model_aliases,
-            strict=config.strict_models,
-            model_arg=config.model,
+            served, config.model_aliases, strict=config.strict_models, model_arg=config.model
         )
-        default_sampling = SamplingParams(config.temperature, config.top_p, config.top_k)
-        self.anthropic = AnthropicAPI(
-            engine, self.models, default_sampling, config.max_output_tokens
+        services = Services(
+            engine=engine,
+            renderer=renderer,
+            models=self.models,
+            default_sampling=SamplingParams(config.temperature, config.top_p, config.top_k),
+            max_output_tokens=config.max_output_tokens,
         )
-        self.openai = OpenAIAPI(engine, self.models, default_sampling)
-        # Longest suffix first: /v1/messages/count_tokens before /v1/messages.
-        self.post_routes: list[tuple[str, Dialect, Handler]] = [
-            ("/v1/messages/count_tokens", "anthropic", self.anthropic.count_tokens),
-            ("/v1/messages", "anthropic", self.anthropic.messages),
-            ("/v1/chat/completions", "openai", self.openai.chat_completions),
-            ("/v1/completions", "openai", self.openai.completions),
+        self.routes: list[Route] = [
+            *(route for api in DIALECTS for route in api(services).routes()),
+            Route("GET", "/health", Dialect.OPENAI, self._health),
+            Route("HEAD", "/health", Dialect.OPENAI, self._health),
+            Route("GET", "/metrics", Dialect.OPENAI, self._metrics),
         ]
         self._in_flight: collections.Counter[str] = collections.Counter()
         self.requests = Counter(
@@ -76,7 +79,9 @@ class App:
             return
         path: str = scope["path"].rstrip("/") or "/"
         method: str = scope["method"]
-        route, dialect, handler = self._route(scope, method, path)
+        route = self._route(scope, method, path)
+        dialect = route.dialect if route else _fallback_dialect(path)
+        label = route.path if route and not route.prefix else "other"
         status = 0
 
         async def send_tracked(message: Message) -> None:
@@ -88,62 +93,58 @@ class App:
         try:
             if not path.endswith("/health") and not self._authorized(scope):
                 raise ApiError(
-                    401,
+                    ErrorKind.AUTHENTICATION,
                     "invalid x-api-key or Authorization bearer token",
                     should_retry=False,
                     code="invalid_api_key",
                 )
-            if handler is not None:
+            if route is None:
+                raise ApiError(
+                    ErrorKind.NOT_FOUND, f"{method} {scope['path']} is not a route of this server"
+                )
+            body = b""
+            if method == "POST":
                 body = await read_body(receive, self.config.max_body_bytes)
-                with self._client_slot(scope, route):
-                    await handler(scope, receive, send_tracked, body)
-            elif method in ("GET", "HEAD") and path.endswith("/health"):
-                health = {"status": "ok", "model": self.models.served}
-                await send_json(send_tracked, 200, health)
-            elif method == "GET" and path.endswith("/metrics"):
-                await send_bytes(send_tracked, 200, generate_latest(), CONTENT_TYPE_LATEST.encode())
-            elif method == "GET" and path.endswith("/v1/models"):
-                await self.models.list(scope, send_tracked)
-            elif method == "GET" and "/v1/models/" in path:
-                model_id = path.split("/v1/models/", 1)[1]
-                await self.models.retrieve(scope, send_tracked, model_id)
-            else:
-                raise ApiError(404, f"{method} {scope['path']} is not a route of this server")
+            with self._client_slot(scope, method, label):
+                await route.handler(scope, receive, send_tracked, body)
         except ApiError as exc:
-            await send_json(
-                send_tracked, exc.status, exc.body(dialect), extra_headers=exc.headers()
+            await send_bytes(
+                send_tracked, exc.status(dialect), exc.body(dialect), extra_headers=exc.headers()
             )
         except BodyTooLarge as exc:
-            await send_json(send_tracked, 413, ApiError(413, str(exc)).body(dialect))
+            error = ApiError(ErrorKind.REQUEST_TOO_LARGE, str(exc))
+            await send_bytes(send_tracked, error.status(dialect), error.body(dialect))
         except ClientGone:
             pass
         except Exception:
             log.exception("unhandled error on %s %s", method, path)
             if status == 0:
-                error = ApiError(500, "internal server error (the server log has the details)")
-                await send_json(send_tracked, 500, error.body(dialect))
+                error = ApiError(
+                    ErrorKind.INTERNAL, "internal server error (the server log has the details)"
+                )
+                await send_bytes(send_tracked, error.status(dialect), error.body(dialect))
         finally:
-            self.requests.labels(route, str(status or 499)).inc()
+            self.requests.labels(label, str(status or 499)).inc()
 
-    def _route(self, scope: Scope, method: str, path: str) -> tuple[str, Dialect, Handler | None]:
-        if method == "POST":
-            for route, dialect, handler in self.post_routes:
-                if path.endswith(route):
-                    return route, dialect, handler
-        # Anything else: OpenAI's envelope where the path is OpenAI's; the model routes serve
-        # both dialects, and the anthropic-version header tells them apart.
-        if path.endswith("/v1/models") or "/v1/models/" in path:
-            openai_path = header(scope, b"anthropic-version") is None
-        else:
-            openai_path = "completions" in path or "embeddings" in path
-        route = path if path.endswith(("/health", "/metrics", "/v1/models")) else "other"
-        return route, "openai" if openai_path else "anthropic", None
+    def _route(self, scope: Scope, method: str, path: str) -> Route | None:
+        for route in self.routes:
+            if route.method != method or (route.header and header(scope, route.header) is None):
+                continue
+            if path.endswith(route.path) or (route.prefix and route.path in path):
+                return route
+        return None
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        await send_json(send, 200, {"status": "ok", "model": self.models.served})
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        await send_bytes(send, 200, generate_latest(), CONTENT_TYPE_LATEST.encode())
 
     @contextlib.contextmanager
-    def _client_slot(self, scope: Scope, route: str) -> Iterator[None]:
-        """Bound the requests one client may have in flight (`--max-per-client`)."""
+    def _client_slot(self, scope: Scope, method: str, route: str) -> Iterator[None]:
+        """Bound the generation requests one client may have in flight (`--max-per-client`)."""
         limit = self.config.max_per_client
-        if not limit or route.endswith("count_tokens"):
+        if not limit or method != "POST" or route.endswith("count_tokens"):
             yield
             return
         client = (
@@ -153,7 +154,7 @@ class App:
         )
         if self._in_flight[client] >= limit:
             raise ApiError(
-                429,
+                ErrorKind.RATE_LIMITED,
                 f"rate limit: at most {limit} concurrent requests per client",
                 retry_after_s=1,
                 code="rate_limit_exceeded",
@@ -182,6 +183,12 @@ class App:
                 self.engine.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _fallback_dialect(path: str) -> Dialect:
+    """The envelope for a path no route has: OpenAI's where the path looks like OpenAI's."""
+    openai = "completions" in path or "embeddings" in path or "/v1/models" in path
+    return Dialect.OPENAI if openai else Dialect.ANTHROPIC
 
 
 def build_app(config: Config) -> App:
@@ -216,7 +223,7 @@ def build_app(config: Config) -> App:
         config.host,
         config.port,
     )
-    return App(engine, config)
+    return App(engine, chat.Renderer(tokenizer), loaded.name, config)
 
 
 def create_app() -> App:

@@ -1,8 +1,8 @@
 """Dialect-neutral conversations rendered to a prompt: chat template, tools, tool-call markup.
 
-Both APIs convert their requests to Hugging Face chat-template messages
+Every API converts its requests to a `Conversation` of Hugging Face chat-template messages
 (`{"role", "content", "tool_calls"?}`, `{"role": "tool", ...}`) and OpenAI-style function tools,
-then render here, so one model gets one rendering whichever dialect asked.
+then renders it here, so one model gets one rendering whichever dialect asked.
 """
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mlxgate import formats
 from mlxgate._native import Markup
+from mlxgate.formats import ToolFormat
 from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
 
-ToolCallFormat = Literal["hermes", "mistral", "llama3_json"]
 Message = dict[str, Any]
 Tool = dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
 
 # For templates that do not render tools themselves: the Hermes / Qwen 2.5 convention, which
-# small instruction-tuned models follow best and the native router parses as "hermes".
+# small instruction-tuned models follow best.
 GENERIC_TOOL_PROMPT = """# Tools
 
 You may call one or more functions to assist with the user query.
@@ -46,35 +47,36 @@ class ToolChoice:
     name: str | None = None
 
 
+@dataclass
+class Conversation:
+    """A request in no dialect's shape: Hugging Face chat-template messages and function tools."""
+
+    messages: list[Message]
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    thinking: bool | None = None
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     """How a model's template handles tools and reasoning, decided once from the template."""
 
     template_renders_tools: bool
-    tool_call: ToolCallFormat
+    tool_format: ToolFormat
     think: tuple[str, str] | None
     # What the router parses: with tools declared, tool calls and thinking; without, thinking only.
     markup_tools: Markup = field(compare=False)
     markup_text: Markup | None = field(compare=False)
 
-    def markup(self, with_tools: bool) -> Markup | None:
-        return self.markup_tools if with_tools else self.markup_text
-
     @classmethod
-    def detect(cls, tokenizer: ChatTokenizer) -> ChatFormat:
-        template = tokenizer.chat_template
-        if "[TOOL_CALLS]" in template:
-            tool_call: ToolCallFormat = "mistral"
-        elif "<|python_tag|>" in template or "ipython" in template:
-            tool_call = "llama3_json"
-        else:
-            tool_call = "hermes"
-        think = ("<think>", "</think>") if "<think>" in template else None
+    def detect(cls, template: str) -> ChatFormat:
+        tool_format = formats.detect_tool_format(template)
+        think = formats.detect_reasoning(template)
         return cls(
             template_renders_tools="tools" in template,
-            tool_call=tool_call,
+            tool_format=tool_format,
             think=think,
-            markup_tools=Markup(think=think, tool_call=tool_call),
+            markup_tools=Markup(think=think, tool_call=tool_format.NAME),  # type: ignore[arg-type]
             markup_text=Markup(think=think) if think else None,
         )
 
@@ -82,36 +84,15 @@ class ChatFormat:
 @dataclass(frozen=True)
 class Prompt:
     text: str
+    ids: list[int]
     # Markup appended after the template's generation prompt (a forced tool call's opening, an
     # opened think tag); the router parses the reply as if it had already read this.
     prefill: str
+    # What the router parses in the reply (thinking, tool calls once tools were rendered).
+    markup: Markup | None
 
 
-def _tool_call_text(call: dict[str, Any], fmt: ToolCallFormat) -> str:
-    function = call["function"]
-    body = json.dumps({"name": function["name"], "arguments": function.get("arguments", {})})
-    if fmt == "mistral":
-        return f"[TOOL_CALLS][{body}]"
-    if fmt == "llama3_json":
-        return body
-    return f"<tool_call>\n{body}\n</tool_call>"
-
-
-def _forced_opening(choice: ToolChoice, fmt: ToolCallFormat) -> str:
-    if choice.mode == "tool":
-        named = f'{{"name": {json.dumps(choice.name)}, "arguments": '
-    elif choice.mode == "any":
-        named = '{"name": "'
-    else:
-        return ""
-    if fmt == "mistral":
-        return f"[TOOL_CALLS][{named}"
-    if fmt == "llama3_json":
-        return named
-    return f"<tool_call>\n{named}"
-
-
-def _inline_tools(messages: list[Message], tools: list[Tool], fmt: ToolCallFormat) -> list[Message]:
+def _inline_tools(messages: list[Message], tools: list[Tool], fmt: ToolFormat) -> list[Message]:
     """Rewrite tool traffic as plain turns for a template that knows nothing of tools."""
     out: list[Message] = []
     if tools:
@@ -124,7 +105,10 @@ def _inline_tools(messages: list[Message], tools: list[Tool], fmt: ToolCallForma
             out.append({"role": "system", "content": prompt})
     for message in messages:
         if message["role"] == "assistant" and message.get("tool_calls"):
-            calls = "\n".join(_tool_call_text(c, fmt) for c in message["tool_calls"])
+            calls = "\n".join(
+                fmt.render_call(c["function"]["name"], c["function"].get("arguments", {}))
+                for c in message["tool_calls"]
+            )
             text = message.get("content") or ""
             out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
         elif message["role"] == "tool":
@@ -157,46 +141,63 @@ def merge_turns(messages: list[Message]) -> list[Message]:
     return merged
 
 
-def render(
-    tokenizer: ChatTokenizer,
-    fmt: ChatFormat,
-    messages: list[Message],
-    *,
-    tools: list[Tool] | None = None,
-    tool_choice: ToolChoice | None = None,
-    thinking: bool | None = None,
-) -> Prompt:
-    """The prompt text for `messages`; a trailing assistant turn is continued, not closed."""
-    choice = tool_choice or ToolChoice()
-    tools = [] if choice.mode == "none" else list(tools or [])
-    if choice.mode == "tool" and choice.name not in {t["function"]["name"] for t in tools}:
-        raise ConversationError(f"tool_choice names {choice.name!r}, which is not in tools")
-    if choice.mode == "any" and not tools:
-        raise ConversationError("tool_choice 'any' needs at least one tool")
+class Renderer:
+    """One model's prompt rendering, shared by every API dialect: the chat template, its tool
+    and reasoning format, the tokenizer."""
 
-    continuation = ""
-    if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
-        continuation = messages[-1].get("content") or ""
-        messages = messages[:-1]
-    if fmt.template_renders_tools:
-        turns, template_tools = merge_turns(messages), tools or None
-    else:
-        turns, template_tools = merge_turns(_inline_tools(messages, tools, fmt.tool_call)), None
-    if not any(turn["role"] == "user" for turn in turns):
-        raise ConversationError("messages: at least one user message is required")
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.format = ChatFormat.detect(tokenizer.chat_template)
+        self.eos_ids = sorted(tokenizer.eos_ids)
 
-    extra: dict[str, Any] = {}
-    if thinking is not None and fmt.think is not None:
-        extra["enable_thinking"] = thinking
-    try:
-        text = tokenizer.render(turns, tools=template_tools, add_generation_prompt=True, **extra)
-    except TemplateError as exc:
-        raise ConversationError(
-            f"the model's chat template rejected the conversation: {exc}"
-        ) from None
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
 
-    prefill = ""
-    if fmt.think is not None and text.rstrip().endswith(fmt.think[0]):
-        prefill = text[text.rstrip().rindex(fmt.think[0]) :]  # the template opened <think>
-    forced = _forced_opening(choice, fmt.tool_call) if tools else ""
-    return Prompt(text=text + continuation + forced, prefill=prefill + continuation + forced)
+    def render(self, conversation: Conversation) -> Prompt:
+        """The prompt for `conversation`; a trailing assistant turn is continued, not closed."""
+        fmt = self.format
+        choice = conversation.tool_choice
+        tools = [] if choice.mode == "none" else list(conversation.tools)
+        if choice.mode == "tool" and choice.name not in {t["function"]["name"] for t in tools}:
+            raise ConversationError(f"tool_choice names {choice.name!r}, which is not in tools")
+        if choice.mode == "any" and not tools:
+            raise ConversationError("tool_choice 'any' needs at least one tool")
+
+        messages = conversation.messages
+        continuation = ""
+        if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+            continuation = messages[-1].get("content") or ""
+            messages = messages[:-1]
+        if fmt.template_renders_tools:
+            turns, template_tools = merge_turns(messages), tools or None
+        else:
+            turns = merge_turns(_inline_tools(messages, tools, fmt.tool_format))
+            template_tools = None
+        if not any(turn["role"] == "user" for turn in turns):
+            raise ConversationError("messages: at least one user message is required")
+
+        extra: dict[str, Any] = {}
+        if conversation.thinking is not None and fmt.think is not None:
+            extra["enable_thinking"] = conversation.thinking
+        try:
+            text = self.tokenizer.render(
+                turns, tools=template_tools, add_generation_prompt=True, **extra
+            )
+        except TemplateError as exc:
+            raise ConversationError(
+                f"the model's chat template rejected the conversation: {exc}"
+            ) from None
+
+        prefill = ""
+        if fmt.think is not None and text.rstrip().endswith(fmt.think[0]):
+            prefill = text[text.rstrip().rindex(fmt.think[0]) :]  # the template opened <think>
+        forced = ""
+        if tools and choice.mode in ("any", "tool"):
+            forced = fmt.tool_format.forced_opening(choice.name if choice.mode == "tool" else None)
+        text += continuation + forced
+        return Prompt(
+            text=text,
+            ids=self.tokenizer.encode(text),
+            prefill=prefill + continuation + forced,
+            markup=fmt.markup_tools if tools else fmt.markup_text,
+        )

@@ -2,17 +2,15 @@
 
 use serde::{Serialize, Serializer};
 
-use super::{tool_call_id, Finish};
+use super::{tool_call_id, ErrorKind, ErrorReply, Finish, PromptUsage};
 use crate::jsonscan::minify;
 use crate::sse::{write_event, write_json};
 
-/// What `open_anthropic` was given.
+/// What an Anthropic stream is opened with.
 #[derive(Debug, Clone)]
 pub struct AnthropicParams {
     pub model: String,
     pub message_id: String,
-    pub input_tokens: u64,
-    pub cache_read_input_tokens: u64,
     pub stream: bool,
 }
 
@@ -35,6 +33,7 @@ struct OpenBlock {
 #[derive(Debug)]
 pub struct AnthropicStream {
     params: AnthropicParams,
+    usage: PromptUsage,
     open: Option<OpenBlock>,
     next_index: u32,
     tool_calls: u32,
@@ -43,9 +42,10 @@ pub struct AnthropicStream {
 }
 
 impl AnthropicStream {
-    pub fn new(params: AnthropicParams) -> Self {
+    pub fn new(params: AnthropicParams, usage: PromptUsage) -> Self {
         Self {
             params,
+            usage,
             open: None,
             next_index: 0,
             tool_calls: 0,
@@ -155,20 +155,8 @@ impl AnthropicStream {
         }
     }
 
-    /// Streaming: an `error` event (open blocks stay unclosed, as Anthropic does). Non-streaming:
-    /// the error envelope replaces the body.
-    pub fn error(&mut self, error_type: &str, message: &str, out: &mut Vec<u8>) {
-        let event = Event::Error {
-            error: ErrorBody {
-                kind: error_type,
-                message,
-            },
-        };
-        if self.params.stream {
-            write(out, &event);
-        } else {
-            write_json(out, &event);
-        }
+    pub fn is_streaming(&self) -> bool {
+        self.params.stream
     }
 
     /// Returns the index of an open block of `kind`, closing another kind and opening one.
@@ -243,12 +231,57 @@ impl AnthropicStream {
             stop_reason,
             stop_sequence,
             usage: Usage {
-                input_tokens: self.params.input_tokens,
+                input_tokens: self.usage.prompt_tokens - self.usage.cached_tokens,
                 cache_creation_input_tokens: 0,
-                cache_read_input_tokens: self.params.cache_read_input_tokens,
+                cache_read_input_tokens: self.usage.cached_tokens,
                 output_tokens,
             },
         }
+    }
+}
+
+/// Anthropic's error type for each kind.
+pub fn error_type(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::InvalidRequest => "invalid_request_error",
+        ErrorKind::Authentication => "authentication_error",
+        ErrorKind::Permission => "permission_error",
+        ErrorKind::NotFound => "not_found_error",
+        ErrorKind::RequestTooLarge => "request_too_large",
+        ErrorKind::RateLimited => "rate_limit_error",
+        ErrorKind::Overloaded | ErrorKind::Unavailable => "overloaded_error",
+        ErrorKind::Internal => "api_error",
+    }
+}
+
+/// The status Anthropic's clients act on: 529 is its "overloaded, retry".
+pub fn error_status(kind: ErrorKind) -> u16 {
+    match kind {
+        ErrorKind::InvalidRequest => 400,
+        ErrorKind::Authentication => 401,
+        ErrorKind::Permission => 403,
+        ErrorKind::NotFound => 404,
+        ErrorKind::RequestTooLarge => 413,
+        ErrorKind::RateLimited => 429,
+        ErrorKind::Overloaded => 529,
+        ErrorKind::Unavailable => 503,
+        ErrorKind::Internal => 500,
+    }
+}
+
+/// Streaming: an `error` event (open blocks stay unclosed, as Anthropic does). Non-streaming:
+/// the error envelope as the body.
+pub fn write_error(error: &ErrorReply<'_>, stream: bool, out: &mut Vec<u8>) {
+    let event = Event::Error {
+        error: ErrorBody {
+            kind: error_type(error.kind),
+            message: error.message,
+        },
+    };
+    if stream {
+        write(out, &event);
+    } else {
+        write_json(out, &event);
     }
 }
 
@@ -415,15 +448,22 @@ struct ErrorBody<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::events::Protocol;
 
     fn params(stream: bool) -> AnthropicParams {
         AnthropicParams {
             model: "smol".into(),
             message_id: "msg_1".into(),
-            input_tokens: 5,
-            cache_read_input_tokens: 2,
             stream,
         }
+    }
+
+    fn stream(stream: bool) -> AnthropicStream {
+        let usage = PromptUsage {
+            prompt_tokens: 7,
+            cached_tokens: 2,
+        };
+        AnthropicStream::new(params(stream), usage)
     }
 
     fn frames(out: &[u8]) -> Vec<String> {
@@ -433,7 +473,7 @@ mod tests {
 
     #[test]
     fn streaming_sequence() {
-        let mut s = AnthropicStream::new(params(true));
+        let mut s = stream(true);
         let mut out = Vec::new();
         s.start(&mut out);
         s.text("", &mut out);
@@ -488,7 +528,7 @@ mod tests {
 
     #[test]
     fn streaming_without_text_has_no_block() {
-        let mut s = AnthropicStream::new(params(true));
+        let mut s = stream(true);
         let mut out = Vec::new();
         s.finish(Finish::EndTurn, 1, &mut out);
         let frames = frames(&out);
@@ -498,7 +538,7 @@ mod tests {
 
     #[test]
     fn non_streaming_body() {
-        let mut s = AnthropicStream::new(params(false));
+        let mut s = stream(false);
         let mut out = Vec::new();
         s.start(&mut out);
         s.text("Hel", &mut out);
@@ -513,16 +553,16 @@ mod tests {
 
     #[test]
     fn non_streaming_empty_content_and_error() {
-        let mut s = AnthropicStream::new(params(false));
+        let mut s = stream(false);
         let mut out = Vec::new();
         s.finish(Finish::EndTurn, 1, &mut out);
         assert!(std::str::from_utf8(&out)
             .unwrap()
             .contains("\"content\":[],"));
-        let mut s = AnthropicStream::new(params(false));
+        let mut s = Protocol::Anthropic(stream(false));
         let mut out = Vec::new();
         s.text("partial", &mut out);
-        s.error("overloaded_error", "Overloaded", &mut out);
+        assert_eq!(s.error(ErrorKind::Overloaded, "Overloaded", &mut out), 529);
         assert_eq!(
             std::str::from_utf8(&out).unwrap(),
             "{\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}"

@@ -3,7 +3,9 @@
 pub mod anthropic;
 pub mod openai;
 
-/// Why a message ended.
+use crate::error::CoreError;
+
+/// Why a message ended, as the encoders write it (with the stop sequence that matched).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish<'a> {
     EndTurn,
@@ -11,6 +13,138 @@ pub enum Finish<'a> {
     StopSequence(&'a str),
     /// The generation ended after at least one complete tool call.
     ToolUse,
+}
+
+impl Finish<'_> {
+    pub fn reason(self) -> FinishReason {
+        match self {
+            Self::EndTurn => FinishReason::EndTurn,
+            Self::MaxTokens => FinishReason::MaxTokens,
+            Self::StopSequence(_) => FinishReason::StopSequence,
+            Self::ToolUse => FinishReason::ToolUse,
+        }
+    }
+}
+
+/// Why a stream ended, as the router reports it to the engine: the only place a generation's
+/// end is decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// An end-of-turn token.
+    EndTurn,
+    /// `max_tokens` tokens were generated.
+    MaxTokens,
+    StopSequence,
+    /// The generation ended after at least one complete tool call.
+    ToolUse,
+    /// The reader went away.
+    Cancelled,
+}
+
+/// What went wrong, in no dialect's words: each dialect's encoder names it and picks its HTTP
+/// status (`Dialect::error_status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    InvalidRequest,
+    Authentication,
+    Permission,
+    NotFound,
+    RequestTooLarge,
+    RateLimited,
+    /// Too much work queued: retry later.
+    Overloaded,
+    /// The server cannot serve now (not started, shutting down).
+    Unavailable,
+    Internal,
+}
+
+impl std::str::FromStr for ErrorKind {
+    type Err = CoreError;
+
+    fn from_str(s: &str) -> Result<Self, CoreError> {
+        Ok(match s {
+            "invalid_request" => Self::InvalidRequest,
+            "authentication" => Self::Authentication,
+            "permission" => Self::Permission,
+            "not_found" => Self::NotFound,
+            "request_too_large" => Self::RequestTooLarge,
+            "rate_limited" => Self::RateLimited,
+            "overloaded" => Self::Overloaded,
+            "unavailable" => Self::Unavailable,
+            "internal" => Self::Internal,
+            _ => return Err(CoreError::UnknownErrorKind(s.to_owned())),
+        })
+    }
+}
+
+/// An API dialect: how its streams are encoded and how its errors are worded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dialect {
+    Anthropic,
+    OpenAi,
+}
+
+/// An error answer of one dialect: the HTTP status, and the envelope as a body or as the last
+/// frames of a stream whose headers are out. `param` and `code` are OpenAI's (Anthropic has
+/// neither).
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorReply<'a> {
+    pub kind: ErrorKind,
+    pub message: &'a str,
+    pub param: Option<&'a str>,
+    pub code: Option<&'a str>,
+}
+
+impl Dialect {
+    pub fn error_status(self, kind: ErrorKind) -> u16 {
+        match self {
+            Self::Anthropic => anthropic::error_status(kind),
+            Self::OpenAi => openai::error_status(kind),
+        }
+    }
+
+    /// The error envelope: as the whole body (`stream` false) or as the stream's last frames.
+    pub fn write_error(self, error: &ErrorReply<'_>, stream: bool, out: &mut Vec<u8>) {
+        match self {
+            Self::Anthropic => anthropic::write_error(error, stream, out),
+            Self::OpenAi => openai::write_error(error, stream, out),
+        }
+    }
+}
+
+/// The prompt's size as the engine admitted it, for the dialects' usage reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PromptUsage {
+    pub prompt_tokens: u64,
+    /// Of `prompt_tokens`, those whose KV came from the prefix cache.
+    pub cached_tokens: u64,
+}
+
+/// What a stream of each dialect is opened with (besides the prompt's usage).
+#[derive(Debug, Clone)]
+pub enum DialectParams {
+    Anthropic(anthropic::AnthropicParams),
+    OpenAi(openai::OpenAiParams),
+}
+
+impl DialectParams {
+    pub fn protocol(&self, usage: PromptUsage) -> Protocol {
+        match self {
+            Self::Anthropic(p) => {
+                Protocol::Anthropic(anthropic::AnthropicStream::new(p.clone(), usage))
+            }
+            Self::OpenAi(p) => {
+                Protocol::OpenAi(Box::new(openai::OpenAiStream::new(p.clone(), usage)))
+            }
+        }
+    }
+
+    pub fn dialect(&self) -> Dialect {
+        match self {
+            Self::Anthropic(_) => Dialect::Anthropic,
+            Self::OpenAi(_) => Dialect::OpenAi,
+        }
+    }
 }
 
 /// The dialect state of one stream.
@@ -67,8 +201,20 @@ impl Protocol {
         dispatch!(self, s => s.finish(finish, output_tokens, out))
     }
 
-    pub fn error(&mut self, error_type: &str, message: &str, out: &mut Vec<u8>) {
-        dispatch!(self, s => s.error(error_type, message, out))
+    /// Ends the stream with an error; returns the HTTP status a non-streamed answer gets.
+    pub fn error(&mut self, kind: ErrorKind, message: &str, out: &mut Vec<u8>) -> u16 {
+        let error = ErrorReply {
+            kind,
+            message,
+            param: None,
+            code: None,
+        };
+        let (dialect, stream) = match self {
+            Self::Anthropic(s) => (Dialect::Anthropic, s.is_streaming()),
+            Self::OpenAi(s) => (Dialect::OpenAi, s.is_streaming()),
+        };
+        dialect.write_error(&error, stream, out);
+        dialect.error_status(kind)
     }
 
     /// False for dialects that carry plain text only (legacy completions).
@@ -105,6 +251,37 @@ pub fn tool_call_id(prefix: &str, message_id: &str, index: u32, out: &mut String
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const KINDS: [ErrorKind; 9] = [
+        ErrorKind::InvalidRequest,
+        ErrorKind::Authentication,
+        ErrorKind::Permission,
+        ErrorKind::NotFound,
+        ErrorKind::RequestTooLarge,
+        ErrorKind::RateLimited,
+        ErrorKind::Overloaded,
+        ErrorKind::Unavailable,
+        ErrorKind::Internal,
+    ];
+
+    #[test]
+    fn dialects_agree_on_every_status_but_overload() {
+        for kind in KINDS {
+            let (a, o) = (
+                Dialect::Anthropic.error_status(kind),
+                Dialect::OpenAi.error_status(kind),
+            );
+            if kind == ErrorKind::Overloaded {
+                assert_eq!((a, o), (529, 503));
+            } else {
+                assert_eq!(a, o, "{kind:?}");
+            }
+        }
+        assert_eq!(
+            Dialect::Anthropic.error_status(ErrorKind::Authentication),
+            401
+        );
+    }
 
     #[test]
     fn tool_call_ids_are_stable_and_distinct() {

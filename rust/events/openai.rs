@@ -4,7 +4,7 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
-use super::{tool_call_id, Finish};
+use super::{tool_call_id, ErrorKind, ErrorReply, Finish, PromptUsage};
 use crate::error::CoreError;
 use crate::jsonscan::minify;
 use crate::sse::write_json;
@@ -30,14 +30,12 @@ impl FromStr for CompletionKind {
     }
 }
 
-/// What `open_openai` was given.
+/// What an OpenAI stream is opened with.
 #[derive(Debug, Clone)]
 pub struct OpenAiParams {
     pub model: String,
     pub completion_id: String,
     pub created: u64,
-    pub prompt_tokens: u64,
-    pub cached_tokens: u64,
     pub stream: bool,
     /// `stream_options.include_usage`: every chunk carries `"usage":null` and a last chunk with
     /// empty `choices` carries the usage.
@@ -49,6 +47,7 @@ pub struct OpenAiParams {
 #[derive(Debug)]
 pub struct OpenAiStream {
     params: OpenAiParams,
+    usage: PromptUsage,
     /// `data: {"id":…,"object":…,"created":…,"model":…,` shared by every chunk.
     head: Vec<u8>,
     tool_calls: u32,
@@ -59,7 +58,7 @@ pub struct OpenAiStream {
 }
 
 impl OpenAiStream {
-    pub fn new(params: OpenAiParams) -> Self {
+    pub fn new(params: OpenAiParams, usage: PromptUsage) -> Self {
         let mut head = Vec::new();
         if params.stream {
             head.extend_from_slice(b"data: {\"id\":");
@@ -77,12 +76,17 @@ impl OpenAiStream {
         }
         Self {
             params,
+            usage,
             head,
             tool_calls: 0,
             content: String::new(),
             reasoning: String::new(),
             calls: Vec::new(),
         }
+    }
+
+    pub fn is_streaming(&self) -> bool {
+        self.params.stream
     }
 
     pub fn supports_markup(&self) -> bool {
@@ -197,11 +201,11 @@ impl OpenAiStream {
             Finish::ToolUse => "tool_calls",
         };
         let usage = Usage {
-            prompt_tokens: self.params.prompt_tokens,
+            prompt_tokens: self.usage.prompt_tokens,
             completion_tokens: output_tokens,
-            total_tokens: self.params.prompt_tokens + output_tokens,
+            total_tokens: self.usage.prompt_tokens + output_tokens,
             prompt_tokens_details: PromptDetails {
-                cached_tokens: self.params.cached_tokens,
+                cached_tokens: self.usage.cached_tokens,
             },
         };
         if self.params.stream {
@@ -262,27 +266,6 @@ impl OpenAiStream {
         write_json(out, &body);
     }
 
-    /// Streaming: an error chunk, then `[DONE]`. Non-streaming: the error envelope as the body.
-    /// `error_type` is the Anthropic-style type the engine uses; OpenAI's types differ (see
-    /// [`openai_error_type`]).
-    pub fn error(&mut self, error_type: &str, message: &str, out: &mut Vec<u8>) {
-        let body = ErrorEnvelope {
-            error: ErrorBody {
-                message,
-                kind: openai_error_type(error_type),
-                param: None,
-                code: None,
-            },
-        };
-        if self.params.stream {
-            out.extend_from_slice(b"data: ");
-            write_json(out, &body);
-            out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
-        } else {
-            write_json(out, &body);
-        }
-    }
-
     /// One chunk with one choice: `delta` (chat) or `text` (completion) is what `body` writes.
     fn chunk(
         &self,
@@ -319,18 +302,50 @@ impl OpenAiStream {
     }
 }
 
-/// Anthropic error types (what the engine passes to `fail`) to OpenAI's: client errors keep
-/// their meaning, anything server-side (`api_error`, `overloaded_error`, unknown) is
-/// `server_error`.
-pub fn openai_error_type(anthropic: &str) -> &'static str {
-    match anthropic {
-        "invalid_request_error" | "not_found_error" | "request_too_large" => {
-            "invalid_request_error"
-        }
-        "authentication_error" => "authentication_error",
-        "permission_error" => "permission_error",
-        "rate_limit_error" => "rate_limit_error",
-        _ => "server_error",
+/// OpenAI's error type for each kind: client errors are `invalid_request_error` (a wrong key
+/// too, with code `invalid_api_key`, as OpenAI answers), anything server-side `server_error`.
+pub fn error_type(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::InvalidRequest
+        | ErrorKind::Authentication
+        | ErrorKind::Permission
+        | ErrorKind::NotFound
+        | ErrorKind::RequestTooLarge => "invalid_request_error",
+        ErrorKind::RateLimited => "rate_limit_error",
+        ErrorKind::Overloaded | ErrorKind::Unavailable | ErrorKind::Internal => "server_error",
+    }
+}
+
+/// The status OpenAI's clients act on: 503 is their "overloaded, retry".
+pub fn error_status(kind: ErrorKind) -> u16 {
+    match kind {
+        ErrorKind::InvalidRequest => 400,
+        ErrorKind::Authentication => 401,
+        ErrorKind::Permission => 403,
+        ErrorKind::NotFound => 404,
+        ErrorKind::RequestTooLarge => 413,
+        ErrorKind::RateLimited => 429,
+        ErrorKind::Overloaded | ErrorKind::Unavailable => 503,
+        ErrorKind::Internal => 500,
+    }
+}
+
+/// Streaming: an error chunk, then `[DONE]`. Non-streaming: the error envelope as the body.
+pub fn write_error(error: &ErrorReply<'_>, stream: bool, out: &mut Vec<u8>) {
+    let body = ErrorEnvelope {
+        error: ErrorBody {
+            message: error.message,
+            kind: error_type(error.kind),
+            param: error.param,
+            code: error.code,
+        },
+    };
+    if stream {
+        out.extend_from_slice(b"data: ");
+        write_json(out, &body);
+        out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+    } else {
+        write_json(out, &body);
     }
 }
 
@@ -411,25 +426,32 @@ struct ErrorBody<'a> {
     message: &'a str,
     #[serde(rename = "type")]
     kind: &'static str,
-    param: Option<()>,
-    code: Option<()>,
+    param: Option<&'a str>,
+    code: Option<&'a str>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::events::Protocol;
 
     fn params(stream: bool, include_usage: bool, kind: CompletionKind) -> OpenAiParams {
         OpenAiParams {
             model: "smol".into(),
             completion_id: "chatcmpl-1".into(),
             created: 1_700_000_000,
-            prompt_tokens: 5,
-            cached_tokens: 2,
             stream,
             include_usage,
             kind,
         }
+    }
+
+    fn stream(stream: bool, include_usage: bool, kind: CompletionKind) -> OpenAiStream {
+        let usage = PromptUsage {
+            prompt_tokens: 5,
+            cached_tokens: 2,
+        };
+        OpenAiStream::new(params(stream, include_usage, kind), usage)
     }
 
     fn frames(out: &[u8]) -> Vec<serde_json::Value> {
@@ -443,7 +465,7 @@ mod tests {
 
     #[test]
     fn chat_stream_with_usage() {
-        let mut s = OpenAiStream::new(params(true, true, CompletionKind::Chat));
+        let mut s = stream(true, true, CompletionKind::Chat);
         let mut out = Vec::new();
         s.start(&mut out);
         s.text("Hi \"x\"", &mut out);
@@ -463,7 +485,7 @@ mod tests {
 
     #[test]
     fn chat_nonstream_tool_calls_and_reasoning() {
-        let mut s = OpenAiStream::new(params(false, false, CompletionKind::Chat));
+        let mut s = stream(false, false, CompletionKind::Chat);
         let mut out = Vec::new();
         s.start(&mut out);
         s.thinking("hmm", &mut out);
@@ -490,23 +512,35 @@ mod tests {
 
     #[test]
     fn errors_map_types() {
-        let mut s = OpenAiStream::new(params(false, false, CompletionKind::Chat));
+        let mut s = Protocol::OpenAi(Box::new(stream(false, false, CompletionKind::Chat)));
         let mut out = Vec::new();
-        s.error("overloaded_error", "Overloaded", &mut out);
+        assert_eq!(s.error(ErrorKind::Overloaded, "Overloaded", &mut out), 503);
         assert_eq!(
             std::str::from_utf8(&out).unwrap(),
             "{\"error\":{\"message\":\"Overloaded\",\"type\":\"server_error\",\"param\":null,\"code\":null}}"
         );
         assert_eq!(
-            openai_error_type("invalid_request_error"),
+            error_type(ErrorKind::Authentication),
             "invalid_request_error"
         );
-        assert_eq!(openai_error_type("api_error"), "server_error");
+        assert_eq!(error_type(ErrorKind::Internal), "server_error");
+        let mut out = Vec::new();
+        let key = ErrorReply {
+            kind: ErrorKind::Authentication,
+            message: "bad key",
+            param: None,
+            code: Some("invalid_api_key"),
+        };
+        write_error(&key, true, &mut out);
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            "data: {\"error\":{\"message\":\"bad key\",\"type\":\"invalid_request_error\",\"param\":null,\"code\":\"invalid_api_key\"}}\n\ndata: [DONE]\n\n"
+        );
     }
 
     #[test]
     fn completion_ignores_markup_pieces() {
-        let mut s = OpenAiStream::new(params(true, false, CompletionKind::Completion));
+        let mut s = stream(true, false, CompletionKind::Completion);
         let mut out = Vec::new();
         s.start(&mut out);
         assert!(out.is_empty(), "no role chunk for completions");

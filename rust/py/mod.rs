@@ -1,5 +1,6 @@
 //! PyO3 binding `mlxgate._native`: thin wrappers over the core; the only place Python types appear.
 
+mod events;
 mod markup;
 mod router;
 mod vocab;
@@ -57,6 +58,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NativeError", m.py().get_type::<NativeError>())?;
     m.add_class::<vocab::PyVocab>()?;
     m.add_class::<markup::PyMarkup>()?;
+    m.add_class::<events::PyStreamSpec>()?;
+    m.add_class::<events::PyFinishReason>()?;
+    m.add_class::<events::PyErrorKind>()?;
+    m.add_class::<events::PyDialect>()?;
     m.add_class::<router::PyReader>()?;
     m.add_class::<router::PyRouter>()?;
     Ok(())

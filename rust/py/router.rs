@@ -7,13 +7,11 @@ use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
-use super::markup::PyMarkup;
+use super::events::{PyErrorKind, PyFinishReason, PyStreamSpec};
 use super::vocab::PyVocab;
 use super::{wake, Waker};
 use crate::channel::{Channel, Park};
-use crate::events::anthropic::{AnthropicParams, AnthropicStream};
-use crate::events::openai::{CompletionKind, OpenAiParams};
-use crate::events::Protocol;
+use crate::events::PromptUsage;
 use crate::router::{Router, DEFAULT_MAX_UNREAD_BYTES};
 
 const _: () = assert!(DEFAULT_MAX_UNREAD_BYTES == 1048576);
@@ -65,6 +63,12 @@ impl PyReader {
         self.channel.stream_id()
     }
 
+    /// 200, or the HTTP status of the error the stream ended with.
+    #[getter]
+    fn status(&self) -> u16 {
+        self.channel.status()
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Reader(stream_id={}, unread_bytes={}, closed={})",
@@ -107,106 +111,47 @@ impl PyRouter {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (
-        stream_id, *, model, message_id, input_tokens,
-        cache_read_input_tokens = 0, stop_sequences = Vec::new(), stream = true,
-        markup = None, prefill = "",
-    ))]
-    fn open_anthropic(
+    /// Opens a stream as `spec` says for an admitted prompt. Raises if the id is open.
+    #[pyo3(signature = (stream_id, spec, *, prompt_tokens, cached_tokens = 0, max_tokens))]
+    fn open(
         &self,
         stream_id: u64,
-        model: String,
-        message_id: String,
-        input_tokens: u64,
-        cache_read_input_tokens: u64,
-        stop_sequences: Vec<String>,
-        stream: bool,
-        markup: Option<&Bound<'_, PyMarkup>>,
-        prefill: &str,
-    ) -> PyResult<PyReader> {
-        let params = AnthropicParams {
-            model,
-            message_id,
-            input_tokens,
-            cache_read_input_tokens,
-            stream,
-        };
-        let channel = self.lock().open(
-            stream_id,
-            Protocol::Anthropic(AnthropicStream::new(params)),
-            stop_sequences,
-            markup.map(|m| m.get().inner.clone()),
-            prefill,
-        )?;
-        Ok(PyReader { channel })
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (
-        stream_id, *, model, completion_id, created, prompt_tokens,
-        cached_tokens = 0, stop_sequences = Vec::new(), stream = true, include_usage = false,
-        kind = "chat", markup = None, prefill = "",
-    ))]
-    fn open_openai(
-        &self,
-        stream_id: u64,
-        model: String,
-        completion_id: String,
-        created: u64,
+        spec: &Bound<'_, PyStreamSpec>,
         prompt_tokens: u64,
         cached_tokens: u64,
-        stop_sequences: Vec<String>,
-        stream: bool,
-        include_usage: bool,
-        kind: &str,
-        markup: Option<&Bound<'_, PyMarkup>>,
-        prefill: &str,
+        max_tokens: u64,
     ) -> PyResult<PyReader> {
-        let params = OpenAiParams {
-            model,
-            completion_id,
-            created,
+        let usage = PromptUsage {
             prompt_tokens,
             cached_tokens,
-            stream,
-            include_usage,
-            kind: kind.parse::<CompletionKind>()?,
         };
-        let channel = self.lock().open_openai(
-            stream_id,
-            params,
-            stop_sequences,
-            markup.map(|m| m.get().inner.clone()),
-            prefill,
-        )?;
+        let channel = self
+            .lock()
+            .open(stream_id, &spec.get().inner, usage, max_tokens)?;
         Ok(PyReader { channel })
     }
 
-    /// One engine step. Returns the stream ids the engine must drop now.
+    /// One engine step. Returns the streams that ended, and why.
     fn step(
         &self,
         py: Python<'_>,
         stream_ids: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
-        finish_codes: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<u64>> {
+    ) -> PyResult<Vec<(u64, PyFinishReason)>> {
         // Extraction may run Python code (`__index__`), so it happens before taking the lock.
         let stream_ids = extract_ints(stream_ids)?;
         let token_ids = narrow(extract_ints(token_ids)?);
-        let finish_codes = narrow(extract_ints(finish_codes)?);
-        let mut dropped = Vec::new();
+        let mut ended = Vec::new();
         let mut woken = Vec::new();
-        let result = self.lock().step(
-            &stream_ids,
-            &token_ids,
-            &finish_codes,
-            &mut dropped,
-            &mut woken,
-        );
+        let result = self
+            .lock()
+            .step(&stream_ids, &token_ids, &mut ended, &mut woken);
         wake(py, woken);
         result?;
-        Ok(dropped)
+        Ok(ended
+            .into_iter()
+            .map(|(stream_id, reason)| (stream_id, reason.into()))
+            .collect())
     }
 
     fn cancelled(&self) -> Vec<u64> {
@@ -215,8 +160,8 @@ impl PyRouter {
         out
     }
 
-    fn fail(&self, py: Python<'_>, stream_id: u64, error_type: &str, message: &str) {
-        let waker = self.lock().fail(stream_id, error_type, message);
+    fn fail(&self, py: Python<'_>, stream_id: u64, kind: PyErrorKind, message: &str) {
+        let waker = self.lock().fail(stream_id, kind.into(), message);
         wake(py, waker);
     }
 
@@ -243,8 +188,7 @@ impl PyRouter {
     }
 }
 
-/// Values past `u32` map to `u32::MAX`: an id past the vocab (renders nothing) or an invalid
-/// finish code (rejected by the core).
+/// Values past `u32` map to `u32::MAX`: an id past the vocab, which renders nothing.
 fn narrow(values: Vec<u64>) -> Vec<u32> {
     values
         .into_iter()

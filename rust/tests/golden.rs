@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use mlxgate::channel::Channel;
-use mlxgate::events::anthropic::{AnthropicParams, AnthropicStream};
-use mlxgate::events::openai::{OpenAiParams, OpenAiStream};
-use mlxgate::events::Protocol;
+use mlxgate::events::anthropic::AnthropicParams;
+use mlxgate::events::openai::OpenAiParams;
+use mlxgate::events::{DialectParams, ErrorKind, FinishReason, PromptUsage};
 use mlxgate::markup::MarkupSpec;
-use mlxgate::router::Router;
+use mlxgate::router::{Router, StreamSpec};
 use mlxgate::vocab::{Vocab, VocabKind};
 use serde::Deserialize;
 
@@ -41,10 +41,6 @@ struct OpenSpec {
     #[serde(default)]
     message_id: String,
     #[serde(default)]
-    input_tokens: u64,
-    #[serde(default)]
-    cache_read_input_tokens: u64,
-    #[serde(default)]
     completion_id: String,
     #[serde(default)]
     created: u64,
@@ -52,6 +48,10 @@ struct OpenSpec {
     prompt_tokens: u64,
     #[serde(default)]
     cached_tokens: u64,
+    #[serde(default)]
+    eos_ids: Vec<u32>,
+    #[serde(default = "unlimited")]
+    max_tokens: u64,
     #[serde(default)]
     include_usage: bool,
     #[serde(default)]
@@ -76,15 +76,19 @@ fn yes() -> bool {
     true
 }
 
+fn unlimited() -> u64 {
+    u64::MAX
+}
+
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum StepSpec {
     Token {
         token: u32,
+        /// Why the stream ends at this token (`end_turn`, `max_tokens`, `stop_sequence`,
+        /// `tool_use`); absent while it runs.
         #[serde(default)]
-        finish: u32,
-        #[serde(default)]
-        expect_dropped: bool,
+        ends: Option<String>,
     },
     Fail {
         fail: FailSpec,
@@ -93,9 +97,18 @@ enum StepSpec {
 
 #[derive(Deserialize)]
 struct FailSpec {
-    #[serde(rename = "type")]
     kind: String,
     message: String,
+}
+
+fn reason_name(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::EndTurn => "end_turn",
+        FinishReason::MaxTokens => "max_tokens",
+        FinishReason::StopSequence => "stop_sequence",
+        FinishReason::ToolUse => "tool_use",
+        FinishReason::Cancelled => "cancelled",
+    }
 }
 
 fn fixtures_dir() -> PathBuf {
@@ -115,62 +128,57 @@ fn run(fixture: &Fixture) -> Vec<u8> {
     .with_trim_leading_space(spec.trim_leading_space);
     let mut router: Router<()> = Router::new(Arc::new(vocab), 1 << 20);
     let open = &fixture.open;
-    let protocol = match open.dialect.as_deref().unwrap_or("anthropic") {
-        "anthropic" => Protocol::Anthropic(AnthropicStream::new(AnthropicParams {
+    let dialect = match open.dialect.as_deref().unwrap_or("anthropic") {
+        "anthropic" => DialectParams::Anthropic(AnthropicParams {
             model: open.model.clone(),
             message_id: open.message_id.clone(),
-            input_tokens: open.input_tokens,
-            cache_read_input_tokens: open.cache_read_input_tokens,
             stream: open.stream,
-        })),
-        "openai" => Protocol::OpenAi(Box::new(OpenAiStream::new(OpenAiParams {
+        }),
+        "openai" => DialectParams::OpenAi(OpenAiParams {
             model: open.model.clone(),
             completion_id: open.completion_id.clone(),
             created: open.created,
-            prompt_tokens: open.prompt_tokens,
-            cached_tokens: open.cached_tokens,
             stream: open.stream,
             include_usage: open.include_usage,
             kind: open.kind.as_deref().unwrap_or("chat").parse().unwrap(),
-        }))),
+        }),
         other => panic!("unknown dialect {other:?}"),
     };
     let markup = open.markup.as_ref().map(|m| {
         let tool_call = m.tool_call.as_deref().map(|t| t.parse().unwrap());
         Arc::new(MarkupSpec::new(m.think.clone(), tool_call).unwrap())
     });
+    let spec = StreamSpec {
+        dialect,
+        stop_sequences: open.stop_sequences.clone(),
+        markup,
+        prefill: open.prefill.clone(),
+        eos_ids: open.eos_ids.clone(),
+    };
+    let usage = PromptUsage {
+        prompt_tokens: open.prompt_tokens,
+        cached_tokens: open.cached_tokens,
+    };
     let id = open.stream_id;
-    let reader = router
-        .open(
-            id,
-            protocol,
-            open.stop_sequences.clone(),
-            markup,
-            &open.prefill,
-        )
-        .unwrap();
+    let reader = router.open(id, &spec, usage, open.max_tokens).unwrap();
     let mut out = Vec::new();
     drain(&reader, &mut out);
-    let (mut dropped, mut wake) = (Vec::new(), Vec::new());
+    let (mut ended, mut wake) = (Vec::new(), Vec::new());
     for (i, step) in fixture.steps.iter().enumerate() {
         match step {
-            StepSpec::Token {
-                token,
-                finish,
-                expect_dropped,
-            } => {
-                dropped.clear();
+            StepSpec::Token { token, ends } => {
+                ended.clear();
                 router
-                    .step(&[id], &[*token], &[*finish], &mut dropped, &mut wake)
+                    .step(&[id], &[*token], &mut ended, &mut wake)
                     .unwrap();
-                assert_eq!(
-                    dropped.contains(&id),
-                    *expect_dropped,
-                    "step {i}: dropped {dropped:?}"
-                );
+                let got: Vec<(u64, &str)> =
+                    ended.iter().map(|&(s, r)| (s, reason_name(r))).collect();
+                let want: Vec<(u64, &str)> = ends.iter().map(|r| (id, r.as_str())).collect();
+                assert_eq!(got, want, "step {i}");
             }
             StepSpec::Fail { fail } => {
-                router.fail(id, &fail.kind, &fail.message);
+                let kind: ErrorKind = fail.kind.parse().unwrap();
+                router.fail(id, kind, &fail.message);
             }
         }
         drain(&reader, &mut out);

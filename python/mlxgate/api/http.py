@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 
-from mlxgate._native import Reader
-from mlxgate.api.errors import ApiError, Dialect
+from mlxgate._native import Dialect, ErrorKind, Reader
+from mlxgate.api.errors import ApiError
 from mlxgate.streams import chunks
 
 log = logging.getLogger("mlxgate")
@@ -117,8 +117,11 @@ async def _stream(send: Send, reader: Reader, dialect: Dialect) -> None:
         # The status line is out: the client learns of the failure from a last error event.
         log.exception("stream %d failed after its headers were sent", reader.stream_id)
         reader.cancel()
-        error = ApiError(500, "the stream failed inside the server (the server log has details)")
-        await send({"type": "http.response.body", "body": error.event(dialect), "more_body": True})
+        error = ApiError(
+            ErrorKind.INTERNAL, "the stream failed inside the server (the server log has details)"
+        )
+        last = error.body(dialect, stream=True)
+        await send({"type": "http.response.body", "body": last, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -128,16 +131,16 @@ async def send_event_stream(send: Send, receive: Receive, reader: Reader, dialec
 
 
 async def respond(
-    send: Send, receive: Receive, reader: Reader, *, stream: bool, dialect: Dialect
+    send: Send, receive: Receive, reader: Reader, dialect: Dialect, *, stream: bool
 ) -> None:
-    """Answer with the generation: SSE as it happens, or the whole body (500 if it is an error)."""
+    """Answer with the generation: SSE as it happens, or the whole body with the status its end
+    implies (an error's, if the generation failed)."""
     if stream:
         await send_event_stream(send, receive, reader, dialect)
         return
     body = await collect(receive, reader)
     if body is not None:
-        error_prefix = b'{"error"' if dialect == "openai" else b'{"type":"error"'
-        await send_bytes(send, 500 if body.startswith(error_prefix) else 200, body)
+        await send_bytes(send, reader.status, body)
 
 
 async def _join(reader: Reader) -> bytes:

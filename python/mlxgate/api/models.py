@@ -1,12 +1,11 @@
-"""Model names: the served model, its aliases, which names a request may use, GET /v1/models."""
+"""Model names: the served model, its aliases, and which names a request may use."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from mlxgate._native import ErrorKind
 from mlxgate.api.errors import ApiError
-from mlxgate.api.http import Scope, Send, header, send_json
 
 
 class ModelNames:
@@ -39,7 +38,7 @@ class ModelNames:
         """Refuse a model name the server does not answer to (only with `strict`)."""
         if self.strict and requested not in self.names:
             raise ApiError(
-                404,
+                ErrorKind.NOT_FOUND,
                 f"model: {requested!r} is not served here; this server answers to "
                 + ", ".join(repr(name) for name in self.names),
                 code="model_not_found",
@@ -47,29 +46,12 @@ class ModelNames:
                 should_retry=False,
             )
 
-    def _entry(self, name: str, anthropic: bool) -> dict[str, Any]:
-        if anthropic:
-            created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
-            return {"type": "model", "id": name, "display_name": name, "created_at": created_at}
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "mlxgate"}
-
-    async def list(self, scope: Scope, send: Send) -> None:
-        """Anthropic's list shape when the request has `anthropic-version`, else OpenAI's."""
-        if header(scope, b"anthropic-version") is not None:
-            entries = [self._entry(name, anthropic=True) for name in self.names]
-            page = {
-                "data": entries,
-                "has_more": False,
-                "first_id": self.names[0],
-                "last_id": self.names[-1],
-            }
-            await send_json(send, 200, page)
-        else:
-            entries = [self._entry(name, anthropic=False) for name in self.names]
-            await send_json(send, 200, {"object": "list", "data": entries})
-
-    async def retrieve(self, scope: Scope, send: Send, model_id: str) -> None:
+    def listed(self, model_id: str) -> str:
+        """`model_id` if it is listed (GET /v1/models/{id}), else a 404."""
         if model_id not in self.names:
-            raise ApiError(404, f"model: {model_id!r} is not served here", code="model_not_found")
-        anthropic = header(scope, b"anthropic-version") is not None
-        await send_json(send, 200, self._entry(model_id, anthropic))
+            raise ApiError(
+                ErrorKind.NOT_FOUND,
+                f"model: {model_id!r} is not served here",
+                code="model_not_found",
+            )
+        return model_id

@@ -1,8 +1,15 @@
 """Generation: admission, scheduling and the model-owning engine thread."""
 
+from mlxgate.engine.contract import (
+    AdmissionError,
+    EngineStopped,
+    GenerationRequest,
+    Generator,
+    PromptTooLong,
+    QueueFull,
+    SamplingParams,
+)
 from mlxgate.engine.engine import Engine, EngineSettings
-from mlxgate.engine.errors import AdmissionError, EngineStopped, PromptTooLong, QueueFull
-from mlxgate.engine.request import GenerationRequest, SamplingParams
 
 __all__ = [
     "AdmissionError",
@@ -10,6 +17,7 @@ __all__ = [
     "EngineSettings",
     "EngineStopped",
     "GenerationRequest",
+    "Generator",
     "PromptTooLong",
     "QueueFull",
     "SamplingParams",

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxgate.engine.request import SamplingParams
+from mlxgate.engine.contract import SamplingParams
 from mlxgate.engine.sampling import Sampler
 from mlxgate.models.banded_cache import BandedCache
 
@@ -78,7 +78,6 @@ class DecodeBatch:
         self,
         caches: Sequence[BatchKVCache],
         stream_ids: Sequence[int],
-        remaining: Sequence[int],
         samplers: Sequence[Sampler],
         inputs: Sequence[int],
     ) -> None:
@@ -107,9 +106,7 @@ class DecodeBatch:
             slots[best] += 1
         for band, band_rows in zip(bands, rows, strict=True):
             if band_rows:
-                band.add(
-                    caches, lengths, sorted(band_rows), stream_ids, remaining, samplers, inputs
-                )
+                band.add(caches, lengths, sorted(band_rows), stream_ids, samplers, inputs)
         self.bands = bands
         # The copies are paid now, by the step that admits, not by the next decode step.
         mx.eval([(c.keys, c.values) for band in bands for c in band.caches])
@@ -125,19 +122,21 @@ class DecodeBatch:
             start = stop
         self.bands = [band for band in self.bands if len(band)]
 
-    def advance(self, tokens: mx.array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Feed each slot its sampled token next; for the live rows, return their stream ids,
-        tokens, and whether each has now produced all it may."""
+    def advance(self, tokens: mx.array) -> tuple[np.ndarray, np.ndarray]:
+        """Feed each slot its sampled token next; return the live rows' stream ids and tokens."""
         token_ids = np.array(tokens, copy=False)
-        parts = []
+        if len(self.bands) == 1:
+            band = self.bands[0]
+            band.inputs = tokens
+            return band.stream_ids[band.live], token_ids[band.live]
+        stream_ids = self.stream_ids
         start = 0
         for band in self.bands:
             stop = start + len(band.stream_ids)
-            band_tokens = tokens if len(self.bands) == 1 else tokens[start:stop]
-            parts.append(band.advance(band_tokens, token_ids[start:stop]))
+            band.inputs = tokens[start:stop]
             start = stop
-        stream_ids, token_ids, exhausted = (np.concatenate(c) for c in zip(*parts, strict=True))
-        return stream_ids, token_ids, exhausted
+        live = stream_ids != FREE
+        return stream_ids[live], token_ids[live]
 
     def sample(self, logits: mx.array) -> mx.array:
         """Next token per row: one argmax for greedy rows, per-row samplers for the others."""
@@ -163,7 +162,6 @@ class _Band:
     def _empty(self) -> None:
         self.caches: list[BatchKVCache] = []
         self.stream_ids = np.zeros(0, dtype=np.uint64)  # per slot; FREE when the slot is free
-        self.remaining = np.zeros(0, dtype=np.int64)  # tokens each row may still produce
         self.samplers: list[Sampler] = []
         self.inputs = mx.array([], dtype=mx.uint32)  # the token each slot feeds next
 
@@ -184,7 +182,6 @@ class _Band:
         lengths: list[int],
         rows: list[int],
         stream_ids: Sequence[int],
-        remaining: Sequence[int],
         samplers: Sequence[Sampler],
         inputs: Sequence[int],
     ) -> None:
@@ -211,25 +208,13 @@ class _Band:
         for slot, row in placed:
             tokens[slot] = inputs[row]
             self.stream_ids[slot] = stream_ids[row]
-            self.remaining[slot] = remaining[row]
             self.samplers[slot] = samplers[row]
         tokens = np.concatenate([tokens, np.asarray([inputs[r] for r in appended], np.uint32)])
         self.inputs = mx.array(tokens)
         self.stream_ids = np.concatenate(
             [self.stream_ids, np.asarray([stream_ids[r] for r in appended], np.uint64)]
         )
-        self.remaining = np.concatenate(
-            [self.remaining, np.asarray([remaining[r] for r in appended], np.int64)]
-        )
         self.samplers.extend(samplers[r] for r in appended)
-
-    def advance(
-        self, tokens: mx.array, token_ids: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        self.inputs = tokens
-        live = self.live
-        self.remaining[live] -= 1
-        return self.stream_ids[live], token_ids[live], self.remaining[live] <= 0
 
     def _write_slots(
         self,
@@ -312,7 +297,6 @@ class _Band:
             cache.filter(index)
             _own_buffers(cache)
         self.stream_ids = self.stream_ids[rows]
-        self.remaining = self.remaining[rows]
         self.samplers = [self.samplers[i] for i in rows]
         self.inputs = self.inputs[index]
 

@@ -22,19 +22,16 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxgate._native import Reader, Router
+from mlxgate._native import ErrorKind, FinishReason, Reader, Router
 from mlxgate.engine.batch import DecodeBatch, one_row
-from mlxgate.engine.errors import EngineStopped, PromptTooLong, QueueFull
+from mlxgate.engine.contract import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.prefix_cache import PrefixCache, PrefixMatch
-from mlxgate.engine.request import GenerationRequest
 from mlxgate.engine.sampling import Sampler
 from mlxgate.models import LoadedModel, cpu_attention
 
 log = logging.getLogger("mlxgate.engine")
 
-# Router finish codes (see _native.pyi: Router.step).
-RUNNING, END_TURN, MAX_TOKENS = 0, 1, 2
 PING_INTERVAL_S = 10.0
 # Prompts prefilled in one batched forward pass at most.
 MAX_GROUP_ROWS = 32
@@ -96,7 +93,9 @@ class EngineSettings:
 
 
 class Engine:
-    """Owns the model on one thread. `submit` returns a stream reader at once and never blocks."""
+    """Owns the model on one thread; implements `Generator`. `admit` returns a stream reader at
+    once and never blocks. The router decides when each stream ends; the engine drops the rows
+    it reports."""
 
     def __init__(
         self, loaded: LoadedModel, router: Router, settings: EngineSettings | None = None
@@ -107,7 +106,6 @@ class Engine:
         self.settings = settings or EngineSettings()
         self.metrics = EngineMetrics()
         self.prefix_cache = PrefixCache(self.settings.prefix_cache_bytes)
-        self.eos_ids = np.array(sorted(loaded.tokenizer.eos_ids), dtype=np.uint32)
         self._num_layers = len(self.model.layers)
         # Prefill needs only the KV cache: skip the vocabulary projection (mlx-lm models keep
         # the transformer without the LM head as `.model`).
@@ -134,35 +132,26 @@ class Engine:
         self._banded = cpu_attention.installed(self.model)
         self._batch = DecodeBatch(self._banded)
 
-    @property
-    def context_length(self) -> int:
-        return self.loaded.context_length
-
-    def check_prompt(self, prompt_tokens: int) -> None:
-        # At least one token must fit after the prompt.
-        if prompt_tokens >= self.context_length:
-            raise PromptTooLong(prompt_tokens, self.context_length)
-
-    def max_new_tokens(self, prompt_tokens: int, requested: int) -> int:
-        """Clamp `max_tokens` to what fits in the context after the prompt."""
-        return max(1, min(requested, self.context_length - prompt_tokens))
-
-    def submit(
-        self,
-        request: GenerationRequest,
-        open_stream: Callable[[int, int], Reader],
-    ) -> Reader:
-        """Admit a request. `open_stream(stream_id, cached_tokens)` opens its protocol stream."""
+    def admit(self, request: GenerationRequest) -> Reader:
+        """Open the request's stream and queue it, or raise an AdmissionError."""
         if not self._running.is_set():
             raise EngineStopped()
-        self.check_prompt(len(request.prompt_ids))
-        request.max_tokens = self.max_new_tokens(len(request.prompt_ids), request.max_tokens)
+        prompt_tokens = len(request.prompt_ids)
+        context = self.loaded.context_length
+        if prompt_tokens >= context:  # at least one token must fit after the prompt
+            raise PromptTooLong(prompt_tokens, context)
         queued = len(self._incoming) + self.metrics.queue_depth
         if queued >= self.settings.max_queued:
             raise QueueFull(retry_after_s=1 + queued // 8)
         match = self.prefix_cache.lookup(request.prompt_ids)
         stream_id = next(self._ids)
-        reader = open_stream(stream_id, match.length if match else 0)
+        reader = self.router.open(
+            stream_id,
+            request.stream,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=match.length if match else 0,
+            max_tokens=min(request.max_tokens or context, context - prompt_tokens),
+        )
         with self._wakeup:
             self._incoming.append(_Pending(stream_id, request, match))
             self._wakeup.notify()
@@ -180,9 +169,11 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         for pending in [*self._incoming, *self._waiting]:
-            self.router.fail(pending.stream_id, "overloaded_error", "the server is shutting down")
+            self.router.fail(
+                pending.stream_id, ErrorKind.UNAVAILABLE, "the server is shutting down"
+            )
         for stream_id in self._batch.running_ids:
-            self.router.fail(stream_id, "overloaded_error", "the server is shutting down")
+            self.router.fail(stream_id, ErrorKind.UNAVAILABLE, "the server is shutting down")
 
     # --- engine thread -------------------------------------------------------------------
 
@@ -203,9 +194,9 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         for stream_id in self._batch.running_ids:
-            self.router.fail(stream_id, "api_error", message)
+            self.router.fail(stream_id, ErrorKind.INTERNAL, message)
         for pending in self._waiting:
-            self.router.fail(pending.stream_id, "api_error", message)
+            self.router.fail(pending.stream_id, ErrorKind.INTERNAL, message)
         self._waiting.clear()
         self._batch = DecodeBatch(self._banded)
 
@@ -250,7 +241,9 @@ class Engine:
         ]
         for stream_id in stalled:
             log.warning("stream %d: client stopped reading; cancelling its generation", stream_id)
-            self.router.fail(stream_id, "overloaded_error", "the client stopped reading the stream")
+            self.router.fail(
+                stream_id, ErrorKind.OVERLOADED, "the client stopped reading the stream"
+            )
             del self._over_since[stream_id]
         if stalled:
             ended = np.isin(self._batch.stream_ids, stalled)
@@ -316,25 +309,16 @@ class Engine:
         tokens = batch.sample(logits)
         mx.eval(tokens)
         # Free slots were computed too: their tokens go nowhere.
-        stream_ids, token_ids, exhausted = batch.advance(tokens)
-        codes = np.where(
-            np.isin(token_ids, self.eos_ids),
-            END_TURN,
-            np.where(exhausted, MAX_TOKENS, RUNNING),
-        ).astype(np.uint32)
-        # Take cancellations first, so the ids step() drops are the ones it ended itself.
-        cancelled = np.isin(stream_ids, list(self._poll_cancelled()))
-        dropped = self.router.step(stream_ids, token_ids, codes)
-        m = self.metrics
-        m.decode_tokens += len(token_ids)
-        finished = (codes != RUNNING) & ~cancelled
-        if dropped:
-            finished |= np.isin(stream_ids, dropped) & ~cancelled
-        if finished.any() or cancelled.any():
-            m.requests_finished += int(finished.sum())
-            m.requests_cancelled += int(cancelled.sum())
-            self._gone.difference_update(stream_ids[cancelled].tolist())
-            batch.drop(np.isin(batch.stream_ids, stream_ids[finished | cancelled]))
+        stream_ids, token_ids = batch.advance(tokens)
+        ended = self.router.step(stream_ids, token_ids)
+        self.metrics.decode_tokens += len(token_ids)
+        finished = [sid for sid, why in ended if why != FinishReason.CANCELLED]
+        if finished:
+            self.metrics.requests_finished += len(finished)
+            batch.drop(np.isin(batch.stream_ids, finished))
+        self._gone.update(sid for sid, why in ended if why == FinishReason.CANCELLED)
+        if self._gone:
+            self._drop_cancelled()
 
     def _prefill(self, budget: int, allowance_s: float | None) -> int:
         """Prefill up to `budget` prompt tokens, oldest sequence first; returns how many.
@@ -497,7 +481,6 @@ class Engine:
         self._batch.add(
             caches,
             [p.stream_id for p in joining],
-            [p.request.max_tokens for p in joining],
             [Sampler(p.request.sampling) for p in joining],
             [p.request.prompt_ids[-1] for p in joining],
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from mlxgate.engine.request import SamplingParams
+from mlxgate.engine.contract import SamplingParams
 
 
 class Sampler:

@@ -1,20 +1,18 @@
-"""The OpenAI Chat Completions and Completions APIs over the same engine and rendering."""
+"""OpenAI Chat Completions and Completions requests: validation, and conversion to a
+dialect-neutral conversation."""
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxgate import chat
-from mlxgate.api.anthropic import parse
+from mlxgate._native import ErrorKind
 from mlxgate.api.errors import ApiError, invalid
-from mlxgate.api.http import Receive, Scope, Send, respond
-from mlxgate.api.models import ModelNames
-from mlxgate.engine import AdmissionError, Engine, GenerationRequest, SamplingParams
+from mlxgate.api.shared import sampling
+from mlxgate.engine import SamplingParams
 
 
 class _Lenient(BaseModel):
@@ -81,10 +79,11 @@ class _Sampling(_Lenient):
     logprobs: bool | int | None = None
 
     def sampling(self, defaults: SamplingParams) -> SamplingParams:
-        return SamplingParams(
-            temperature=defaults.temperature if self.temperature is None else self.temperature,
-            top_p=defaults.top_p if self.top_p is None else self.top_p,
-            top_k=defaults.top_k if self.top_k is None else self.top_k,
+        return sampling(
+            defaults,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
             seed=self.seed,
         )
 
@@ -93,9 +92,13 @@ class _Sampling(_Lenient):
 
     def check(self) -> None:
         if self.n != 1:
-            raise ApiError(400, "n: only n=1 is supported", param="n", should_retry=False)
+            raise invalid("n: only n=1 is supported", param="n")
         if self.logprobs:
-            raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+            raise ApiError(
+                ErrorKind.INVALID_REQUEST,
+                "logprobs are not supported by this server",
+                param="logprobs",
+            )
 
 
 class ChatCompletionRequest(_Sampling):
@@ -161,10 +164,10 @@ def _messages(request: ChatCompletionRequest) -> list[chat.Message]:
     return chat.merge_turns(out)
 
 
-def _tool_choice(request: ChatCompletionRequest) -> chat.ToolChoice | None:
+def _tool_choice(request: ChatCompletionRequest) -> chat.ToolChoice:
     choice = request.tool_choice
     if choice is None or choice == "auto":
-        return None
+        return chat.ToolChoice()
     if choice == "none":
         return chat.ToolChoice("none")
     if choice == "required":
@@ -173,96 +176,6 @@ def _tool_choice(request: ChatCompletionRequest) -> chat.ToolChoice | None:
     return chat.ToolChoice("tool", choice.function.name)
 
 
-class OpenAIAPI:
-    def __init__(
-        self, engine: Engine, models: ModelNames, default_sampling: SamplingParams
-    ) -> None:
-        self.engine = engine
-        self.models = models
-        self.default_sampling = default_sampling
-        self.tokenizer = engine.loaded.tokenizer
-        self.format = chat.ChatFormat.detect(self.tokenizer)
-
-    async def chat_completions(
-        self, scope: Scope, receive: Receive, send: Send, body: bytes
-    ) -> None:
-        request: ChatCompletionRequest = parse(ChatCompletionRequest, body)
-        request.check()
-        self.models.check(request.model)
-        tools = [
-            {"type": "function", "function": t.function.model_dump()} for t in request.tools or []
-        ]
-        choice = _tool_choice(request)
-        try:
-            prompt = chat.render(
-                self.tokenizer, self.format, _messages(request), tools=tools, tool_choice=choice
-            )
-        except chat.ConversationError as exc:
-            raise invalid(str(exc)) from None
-        with_tools = bool(tools) and (choice is None or choice.mode != "none")
-        max_tokens = (
-            request.max_completion_tokens or request.max_tokens or self.engine.context_length
-        )
-        await self._generate(
-            scope,
-            receive,
-            send,
-            request,
-            self.tokenizer.encode(prompt.text),
-            max_tokens,
-            kind="chat",
-            markup=self.format.markup(with_tools),
-            prefill=prompt.prefill,
-        )
-
-    async def completions(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
-        request: CompletionRequest = parse(CompletionRequest, body)
-        request.check()
-        self.models.check(request.model)
-        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
-        if len(prompts) != 1:
-            raise ApiError(400, "prompt: exactly one prompt is supported", param="prompt")
-        ids = self.tokenizer.encode(prompts[0])
-        if not ids:
-            raise invalid("prompt: must not be empty")
-        await self._generate(
-            scope, receive, send, request, ids, request.max_tokens, kind="completion"
-        )
-
-    async def _generate(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        request: _Sampling,
-        prompt_ids: list[int],
-        max_tokens: int,
-        *,
-        kind: Literal["chat", "completion"],
-        markup: Any = None,
-        prefill: str = "",
-    ) -> None:
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        completion_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        try:
-            reader = self.engine.submit(
-                GenerationRequest(prompt_ids, max_tokens, request.sampling(self.default_sampling)),
-                lambda stream_id, cached_tokens: self.engine.router.open_openai(
-                    stream_id,
-                    model=self.models.served,
-                    completion_id=completion_id,
-                    created=int(time.time()),
-                    prompt_tokens=len(prompt_ids),
-                    cached_tokens=cached_tokens,
-                    stop_sequences=request.stops(),
-                    stream=request.stream,
-                    include_usage=include_usage,
-                    kind=kind,
-                    markup=markup,
-                    prefill=prefill,
-                ),
-            )
-        except AdmissionError as exc:
-            raise ApiError.from_admission(exc, "openai") from None
-        await respond(send, receive, reader, stream=request.stream, dialect="openai")
+def conversation(request: ChatCompletionRequest) -> chat.Conversation:
+    tools = [{"type": "function", "function": t.function.model_dump()} for t in request.tools or []]
+    return chat.Conversation(_messages(request), tools, _tool_choice(request))

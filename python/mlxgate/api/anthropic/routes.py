@@ -1,0 +1,111 @@
+"""The Anthropic Messages API: its routes, its model listing and how it words admission errors."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from mlxgate._native import Dialect, ErrorKind, StreamSpec
+from mlxgate.api.anthropic.requests import CountTokensRequest, MessagesRequest, conversation
+from mlxgate.api.errors import ApiError, invalid
+from mlxgate.api.http import Receive, Scope, Send, respond, send_json
+from mlxgate.api.shared import AdmissionErrors, Route, Services, admit, parse, render, sampling
+from mlxgate.engine import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
+
+ANTHROPIC = Dialect.ANTHROPIC
+
+ADMISSION_ERRORS: AdmissionErrors = {
+    # Exact wording: Claude Code parses the two numbers to decide whether to compact.
+    PromptTooLong: lambda e: invalid(
+        f"prompt is too long: {e.prompt_tokens} tokens > {e.context_length} maximum"
+    ),
+    # 529: what Anthropic's clients retry as "overloaded".
+    QueueFull: lambda e: ApiError(
+        ErrorKind.OVERLOADED,
+        "the server is overloaded: too many requests waiting, retry later",
+        retry_after_s=e.retry_after_s,
+    ),
+    EngineStopped: lambda e: ApiError(ErrorKind.UNAVAILABLE, str(e)),
+}
+
+
+class AnthropicAPI:
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    def routes(self) -> list[Route]:
+        # Longest suffix first: /v1/messages/count_tokens before /v1/messages.
+        return [
+            Route("POST", "/v1/messages/count_tokens", ANTHROPIC, self.count_tokens),
+            Route("POST", "/v1/messages", ANTHROPIC, self.messages),
+            Route("GET", "/v1/models", ANTHROPIC, self.list_models, header=b"anthropic-version"),
+            Route(
+                "GET",
+                "/v1/models/",
+                ANTHROPIC,
+                self.retrieve_model,
+                prefix=True,
+                header=b"anthropic-version",
+            ),
+        ]
+
+    async def messages(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        services = self.services
+        request = parse(MessagesRequest, body)
+        services.models.check(request.model)
+        limit = services.max_output_tokens
+        if limit is not None and request.max_tokens > limit:
+            # Exact wording: Claude Code parses the limit and retries with it.
+            raise invalid(
+                f"max_tokens: {request.max_tokens} > {limit}, which is the maximum allowed number "
+                "of output tokens for this model"
+            )
+        prompt = render(services.renderer, conversation(request))
+        stream = StreamSpec.anthropic(
+            model=services.models.served,
+            message_id=f"msg_{uuid.uuid4().hex[:24]}",
+            stream=request.stream,
+            stop_sequences=request.stop_sequences or [],
+            markup=prompt.markup,
+            prefill=prompt.prefill,
+            eos_ids=services.renderer.eos_ids,
+        )
+        generation = GenerationRequest(
+            prompt.ids,
+            stream,
+            max_tokens=request.max_tokens,
+            sampling=sampling(
+                services.default_sampling,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=request.top_k,
+            ),
+        )
+        reader = admit(services.engine, generation, ADMISSION_ERRORS)
+        await respond(send, receive, reader, ANTHROPIC, stream=request.stream)
+
+    async def count_tokens(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        request = parse(CountTokensRequest, body)
+        self.services.models.check(request.model)
+        prompt = render(self.services.renderer, conversation(request))
+        await send_json(send, 200, {"input_tokens": len(prompt.ids)})
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        created = time.gmtime(self.services.models.created)
+        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", created)
+        return {"type": "model", "id": name, "display_name": name, "created_at": created_at}
+
+    async def list_models(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        names = self.services.models.names
+        page = {
+            "data": [self._entry(name) for name in names],
+            "has_more": False,
+            "first_id": names[0],
+            "last_id": names[-1],
+        }
+        await send_json(send, 200, page)
+
+    async def retrieve_model(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        model_id = scope["path"].rstrip("/").split("/v1/models/", 1)[1]
+        await send_json(send, 200, self._entry(self.services.models.listed(model_id)))

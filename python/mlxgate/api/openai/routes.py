@@ -1,0 +1,127 @@
+"""The OpenAI Chat Completions and Completions APIs: routes, model listing, admission errors."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from mlxgate import chat
+from mlxgate._native import Dialect, ErrorKind, StreamSpec
+from mlxgate.api.errors import ApiError, invalid
+from mlxgate.api.http import Receive, Scope, Send, respond, send_json
+from mlxgate.api.openai.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Sampling,
+    conversation,
+)
+from mlxgate.api.shared import AdmissionErrors, Route, Services, admit, parse, render
+from mlxgate.engine import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
+
+OPENAI = Dialect.OPENAI
+
+ADMISSION_ERRORS: AdmissionErrors = {
+    # Claude Code and OpenAI's clients both recognise this wording; Codex acts on the code.
+    PromptTooLong: lambda e: ApiError(
+        ErrorKind.INVALID_REQUEST,
+        f"prompt is too long: {e.prompt_tokens} tokens > {e.context_length} maximum",
+        should_retry=False,
+        code="context_length_exceeded",
+        param="messages",
+    ),
+    # 503: what OpenAI's clients retry as "overloaded".
+    QueueFull: lambda e: ApiError(
+        ErrorKind.OVERLOADED,
+        "the server is overloaded: too many requests waiting, retry later",
+        retry_after_s=e.retry_after_s,
+    ),
+    EngineStopped: lambda e: ApiError(ErrorKind.UNAVAILABLE, str(e)),
+}
+
+
+class OpenAIAPI:
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("POST", "/v1/chat/completions", OPENAI, self.chat_completions),
+            Route("POST", "/v1/completions", OPENAI, self.completions),
+            Route("GET", "/v1/models", OPENAI, self.list_models),
+            Route("GET", "/v1/models/", OPENAI, self.retrieve_model, prefix=True),
+        ]
+
+    async def chat_completions(
+        self, scope: Scope, receive: Receive, send: Send, body: bytes
+    ) -> None:
+        request = parse(ChatCompletionRequest, body)
+        request.check()
+        self.services.models.check(request.model)
+        prompt = render(self.services.renderer, conversation(request))
+        await self._generate(
+            receive,
+            send,
+            request,
+            prompt.ids,
+            request.max_completion_tokens or request.max_tokens,
+            kind="chat",
+            prompt=prompt,
+        )
+
+    async def completions(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        request = parse(CompletionRequest, body)
+        request.check()
+        self.services.models.check(request.model)
+        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        if len(prompts) != 1:
+            raise ApiError(
+                ErrorKind.INVALID_REQUEST, "prompt: exactly one prompt is supported", param="prompt"
+            )
+        ids = self.services.renderer.encode(prompts[0])
+        if not ids:
+            raise invalid("prompt: must not be empty")
+        await self._generate(receive, send, request, ids, request.max_tokens, kind="completion")
+
+    async def _generate(
+        self,
+        receive: Receive,
+        send: Send,
+        request: _Sampling,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        *,
+        kind: Literal["chat", "completion"],
+        prompt: chat.Prompt | None = None,
+    ) -> None:
+        services = self.services
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        stream = StreamSpec.openai(
+            model=services.models.served,
+            completion_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
+            created=int(time.time()),
+            stream=request.stream,
+            include_usage=bool(request.stream_options and request.stream_options.include_usage),
+            kind=kind,
+            stop_sequences=request.stops(),
+            markup=prompt.markup if prompt else None,
+            prefill=prompt.prefill if prompt else "",
+            eos_ids=services.renderer.eos_ids,
+        )
+        generation = GenerationRequest(
+            prompt_ids, stream, max_tokens, request.sampling(services.default_sampling)
+        )
+        reader = admit(services.engine, generation, ADMISSION_ERRORS)
+        await respond(send, receive, reader, OPENAI, stream=request.stream)
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        created = self.services.models.created
+        return {"id": name, "object": "model", "created": created, "owned_by": "mlxgate"}
+
+    async def list_models(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        entries = [self._entry(name) for name in self.services.models.names]
+        await send_json(send, 200, {"object": "list", "data": entries})
+
+    async def retrieve_model(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        model_id = scope["path"].rstrip("/").split("/v1/models/", 1)[1]
+        await send_json(send, 200, self._entry(self.services.models.listed(model_id)))

@@ -1,0 +1,97 @@
+"""What every API dialect shares: the services it is built with, routes, request parsing,
+sampling defaults, rendering and admission."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from mlxgate import chat
+from mlxgate._native import Dialect, Reader
+from mlxgate.api.errors import ApiError, invalid
+from mlxgate.api.http import Receive, Scope, Send
+from mlxgate.api.models import ModelNames
+from mlxgate.engine import AdmissionError, GenerationRequest, Generator, SamplingParams
+
+Handler = Callable[[Scope, Receive, Send, bytes], Awaitable[None]]
+Model = TypeVar("Model", bound=BaseModel)
+# How a dialect words each admission error (one table per dialect).
+AdmissionErrors = Mapping[type[AdmissionError], Callable[[Any], ApiError]]
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # matched as a suffix of the request path (a base-URL prefix is allowed)
+    dialect: Dialect
+    handler: Handler
+    prefix: bool = False  # `path` may be followed by more (e.g. /v1/models/{id})
+    # The route is this dialect's only when the request has this header.
+    header: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Services:
+    """What a dialect is built with: the engine, the model's rendering, names and defaults."""
+
+    engine: Generator
+    renderer: chat.Renderer
+    models: ModelNames
+    default_sampling: SamplingParams
+    max_output_tokens: int | None = None
+
+
+def _validation_message(exc: ValidationError) -> str:
+    first = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}" if where else first["msg"]
+
+
+def parse(model: type[Model], body: bytes) -> Model:
+    """The request body validated as `model`, or a 400 saying what is wrong."""
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise invalid(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise invalid("request body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise invalid(_validation_message(exc)) from None
+
+
+def sampling(
+    defaults: SamplingParams,
+    *,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None = None,
+) -> SamplingParams:
+    """The request's sampling, the server's defaults where it says nothing."""
+    return SamplingParams(
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_p=defaults.top_p if top_p is None else top_p,
+        top_k=defaults.top_k if top_k is None else top_k,
+        seed=seed,
+    )
+
+
+def render(renderer: chat.Renderer, conversation: chat.Conversation) -> chat.Prompt:
+    try:
+        return renderer.render(conversation)
+    except chat.ConversationError as exc:
+        raise invalid(str(exc)) from None
+
+
+def admit(engine: Generator, request: GenerationRequest, errors: AdmissionErrors) -> Reader:
+    """Hand `request` to the engine; an admission error answers in the dialect's words."""
+    try:
+        return engine.admit(request)
+    except AdmissionError as exc:
+        raise errors[type(exc)](exc) from None

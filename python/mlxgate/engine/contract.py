@@ -1,0 +1,74 @@
+"""The contract between the API and the engine: what a request asks for, what admission refuses.
+
+The API renders the prompt and builds the request's `StreamSpec` (its dialect, stop sequences,
+markup and end-of-turn tokens: everything that decides how the stream reads and when it ends);
+the engine admits it and schedules token ids. Admission errors carry no HTTP status and no
+dialect's words: each API dialect maps them in its own table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from mlxgate._native import Reader, StreamSpec
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    stream: StreamSpec
+    # None: as many tokens as the context holds after the prompt; more is clamped to that.
+    max_tokens: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+class AdmissionError(Exception):
+    """The request cannot be admitted."""
+
+
+class PromptTooLong(AdmissionError):
+    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+        super().__init__(
+            f"{prompt_tokens} prompt tokens do not fit a {context_length}-token context"
+        )
+
+
+class QueueFull(AdmissionError):
+    def __init__(self, retry_after_s: int) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__("too many requests are waiting")
+
+
+class EngineStopped(AdmissionError):
+    def __init__(self) -> None:
+        super().__init__("the engine is not running")
+
+
+class Generator(Protocol):
+    """What the API needs of an engine (the real one, or a stand-in in tests and benchmarks)."""
+
+    def admit(self, request: GenerationRequest) -> Reader:
+        """Admit `request` and return its stream's reader at once, or raise an AdmissionError.
+        Never blocks: generation happens on the engine's own thread."""
+        ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None:
+        """Stop generating; open streams end with an error."""
+        ...

@@ -1,0 +1,25 @@
+"""Hermes / Qwen 2.5 / Qwen3: `<tool_call>{"name": …, "arguments": {…}}</tool_call>`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+NAME = "hermes"
+
+
+def detect(template: str) -> bool:
+    return "<tool_call>" in template
+
+
+def render_call(name: str, arguments: dict[str, Any]) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def forced_opening(name: str | None) -> str:
+    return f"<tool_call>\n{json_call_opening(name)}"
+
+
+def json_call_opening(name: str | None) -> str:
+    """The call object up to its arguments (a named tool), or up to the name (any tool)."""
+    return f'{{"name": {json.dumps(name)}, "arguments": ' if name else '{"name": "'

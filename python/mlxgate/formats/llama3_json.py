@@ -1,0 +1,22 @@
+"""Llama 3.1+ JSON tool calling: a reply that starts with `{"name": …, "parameters": {…}}`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mlxgate.formats.hermes import json_call_opening
+
+NAME = "llama3_json"
+
+
+def detect(template: str) -> bool:
+    return "<|python_tag|>" in template or "ipython" in template
+
+
+def render_call(name: str, arguments: dict[str, Any]) -> str:
+    return json.dumps({"name": name, "arguments": arguments})
+
+
+def forced_opening(name: str | None) -> str:
+    return json_call_opening(name)

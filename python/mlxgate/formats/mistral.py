@@ -1,0 +1,22 @@
+"""Mistral before tokenizer v11: `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mlxgate.formats.hermes import json_call_opening
+
+NAME = "mistral"
+
+
+def detect(template: str) -> bool:
+    return "[TOOL_CALLS]" in template
+
+
+def render_call(name: str, arguments: dict[str, Any]) -> str:
+    return f"[TOOL_CALLS][{json.dumps({'name': name, 'arguments': arguments})}]"
+
+
+def forced_opening(name: str | None) -> str:
+    return f"[TOOL_CALLS][{json_call_opening(name)}"

@@ -1,0 +1,242 @@
+//! The stream contract's Python names: `StreamSpec`, `FinishReason`, `ErrorKind`, `Dialect`, error replies.
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use super::markup::PyMarkup;
+use crate::events::anthropic::AnthropicParams;
+use crate::events::openai::{CompletionKind, OpenAiParams};
+use crate::events::{Dialect, DialectParams, ErrorKind, ErrorReply, FinishReason};
+use crate::router::StreamSpec;
+
+/// Why a stream ended: the router's answer to the engine for every row that ended in a step.
+#[pyclass(
+    module = "mlxgate._native",
+    name = "FinishReason",
+    eq,
+    eq_int,
+    frozen,
+    hash
+)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum PyFinishReason {
+    END_TURN,
+    MAX_TOKENS,
+    STOP_SEQUENCE,
+    TOOL_USE,
+    CANCELLED,
+}
+
+impl From<FinishReason> for PyFinishReason {
+    fn from(reason: FinishReason) -> Self {
+        match reason {
+            FinishReason::EndTurn => Self::END_TURN,
+            FinishReason::MaxTokens => Self::MAX_TOKENS,
+            FinishReason::StopSequence => Self::STOP_SEQUENCE,
+            FinishReason::ToolUse => Self::TOOL_USE,
+            FinishReason::Cancelled => Self::CANCELLED,
+        }
+    }
+}
+
+/// What went wrong, in no dialect's words.
+#[pyclass(
+    module = "mlxgate._native",
+    name = "ErrorKind",
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object
+)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum PyErrorKind {
+    INVALID_REQUEST,
+    AUTHENTICATION,
+    PERMISSION,
+    NOT_FOUND,
+    REQUEST_TOO_LARGE,
+    RATE_LIMITED,
+    OVERLOADED,
+    UNAVAILABLE,
+    INTERNAL,
+}
+
+impl From<PyErrorKind> for ErrorKind {
+    fn from(kind: PyErrorKind) -> Self {
+        match kind {
+            PyErrorKind::INVALID_REQUEST => Self::InvalidRequest,
+            PyErrorKind::AUTHENTICATION => Self::Authentication,
+            PyErrorKind::PERMISSION => Self::Permission,
+            PyErrorKind::NOT_FOUND => Self::NotFound,
+            PyErrorKind::REQUEST_TOO_LARGE => Self::RequestTooLarge,
+            PyErrorKind::RATE_LIMITED => Self::RateLimited,
+            PyErrorKind::OVERLOADED => Self::Overloaded,
+            PyErrorKind::UNAVAILABLE => Self::Unavailable,
+            PyErrorKind::INTERNAL => Self::Internal,
+        }
+    }
+}
+
+/// An API dialect; it words errors and picks their status.
+#[pyclass(module = "mlxgate._native", name = "Dialect", eq, eq_int, frozen, hash)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum PyDialect {
+    ANTHROPIC,
+    OPENAI,
+}
+
+impl From<PyDialect> for Dialect {
+    fn from(dialect: PyDialect) -> Self {
+        match dialect {
+            PyDialect::ANTHROPIC => Self::Anthropic,
+            PyDialect::OPENAI => Self::OpenAi,
+        }
+    }
+}
+
+impl From<Dialect> for PyDialect {
+    fn from(dialect: Dialect) -> Self {
+        match dialect {
+            Dialect::Anthropic => Self::ANTHROPIC,
+            Dialect::OpenAi => Self::OPENAI,
+        }
+    }
+}
+
+#[pymethods]
+impl PyDialect {
+    /// The HTTP status this dialect answers `kind` with.
+    fn error_status(&self, kind: PyErrorKind) -> u16 {
+        Dialect::from(*self).error_status(kind.into())
+    }
+
+    /// The error envelope as a whole body, or (`stream`) as the last frames of a stream.
+    #[pyo3(signature = (kind, message, *, param = None, code = None, stream = false))]
+    fn error_reply<'py>(
+        &self,
+        py: Python<'py>,
+        kind: PyErrorKind,
+        message: &str,
+        param: Option<&str>,
+        code: Option<&str>,
+        stream: bool,
+    ) -> Bound<'py, PyBytes> {
+        let error = ErrorReply {
+            kind: kind.into(),
+            message,
+            param,
+            code,
+        };
+        let mut out = Vec::new();
+        Dialect::from(*self).write_error(&error, stream, &mut out);
+        PyBytes::new(py, &out)
+    }
+}
+
+/// How one request's stream reads and when it ends; see `Router.open`.
+#[pyclass(module = "mlxgate._native", name = "StreamSpec", frozen)]
+pub struct PyStreamSpec {
+    pub(crate) inner: StreamSpec,
+}
+
+fn spec(
+    dialect: DialectParams,
+    stop_sequences: Vec<String>,
+    markup: Option<&Bound<'_, PyMarkup>>,
+    prefill: String,
+    eos_ids: Vec<u32>,
+) -> PyStreamSpec {
+    PyStreamSpec {
+        inner: StreamSpec {
+            dialect,
+            stop_sequences,
+            markup: markup.map(|m| m.get().inner.clone()),
+            prefill,
+            eos_ids,
+        },
+    }
+}
+
+#[pymethods]
+impl PyStreamSpec {
+    #[staticmethod]
+    #[pyo3(signature = (
+        *, model, message_id, stream = true, stop_sequences = Vec::new(), markup = None,
+        prefill = String::new(), eos_ids = Vec::new(),
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn anthropic(
+        model: String,
+        message_id: String,
+        stream: bool,
+        stop_sequences: Vec<String>,
+        markup: Option<&Bound<'_, PyMarkup>>,
+        prefill: String,
+        eos_ids: Vec<u32>,
+    ) -> PyStreamSpec {
+        let params = AnthropicParams {
+            model,
+            message_id,
+            stream,
+        };
+        spec(
+            DialectParams::Anthropic(params),
+            stop_sequences,
+            markup,
+            prefill,
+            eos_ids,
+        )
+    }
+
+    #[staticmethod]
+    #[pyo3(signature = (
+        *, model, completion_id, created, stream = true, include_usage = false, kind = "chat",
+        stop_sequences = Vec::new(), markup = None, prefill = String::new(), eos_ids = Vec::new(),
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn openai(
+        model: String,
+        completion_id: String,
+        created: u64,
+        stream: bool,
+        include_usage: bool,
+        kind: &str,
+        stop_sequences: Vec<String>,
+        markup: Option<&Bound<'_, PyMarkup>>,
+        prefill: String,
+        eos_ids: Vec<u32>,
+    ) -> PyResult<PyStreamSpec> {
+        let params = OpenAiParams {
+            model,
+            completion_id,
+            created,
+            stream,
+            include_usage,
+            kind: kind.parse::<CompletionKind>()?,
+        };
+        Ok(spec(
+            DialectParams::OpenAi(params),
+            stop_sequences,
+            markup,
+            prefill,
+            eos_ids,
+        ))
+    }
+
+    #[getter]
+    fn dialect(&self) -> PyDialect {
+        self.inner.dialect.dialect().into()
+    }
+
+    #[getter]
+    fn stream(&self) -> bool {
+        match &self.inner.dialect {
+            DialectParams::Anthropic(p) => p.stream,
+            DialectParams::OpenAi(p) => p.stream,
+        }
+    }
+}
