@@ -42,10 +42,20 @@ impl fmt::Display for CoreError {
                 f,
                 "invalid finish code {code} for stream {stream_id} (expected 0 running, 1 end_turn, 2 max_tokens)"
             ),
-            Self::UnknownToolFormat(format) => write!(
-                f,
-                "unknown tool call format {format:?} (expected \"hermes\", \"mistral\" or \"llama3_json\")"
-            ),
+            Self::UnknownToolFormat(format) => {
+                write!(f, "unknown tool call format {format:?} (expected ")?;
+                let names = crate::markup::format_names();
+                let last = names.len().saturating_sub(1);
+                for (i, name) in names.enumerate() {
+                    let sep = match i {
+                        0 => "",
+                        _ if i == last => " or ",
+                        _ => ", ",
+                    };
+                    write!(f, "{sep}{name:?}")?;
+                }
+                write!(f, ")")
+            }
             Self::EmptyThinkTag => write!(f, "think tags must not be empty"),
             Self::UnknownCompletionKind(kind) => {
                 write!(f, "unknown completion kind {kind:?} (expected \"chat\" or \"completion\")")
