@@ -8,7 +8,7 @@ use mlxgate::channel::Channel;
 use mlxgate::detok::Detok;
 use mlxgate::events::anthropic::AnthropicParams;
 use mlxgate::events::{DialectParams, FinishReason, PromptUsage};
-use mlxgate::markup::{MarkupSpec, ToolFormat};
+use mlxgate::markup::MarkupSpec;
 use mlxgate::router::{Router, StreamSpec};
 use mlxgate::vocab::Vocab;
 
@@ -64,7 +64,7 @@ fn batch(stops: &[&str], stream: bool) -> Batch {
 /// Thinking + Hermes tool-call markup, as for a Qwen3 model (the text itself has no tags).
 fn qwen3_markup() -> Arc<MarkupSpec> {
     let think = Some(("<think>".to_owned(), "</think>".to_owned()));
-    Arc::new(MarkupSpec::new(think, Some(ToolFormat::Hermes)).unwrap())
+    Arc::new(MarkupSpec::new(think, Some("hermes")).unwrap())
 }
 
 fn batch_with(stops: &[&str], stream: bool, markup: Option<Arc<MarkupSpec>>) -> Batch {

@@ -18,24 +18,46 @@ impl fmt::Display for CoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::UnknownVocabKind(kind) => {
-                write!(f, "unknown vocab kind {kind:?} (expected \"byte_level\" or \"sentencepiece\")")
+                write!(
+                    f,
+                    "unknown vocab kind {kind:?} (expected \"byte_level\" or \"sentencepiece\")"
+                )
             }
             Self::SpecialIdOutOfRange { id, vocab_len } => {
-                write!(f, "special token id {id} is out of range for a vocab of {vocab_len} tokens")
+                write!(
+                    f,
+                    "special token id {id} is out of range for a vocab of {vocab_len} tokens"
+                )
             }
             Self::DuplicateStream(id) => write!(f, "stream {id} is already open"),
-            Self::LengthMismatch { stream_ids, token_ids } => write!(
+            Self::LengthMismatch {
+                stream_ids,
+                token_ids,
+            } => write!(
                 f,
                 "step arguments differ in length: {stream_ids} stream ids, {token_ids} token ids"
             ),
-            Self::UnknownToolFormat(format) => write!(
-                f,
-                "unknown tool call format {format:?} (expected \"hermes\", \"mistral\" or \"llama3_json\")"
-            ),
+            Self::UnknownToolFormat(format) => {
+                write!(f, "unknown tool call format {format:?} (expected ")?;
+                let names = crate::markup::format_names();
+                let last = names.len().saturating_sub(1);
+                for (i, name) in names.enumerate() {
+                    let sep = match i {
+                        0 => "",
+                        _ if i == last => " or ",
+                        _ => ", ",
+                    };
+                    write!(f, "{sep}{name:?}")?;
+                }
+                write!(f, ")")
+            }
             Self::EmptyThinkTag => write!(f, "think tags must not be empty"),
             Self::UnknownErrorKind(kind) => write!(f, "unknown error kind {kind:?}"),
             Self::UnknownCompletionKind(kind) => {
-                write!(f, "unknown completion kind {kind:?} (expected \"chat\" or \"completion\")")
+                write!(
+                    f,
+                    "unknown completion kind {kind:?} (expected \"chat\" or \"completion\")"
+                )
             }
         }
     }

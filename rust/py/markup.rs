@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 
-use crate::markup::{MarkupSpec, ToolFormat};
+use crate::markup::MarkupSpec;
 
 #[pyclass(module = "mlxgate._native", name = "Markup", frozen)]
 pub struct PyMarkup {
@@ -16,7 +16,6 @@ impl PyMarkup {
     #[new]
     #[pyo3(signature = (*, think = None, tool_call = None))]
     fn new(think: Option<(String, String)>, tool_call: Option<&str>) -> PyResult<Self> {
-        let tool_call = tool_call.map(str::parse::<ToolFormat>).transpose()?;
         Ok(Self {
             inner: Arc::new(MarkupSpec::new(think, tool_call)?),
         })
@@ -29,7 +28,7 @@ impl PyMarkup {
 
     #[getter]
     fn tool_call(&self) -> Option<&'static str> {
-        self.inner.tool_call().map(ToolFormat::as_str)
+        self.inner.tool_call()
     }
 
     fn __repr__(&self) -> String {
@@ -38,7 +37,7 @@ impl PyMarkup {
             None => "None".to_owned(),
         };
         let tool_call = match self.inner.tool_call() {
-            Some(format) => format!("{:?}", format.as_str()),
+            Some(format) => format!("{format:?}"),
             None => "None".to_owned(),
         };
         format!("Markup(think={think}, tool_call={tool_call})")

@@ -144,10 +144,10 @@ fn run(fixture: &Fixture) -> Vec<u8> {
         }),
         other => panic!("unknown dialect {other:?}"),
     };
-    let markup = open.markup.as_ref().map(|m| {
-        let tool_call = m.tool_call.as_deref().map(|t| t.parse().unwrap());
-        Arc::new(MarkupSpec::new(m.think.clone(), tool_call).unwrap())
-    });
+    let markup = open
+        .markup
+        .as_ref()
+        .map(|m| Arc::new(MarkupSpec::new(m.think.clone(), m.tool_call.as_deref()).unwrap()));
     let spec = StreamSpec {
         dialect,
         stop_sequences: open.stop_sequences.clone(),
