@@ -1,8 +1,23 @@
 """Generation: admission, scheduling and the model-owning engine thread."""
 
-from mlxgate.engine.engine import Engine, EngineSettings
+from typing import TYPE_CHECKING, Any
+
 from mlxgate.engine.errors import AdmissionError, EngineStopped, PromptTooLong, QueueFull
 from mlxgate.engine.request import GenerationRequest, SamplingParams
+from mlxgate.engine.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from mlxgate.engine.engine import Engine
+
+
+def __getattr__(name: str) -> Any:
+    # The engine imports MLX (seconds); the CLI and the server process need only the settings.
+    if name == "Engine":
+        from mlxgate.engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AdmissionError",
