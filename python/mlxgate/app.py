@@ -30,7 +30,7 @@ from mlxgate.api.models import ModelNames
 from mlxgate.api.openai import OpenAIAPI
 from mlxgate.api.shared import Route, Services
 from mlxgate.config import Config
-from mlxgate.engine import Engine, EngineSettings, Generator, SamplingParams
+from mlxgate.engine import Engine, Generator, SamplingParams
 from mlxgate.metrics import EngineCollector
 
 log = logging.getLogger("mlxgate")
@@ -200,13 +200,7 @@ def build_app(config: Config) -> App:
     vocab = Vocab.from_token_strings(
         tokenizer.token_strings(), tokenizer.vocab_kind, sorted(tokenizer.special_ids)
     )
-    settings = EngineSettings(
-        max_queued=config.max_queued,
-        max_running=config.max_running,
-        step_token_budget=config.step_token_budget,
-        prefix_cache_bytes=config.prefix_cache_mb << 20,
-    )
-    engine = Engine(loaded, Router(vocab), settings)
+    engine = Engine(loaded, Router(vocab), config.engine)
     engine.start()
     REGISTRY.register(EngineCollector(engine))
     import mlx.core as mx

@@ -3,111 +3,106 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import textwrap
+import typing
+from collections.abc import Sequence
+from operator import attrgetter
+from types import NoneType, UnionType
+from typing import Any
 
 from mlxgate.config import Config
+from mlxgate.setting import Leaf, build, leaves
 
 
-def _alias(value: str) -> tuple[str, str]:
+def _pair(value: str) -> tuple[str, str]:
     name, _, model = value.partition("=")
     if not name.strip() or not model.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=MODEL, got {value!r}")
     return name.strip(), model.strip()
 
 
+class _Help(argparse.HelpFormatter):
+    """Wraps help text between words only: `--max-step-ratio` stays one piece."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+class _Pairs(argparse.Action):
+    """A repeatable NAME=VALUE flag filling a dict; a NAME given twice is a usage error."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        name, value = typing.cast(tuple[str, str], values)
+        pairs = dict(getattr(namespace, self.dest))  # never the shared default
+        if name in pairs:
+            raise argparse.ArgumentError(self, f"{name!r} is given twice")
+        pairs[name] = value
+        setattr(namespace, self.dest, pairs)
+
+
+def _default_text(value: object) -> str:
+    if value is False:
+        return "off"
+    if value is None or value == {}:
+        return "none"
+    return str(value)
+
+
+def _add_flag(group: argparse._ActionsContainer, leaf: Leaf, default: object) -> None:
+    flag = leaf.flag
+    name = flag.name or "--" + leaf.path.rpartition(".")[2].replace("_", "-")
+    shown = flag.default_text or _default_text(default)
+    options: dict[str, Any] = {
+        "dest": leaf.path,
+        "default": default,
+        "help": f"{flag.help} (default: {shown})".replace("%", "%%"),
+    }
+    kind = leaf.kind
+    if isinstance(kind, UnionType):  # X | None: None is the default's "not set"
+        (kind,) = (arg for arg in typing.get_args(kind) if arg is not NoneType)
+    if kind is bool:
+        if default is not False:
+            raise TypeError(f"{leaf.path}: a flag turns a setting on, so it must default to off")
+        options["action"] = "store_true"
+    else:
+        field_name = leaf.path.rpartition(".")[2]
+        options["metavar"] = flag.metavar or (None if flag.choices else field_name.upper())
+        options["choices"] = flag.choices
+        if typing.get_origin(kind) is dict:
+            options.update(action=_Pairs, type=_pair)
+        else:
+            options["type"] = kind
+    group.add_argument(name, **options)
+
+
+def _add_settings(serve: argparse.ArgumentParser) -> None:
+    """A flag per Config setting; a nested dataclass (the engine's) is a group of its own."""
+    defaults = Config()
+    groups: dict[str, argparse._ActionsContainer] = {"": serve}
+    for field in dataclasses.fields(Config):
+        value = getattr(defaults, field.name)
+        if dataclasses.is_dataclass(value):
+            groups[field.name] = serve.add_argument_group(field.name, type(value).__doc__)
+    for leaf in leaves(Config):
+        group = groups[leaf.path.rpartition(".")[0]]
+        _add_flag(group, leaf, attrgetter(leaf.path)(defaults))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxgate", description=__doc__)
     commands = parser.add_subparsers(dest="command")
-    serve = commands.add_parser("serve", help="serve a model over the Anthropic and OpenAI APIs")
-    defaults = Config()
-    serve.add_argument(
-        "--host", default=defaults.host, help="address to bind (default %(default)s)"
+    serve = commands.add_parser(
+        "serve", help="serve a model over the Anthropic and OpenAI APIs", formatter_class=_Help
     )
-    serve.add_argument("--port", type=int, default=defaults.port, help="port (default %(default)s)")
-    serve.add_argument(
-        "--model",
-        default=None,
-        help="a .gguf file, an mlx-lm model directory or a Hugging Face org/repo id "
-        "(default: the embedded SmolLM2-135M-Instruct)",
-    )
-    serve.add_argument(
-        "--model-alias",
-        type=_alias,
-        action="append",
-        default=[],
-        metavar="NAME=MODEL",
-        help="also answer to NAME: listed in /v1/models and found at /v1/models/NAME; MODEL "
-        "names the served model (its name or the --model value). Repeatable",
-    )
-    serve.add_argument(
-        "--strict-models",
-        action="store_true",
-        help="answer only the served model's name and its aliases; other names get 404 "
-        "(default: any model name is answered by the served model)",
-    )
-    serve.add_argument(
-        "--temperature",
-        type=float,
-        default=defaults.temperature,
-        help="sampling temperature for requests that set none; 0 is greedy (default %(default)s)",
-    )
-    serve.add_argument(
-        "--top-p", type=float, default=defaults.top_p, help="default top-p (default %(default)s)"
-    )
-    serve.add_argument(
-        "--top-k",
-        type=int,
-        default=defaults.top_k,
-        help="default top-k, 0 = off (default %(default)s)",
-    )
-    serve.add_argument(
-        "--max-queued",
-        type=int,
-        default=defaults.max_queued,
-        help="requests that may wait (default %(default)s)",
-    )
-    serve.add_argument(
-        "--max-running",
-        type=int,
-        default=defaults.max_running,
-        help="sequences decoded together (default %(default)s)",
-    )
-    serve.add_argument(
-        "--step-token-budget",
-        type=int,
-        default=defaults.step_token_budget,
-        help="tokens one engine step may process, decode rows plus prefill; bounds how long a "
-        "long prompt can delay running streams (default: adapt so a step with prefill takes at "
-        "most 3x a decode-only step)",
-    )
-    serve.add_argument(
-        "--prefix-cache-mb",
-        type=int,
-        default=defaults.prefix_cache_mb,
-        help="memory for reusing KV of shared prompt prefixes, 0 = off (default %(default)s)",
-    )
-    serve.add_argument(
-        "--api-key",
-        default=None,
-        help="require this key as x-api-key or Authorization: Bearer (default: no key checked)",
-    )
-    serve.add_argument(
-        "--max-per-client",
-        type=int,
-        default=0,
-        help="concurrent requests one client (API key or address) may have; beyond them: 429 "
-        "(default: no limit)",
-    )
-    serve.add_argument(
-        "--max-output-tokens",
-        type=int,
-        default=None,
-        help="refuse larger max_tokens with the 400 that Claude Code retries with the limit "
-        "(default: clamp max_tokens to the context instead)",
-    )
-    serve.add_argument(
-        "--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"]
-    )
+    _add_settings(serve)
     return parser
 
 
@@ -115,29 +110,8 @@ def parse_config(argv: list[str]) -> Config:
     """The settings a command line asks for; exits with a usage error on a bad one."""
     if not argv or argv[0] not in ("serve", "-h", "--help"):
         argv = ["serve", *argv]  # `mlxgate` and `python -m mlxgate` serve by default
-    parser = _parser()
-    args = parser.parse_args(argv)
-    aliases = dict(args.model_alias)
-    if len(aliases) < len(args.model_alias):
-        parser.error("--model-alias: the same NAME is given twice")
-    return Config(
-        host=args.host,
-        port=args.port,
-        model=args.model,
-        model_aliases=aliases,
-        strict_models=args.strict_models,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_queued=args.max_queued,
-        max_running=args.max_running,
-        step_token_budget=args.step_token_budget,
-        prefix_cache_mb=args.prefix_cache_mb,
-        api_key=args.api_key,
-        max_per_client=args.max_per_client,
-        max_output_tokens=args.max_output_tokens,
-        log_level=args.log_level,
-    )
+    args = _parser().parse_args(argv)
+    return build(Config, lambda path: getattr(args, path))
 
 
 def main(argv: list[str] | None = None) -> None:

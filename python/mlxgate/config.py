@@ -1,35 +1,69 @@
-"""Server settings: one dataclass, filled by the CLI and handed to the app factory."""
+"""Server settings: one dataclass of declared settings (the engine's nested), filled by the CLI."""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from functools import reduce
+
+from mlxgate.engine.settings import EngineSettings
+from mlxgate.setting import build, setting
 
 CONFIG_ENV = "MLXGATE_CONFIG"
 
 
 @dataclass(frozen=True)
 class Config:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    host: str = setting("127.0.0.1", "address to bind")
+    port: int = setting(8080, "port")
+    model: str | None = setting(
+        None,
+        "a .gguf file (llama architecture), an mlx-lm model directory or a Hugging Face "
+        "org/repo id (downloaded by mlx-lm)",
+        default_text="the embedded SmolLM2-135M-Instruct",
+    )
     # Client-facing name -> the served model (its name, or the `model` value as given).
-    model_aliases: dict[str, str] = field(default_factory=dict)
-    strict_models: bool = False  # answer only the served name and the aliases (else 404)
-    # Sampling for requests that do not say (the Anthropic API no longer has these fields).
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_queued: int = 64
-    max_running: int = 64
-    step_token_budget: int = 0  # 0: adaptive (see EngineSettings)
-    prefix_cache_mb: int = 1024
-    max_body_bytes: int = 32 * 1024 * 1024
-    api_key: str | None = None  # None: no key is checked (loopback use)
-    max_per_client: int = 0  # concurrent generation requests per client; 0 = unlimited
-    max_output_tokens: int | None = None  # None: max_tokens is clamped to the context
-    log_level: str = "info"
+    model_aliases: dict[str, str] = setting(  # noqa: RUF009 (a default_factory: see setting)
+        {},
+        "also answer to NAME: it is listed in /v1/models and found at /v1/models/NAME. MODEL "
+        "must name the served model (its name as /v1/models lists it, or the --model value); "
+        "anything else stops the server at start-up. Repeatable",
+        name="--model-alias",
+        metavar="NAME=MODEL",
+    )
+    strict_models: bool = setting(
+        False,
+        "answer only the served model's name and its aliases; a request naming any other "
+        "model gets 404 (not_found_error; OpenAI: model_not_found)",
+        default_text="any model name is answered by the served model",
+    )
+    # The Anthropic API no longer has these fields; OpenAI requests may set them.
+    temperature: float = setting(
+        0.0, "sampling temperature for requests that set none; 0 is greedy"
+    )
+    top_p: float = setting(1.0, "top-p for requests that set none")
+    top_k: int = setting(0, "top-k for requests that set none; 0 = off")
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    api_key: str | None = setting(
+        None,
+        "require this key as x-api-key or Authorization: Bearer; anything else gets 401",
+        default_text="none, no key is checked",
+    )
+    max_per_client: int = setting(
+        0,
+        "concurrent generation requests per client (API key, else address); beyond them: 429 "
+        "with retry-after",
+        default_text="no limit",
+    )
+    max_output_tokens: int | None = setting(
+        None,
+        "refuse larger max_tokens with Anthropic's 'max_tokens: N > M' 400 (Claude Code "
+        "retries with M)",
+        default_text="clamp max_tokens to the context",
+    )
+    max_body_bytes: int = setting(32 << 20, "the largest request body; larger ones get 413")
+    log_level: str = setting("info", "log verbosity", choices=("debug", "info", "warning", "error"))
 
     def to_env(self) -> None:
         """Pass the settings to the app factory, which granian calls in its worker process."""
@@ -38,4 +72,7 @@ class Config:
     @classmethod
     def from_env(cls) -> Config:
         raw = os.environ.get(CONFIG_ENV)
-        return cls(**json.loads(raw)) if raw else cls()
+        if not raw:
+            return cls()
+        data = json.loads(raw)
+        return build(cls, lambda path: reduce(dict.__getitem__, path.split("."), data))

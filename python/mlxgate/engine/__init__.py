@@ -1,5 +1,7 @@
 """Generation: admission, scheduling and the model-owning engine thread."""
 
+from typing import TYPE_CHECKING, Any
+
 from mlxgate.engine.contract import (
     AdmissionError,
     EngineStopped,
@@ -9,7 +11,20 @@ from mlxgate.engine.contract import (
     QueueFull,
     SamplingParams,
 )
-from mlxgate.engine.engine import Engine, EngineSettings
+from mlxgate.engine.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from mlxgate.engine.engine import Engine
+
+
+def __getattr__(name: str) -> Any:
+    # The engine imports MLX (seconds); the CLI and the server process need only the settings.
+    if name == "Engine":
+        from mlxgate.engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AdmissionError",

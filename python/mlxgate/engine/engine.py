@@ -28,6 +28,7 @@ from mlxgate.engine.contract import EngineStopped, GenerationRequest, PromptTooL
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.prefix_cache import PrefixCache, PrefixMatch
 from mlxgate.engine.sampling import Sampler
+from mlxgate.engine.settings import EngineSettings
 from mlxgate.models import LoadedModel, cpu_attention
 
 log = logging.getLogger("mlxgate.engine")
@@ -69,29 +70,6 @@ class _PromptGroup:
     caches: list[BatchKVCache]  # per layer
 
 
-@dataclass(frozen=True)
-class EngineSettings:
-    max_queued: int = 64
-    max_running: int = 64
-    # Tokens one step may process (decode rows + prefill). 0: adapt, so that a step carrying
-    # prefill takes at most `max_step_ratio` times a decode-only step (measured as it runs),
-    # stretched by waiting prompts / decoding streams when more wait than decode.
-    step_token_budget: int = 0
-    max_step_ratio: float = 3.0
-    # The most prompt tokens one step prefills; with nothing decoding, a step takes this many
-    # (several short prompts go in one batched pass: ~2x the tokens/s of one prompt alone).
-    max_prefill_tokens: int = 2048
-    # One prompt's forward pass takes at most this many tokens: on CPU, longer passes cost more
-    # per token (256 tokens: ~245 tok/s, 512: ~195 tok/s with SmolLM2-135M).
-    max_prefill_chunk: int = 256
-    # Never prefill less than this per step, however many rows decode.
-    min_prefill_chunk: int = 16
-    prefix_cache_bytes: int = 1 << 30
-    # A reader may fall behind (its frames coalesce); one that stays over the router's unread
-    # bound this long has stopped reading, and its sequence is cancelled with an error event.
-    stall_timeout_s: float = 30.0
-
-
 class Engine:
     """Owns the model on one thread; implements `Generator`. `admit` returns a stream reader at
     once and never blocks. The router decides when each stream ends; the engine drops the rows
@@ -105,7 +83,7 @@ class Engine:
         self.router = router
         self.settings = settings or EngineSettings()
         self.metrics = EngineMetrics()
-        self.prefix_cache = PrefixCache(self.settings.prefix_cache_bytes)
+        self.prefix_cache = PrefixCache(self.settings.prefix_cache_mb << 20)
         self._num_layers = len(self.model.layers)
         # Prefill needs only the KV cache: skip the vocabulary projection (mlx-lm models keep
         # the transformer without the LM head as `.model`).

@@ -1,0 +1,56 @@
+"""The engine's settings, each declared once with the help its `mlxgate serve` flag shows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxgate.setting import setting
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Admission, batching and prefill scheduling."""
+
+    max_queued: int = setting(
+        64,
+        "requests that may wait for the engine; beyond them: 529 (Anthropic) or 503 (OpenAI) "
+        "with retry-after",
+    )
+    max_running: int = setting(64, "sequences decoded together in one batch")
+    step_token_budget: int = setting(
+        0,
+        "tokens one engine step may process, one per decoding sequence and the rest on "
+        "prefilling waiting prompts; bounds how long a long prompt can delay running streams",
+        default_text="adapt, measuring decode steps and prefill passes as they run, so that a "
+        "step that prefills takes at most --max-step-ratio times a decode-only step",
+    )
+    max_step_ratio: float = setting(
+        3.0,
+        "with the adaptive step budget: how many times a decode-only step's time a step that "
+        "also prefills may take (stretched by waiting prompts / decoding streams when more "
+        "prompts wait than streams decode)",
+    )
+    # Several short prompts go in one batched pass: ~2x the tokens/s of one prompt alone.
+    max_prefill_tokens: int = setting(
+        2048,
+        "the most prompt tokens one step prefills; with nothing decoding a step takes this many",
+    )
+    # On CPU longer passes cost more per token (256 tokens: ~245 tok/s, 512: ~195 tok/s with
+    # SmolLM2-135M).
+    max_prefill_chunk: int = setting(
+        256, "the most tokens of one prompt that one forward pass takes"
+    )
+    min_prefill_chunk: int = setting(
+        16, "the fewest prompt tokens a step prefills while prompts wait, however many rows decode"
+    )
+    prefix_cache_mb: int = setting(
+        1024,
+        "memory for reusing the KV cache of shared prompt prefixes across requests; 0 turns it off",
+    )
+    # A reader may fall behind (its frames coalesce); one that stays over the bound this long
+    # has stopped reading.
+    stall_timeout_s: float = setting(
+        30.0,
+        "seconds a stream may stay over the router's unread bound before its generation is "
+        "cancelled with an error event",
+    )

@@ -1,0 +1,165 @@
+"""The command line: one flag per declared setting, its defaults, and the Config it builds."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from operator import attrgetter
+from pathlib import Path
+
+import pytest
+
+from mlxgate import cli
+from mlxgate.config import Config
+from mlxgate.engine import EngineSettings
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+# Every setting away from its default (test_every_flag_round_trips checks that it is).
+CHANGED = Config(
+    host="0.0.0.0",
+    port=9001,
+    model="models/tiny.gguf",
+    model_aliases={"claude-local": "tiny", "gpt-local": "tiny"},
+    strict_models=True,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=40,
+    engine=EngineSettings(
+        max_queued=3,
+        max_running=5,
+        step_token_budget=512,
+        max_step_ratio=2.5,
+        max_prefill_tokens=1024,
+        max_prefill_chunk=128,
+        min_prefill_chunk=8,
+        prefix_cache_mb=0,
+        stall_timeout_s=1.5,
+    ),
+    api_key="sk-test",
+    max_per_client=2,
+    max_output_tokens=4096,
+    max_body_bytes=1 << 20,
+    log_level="debug",
+)
+CHANGED_ARGV = [
+    "--host", "0.0.0.0",
+    "--port", "9001",
+    "--model", "models/tiny.gguf",
+    "--model-alias", "claude-local=tiny",
+    "--model-alias", "gpt-local=tiny",
+    "--strict-models",
+    "--temperature", "0.7",
+    "--top-p", "0.9",
+    "--top-k", "40",
+    "--max-queued", "3",
+    "--max-running", "5",
+    "--step-token-budget", "512",
+    "--max-step-ratio", "2.5",
+    "--max-prefill-tokens", "1024",
+    "--max-prefill-chunk", "128",
+    "--min-prefill-chunk", "8",
+    "--prefix-cache-mb", "0",
+    "--stall-timeout-s", "1.5",
+    "--api-key", "sk-test",
+    "--max-per-client", "2",
+    "--max-output-tokens", "4096",
+    "--max-body-bytes", "1048576",
+    "--log-level", "debug",
+]  # fmt: skip
+
+
+def setting_paths(cls: type = Config, prefix: str = "") -> Iterator[str]:
+    """Every setting as a dotted path, nested dataclasses walked into."""
+    for field in dataclasses.fields(cls):
+        default = getattr(cls(), field.name)
+        if dataclasses.is_dataclass(default):
+            yield from setting_paths(type(default), f"{prefix}{field.name}.")
+        else:
+            yield prefix + field.name
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    (commands,) = (a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser: argparse.ArgumentParser = commands.choices["serve"]
+    return parser
+
+
+def test_every_setting_has_a_flag_with_help() -> None:
+    flags = {a.dest: a for a in serve_parser()._actions if a.dest != "help"}
+    assert sorted(flags) == sorted(setting_paths())
+    for path, action in flags.items():
+        assert action.help and len(action.help) > len("(default: x)"), path
+        assert action.option_strings, path
+
+
+def test_parser_defaults_are_the_dataclass_defaults() -> None:
+    parser, defaults = serve_parser(), Config()
+    for path in setting_paths():
+        assert parser.get_default(path) == attrgetter(path)(defaults), path
+    assert cli.parse_config([]) == defaults  # `mlxgate` with no subcommand serves the defaults
+    assert cli.parse_config(["serve"]) == defaults
+
+
+def test_every_flag_round_trips() -> None:
+    defaults = Config()
+    for path in setting_paths():
+        assert attrgetter(path)(CHANGED) != attrgetter(path)(defaults), path
+    assert cli.parse_config(CHANGED_ARGV) == CHANGED
+    assert cli.parse_config(["serve", *CHANGED_ARGV]) == CHANGED
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model-alias", "a=one", "--model-alias", "a=two"],
+        ["--model-alias", "no-equals-sign"],
+        ["--log-level", "loud"],
+        ["--max-queued", "many"],
+    ],
+)
+def test_bad_command_lines_are_usage_errors(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.parse_config(argv)
+    assert exited.value.code == 2
+    assert "usage: mlxgate serve" in capsys.readouterr().err
+
+
+def test_an_alias_given_twice_is_named_in_the_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.parse_config(["--model-alias", "a=one", "--model-alias", "a=two"])
+    assert "argument --model-alias: 'a' is given twice" in capsys.readouterr().err
+
+
+def test_the_env_round_trips_the_nested_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLXGATE_CONFIG", "")  # restored after the test; empty: the defaults
+    assert Config.from_env() == Config()
+    for config in (CHANGED, Config()):
+        config.to_env()
+        assert Config.from_env() == config
+        assert isinstance(Config.from_env().engine, EngineSettings)
+
+
+def test_readme_shows_the_current_help(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        cli.parse_config(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert shown in " ".join(README.read_text().split()), (
+        "README.md's flag list is stale: paste `COLUMNS=100 mlxgate serve --help` into it"
+    )
+
+
+def test_the_command_line_does_not_import_mlx() -> None:
+    """`mlxgate --help` and granian's main process stay fast: only the worker loads MLX."""
+    code = "import json, sys, mlxgate.cli; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert [m for m in json.loads(out.stdout) if m.split(".")[0] in ("mlx", "mlx_lm")] == []
