@@ -239,4 +239,22 @@ impl PyStreamSpec {
             DialectParams::OpenAi(p) => p.stream,
         }
     }
+
+    #[getter]
+    fn model(&self) -> &str {
+        match &self.inner.dialect {
+            DialectParams::Anthropic(p) => &p.model,
+            DialectParams::OpenAi(p) => &p.model,
+        }
+    }
+
+    #[getter]
+    fn stop_sequences(&self) -> Vec<String> {
+        self.inner.stop_sequences.clone()
+    }
+
+    #[getter]
+    fn eos_ids(&self) -> Vec<u32> {
+        self.inner.eos_ids.clone()
+    }
 }
