@@ -8,19 +8,13 @@ from pathlib import Path
 
 import anthropic
 import httpx
-import httpx2
 import pytest
 
 from conftest import (
-    InProcessServer,
     RunningServer,
-    broken_after_first_frames,
-    broken_render,
-    last_frames,
     start_server,
 )
-from mlxgate import chat, cli
-from mlxgate.api import http
+from mlxgate import cli
 
 BASH_TOOL = {
     "name": "Bash",
@@ -236,35 +230,9 @@ def test_images_get_a_clear_400(client: anthropic.Anthropic) -> None:
     assert "not supported" in str(caught.value)
 
 
-def test_not_found_and_request_too_large(
-    client: anthropic.Anthropic, server: RunningServer
+def test_max_output_tokens_refusal_has_the_wording_claude_code_parses(
+    strict_server: RunningServer,
 ) -> None:
-    with pytest.raises(anthropic.NotFoundError):
-        client.get("/v1/no-such-route", cast_to=httpx.Response)
-    huge = {
-        "model": "m",
-        "max_tokens": 1,
-        "messages": [{"role": "user", "content": "x" * (33 * 1024 * 1024)}],
-    }
-    with pytest.raises(anthropic.RequestTooLargeError):
-        client.messages.create(**huge)  # type: ignore[arg-type]
-
-
-def test_auth_and_limits_raise_the_right_sdk_errors(strict_server: RunningServer) -> None:
-    wrong = anthropic.Anthropic(base_url=strict_server.url, api_key="sk-wrong", max_retries=0)
-    with pytest.raises(anthropic.AuthenticationError) as caught:
-        wrong.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
-    assert caught.value.response.headers["x-should-retry"] == "false"
-    bearer = anthropic.Anthropic(
-        base_url=strict_server.url, auth_token="sk-right", api_key=None, max_retries=0
-    )
-    assert (
-        bearer.messages.create(
-            model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
-        ).content
-        is not None
-    )
-
     right = anthropic.Anthropic(base_url=strict_server.url, api_key="sk-right", max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as too_many:
         right.messages.create(
@@ -276,80 +244,17 @@ def test_auth_and_limits_raise_the_right_sdk_errors(strict_server: RunningServer
     )
 
 
-def test_overload_is_529_with_retry_after(strict_server: RunningServer) -> None:
-    long_prompt = {"role": "user", "content": "word " * 3000}
-    body = {"model": "m", "max_tokens": 4, "messages": [long_prompt], "stream": True}
-    sdk = anthropic.Anthropic(base_url=strict_server.url, api_key="sk-right", max_retries=0)
-    with httpx.Client(timeout=120) as http:
-        request = http.build_request(
-            "POST", f"{strict_server.url}/v1/messages", json=body, headers={"x-api-key": "sk-right"}
-        )
-        first = http.send(request, stream=True)  # admitted: it fills the one-request queue
-        assert first.status_code == 200
-        with pytest.raises(anthropic.OverloadedError) as caught:
-            sdk.messages.create(model="m", max_tokens=4, messages=[long_prompt])  # type: ignore[list-item]
-        first.close()
-    assert caught.value.status_code == 529
-    assert caught.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
-    assert int(caught.value.response.headers["retry-after"]) >= 1
-
-
-def test_rate_limit_per_client(limited_server: RunningServer) -> None:
-    # Long prompts keep both requests in flight (prefilling) while the third arrives.
-    body = {
-        "model": "m",
-        "max_tokens": 4,
-        "messages": [{"role": "user", "content": "word " * 1500}],
-    }
-    headers = {"x-api-key": "client-a"}
-    url = f"{limited_server.url}/v1/messages"
-    with httpx.Client(timeout=120) as http:
-        busy = [
-            http.send(
-                http.build_request("POST", url, json={**body, "stream": True}, headers=headers),
-                stream=True,
-            )
-            for _ in range(2)
-        ]
-        assert [r.status_code for r in busy] == [200, 200]
-        client = anthropic.Anthropic(base_url=limited_server.url, api_key="client-a", max_retries=0)
-        with pytest.raises(anthropic.RateLimitError) as caught:
-            client.messages.create(
-                model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
-            )
-        assert caught.value.response.headers["retry-after"] == "1"
-        other = anthropic.Anthropic(base_url=limited_server.url, api_key="client-b", max_retries=0)
-        # Another client is admitted at once (its stream starts; no need to wait for its turn).
-        with other.messages.stream(
-            model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
-        ) as admitted:
-            assert next(iter(admitted)).type == "message_start"
-        for response in busy:
-            response.close()
-
-
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_model_aliases_and_strict_models(aliased_server: RunningServer) -> None:
+def test_count_tokens_answers_only_served_names_with_strict_models(
+    aliased_server: RunningServer,
+) -> None:
     client = anthropic.Anthropic(base_url=aliased_server.url, api_key="sk-local", max_retries=0)
-    names = ["SmolLM2-135M-Instruct", "claude-local", "gpt-local"]
-    assert [model.id for model in client.models.list()] == names
+    assert client.messages.count_tokens(model="claude-local", messages=QUESTION).input_tokens > 0  # type: ignore[arg-type]
     assert client.models.retrieve("claude-local").type == "model"
-
-    reply = client.messages.create(model="claude-local", max_tokens=4, messages=QUESTION)  # type: ignore[arg-type]
-    assert reply.model == "SmolLM2-135M-Instruct"  # responses report the served model
-    assert client.messages.create(model=names[0], max_tokens=2, messages=QUESTION).content  # type: ignore[arg-type]
-
-    with pytest.raises(anthropic.NotFoundError) as caught:
-        client.messages.create(model="claude-opus-5-5", max_tokens=4, messages=QUESTION)  # type: ignore[arg-type]
-    assert caught.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
-    assert "claude-opus-5-5" in caught.value.message
-    assert caught.value.response.headers["x-should-retry"] == "false"
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="claude-opus-5-5", messages=QUESTION)  # type: ignore[arg-type]
-    with pytest.raises(anthropic.NotFoundError):
-        client.models.retrieve("claude-opus-5-5")
 
 
 def test_model_alias_must_name_the_served_model(tmp_path: Path) -> None:
@@ -363,86 +268,6 @@ def test_model_alias_must_name_the_served_model(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError) as caught:
         start_server(tmp_path, "--model-alias", "claude-local=Qwen3-4B")
     assert "this server serves one model, 'SmolLM2-135M-Instruct'" in str(caught.value)
-
-
-def in_process_client(in_process: InProcessServer) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(
-        base_url=in_process.base_url,
-        api_key="sk-local",
-        max_retries=0,
-        http_client=in_process.http_client(),
-    )
-
-
-@pytest.mark.anyio
-async def test_engine_failure_is_500_api_error_and_serving_goes_on(
-    in_process: InProcessServer,
-) -> None:
-    async with in_process_client(in_process) as client:
-        in_process.router.fail_after(0)
-        with pytest.raises(anthropic.InternalServerError) as caught:
-            await client.messages.create(model="m", max_tokens=16, messages=QUESTION)  # type: ignore[arg-type]
-        assert caught.value.status_code == 500
-        assert caught.value.body == {  # type: ignore[comparison-overlap]
-            "type": "error",
-            "error": {"type": "api_error", "message": "generation failed: injected fault"},
-        }
-
-        # Streamed, the failure comes after the headers and some text: a last `event: error`.
-        in_process.router.fail_after(3)
-        seen = []
-        with pytest.raises(anthropic.APIStatusError) as streamed:
-            async with client.messages.stream(
-                model="m",
-                max_tokens=16,
-                messages=QUESTION,  # type: ignore[arg-type]
-            ) as stream:
-                async for event in stream:
-                    seen.append(event.type)
-        assert "content_block_delta" in seen
-        assert streamed.value.body["error"]["type"] == "api_error"  # type: ignore[index]
-
-        in_process.router.fail_after(1)
-        raw = await client.post(
-            "/v1/messages",
-            body={"model": "m", "max_tokens": 16, "messages": QUESTION, "stream": True},
-            cast_to=httpx2.Response,
-        )
-        assert raw.status_code == 200
-        event, data = last_frames(raw.text, 1)[0].split("\n")
-        assert event == "event: error"
-        assert json.loads(data.removeprefix("data: "))["error"]["type"] == "api_error"
-
-        reply = await client.messages.create(model="m", max_tokens=8, messages=QUESTION)  # type: ignore[arg-type]
-        assert reply.content and reply.stop_reason in ("end_turn", "max_tokens")
-
-
-@pytest.mark.anyio
-async def test_unexpected_errors_before_and_after_headers(
-    in_process: InProcessServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    async with in_process_client(in_process) as client:
-        with monkeypatch.context() as patch:
-            patch.setattr(chat.Renderer, "render", broken_render)
-            with pytest.raises(anthropic.InternalServerError) as caught:
-                await client.messages.create(model="m", max_tokens=8, messages=QUESTION)  # type: ignore[arg-type]
-        assert caught.value.status_code == 500
-        assert caught.value.body["error"]["type"] == "api_error"  # type: ignore[index]
-
-        with monkeypatch.context() as patch:
-            patch.setattr(http, "chunks", broken_after_first_frames)
-            raw = await client.post(
-                "/v1/messages",
-                body={"model": "m", "max_tokens": 8, "messages": QUESTION, "stream": True},
-                cast_to=httpx2.Response,
-            )
-        assert raw.status_code == 200 and raw.text.startswith("event: message_start")
-        event, data = last_frames(raw.text, 1)[0].split("\n")
-        assert event == "event: error"
-        assert json.loads(data.removeprefix("data: "))["error"]["type"] == "api_error"
-
-        reply = await client.messages.create(model="m", max_tokens=8, messages=QUESTION)  # type: ignore[arg-type]
-        assert reply.content
 
 
 def claude_code_path() -> Path:

@@ -11,16 +11,34 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from mlxgate import chat
-from mlxgate._native import Dialect, Reader
+from mlxgate._native import Dialect, ErrorKind, Reader
 from mlxgate.api.errors import ApiError, invalid
 from mlxgate.api.http import Receive, Scope, Send
 from mlxgate.api.models import ModelNames
-from mlxgate.engine import AdmissionError, GenerationRequest, Generator, SamplingParams
+from mlxgate.engine import (
+    AdmissionError,
+    EngineStopped,
+    GenerationRequest,
+    Generator,
+    QueueFull,
+    SamplingParams,
+)
 
 Handler = Callable[[Scope, Receive, Send, bytes], Awaitable[None]]
 Model = TypeVar("Model", bound=BaseModel)
 # How a dialect words each admission error (one table per dialect).
 AdmissionErrors = Mapping[type[AdmissionError], Callable[[Any], ApiError]]
+
+# The entries every dialect words alike (each picks its own status for the kind: Anthropic's
+# clients retry 529 as "overloaded", OpenAI's 503). A dialect's table adds PromptTooLong.
+COMMON_ADMISSION_ERRORS: AdmissionErrors = {
+    QueueFull: lambda e: ApiError(
+        ErrorKind.OVERLOADED,
+        "the server is overloaded: too many requests waiting, retry later",
+        retry_after_s=e.retry_after_s,
+    ),
+    EngineStopped: lambda e: ApiError(ErrorKind.UNAVAILABLE, str(e)),
+}
 
 
 @dataclass(frozen=True)

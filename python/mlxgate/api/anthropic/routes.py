@@ -6,27 +6,30 @@ import time
 import uuid
 from typing import Any
 
-from mlxgate._native import Dialect, ErrorKind, StreamSpec
+from mlxgate._native import Dialect, StreamSpec
 from mlxgate.api.anthropic.requests import CountTokensRequest, MessagesRequest, conversation
-from mlxgate.api.errors import ApiError, invalid
+from mlxgate.api.errors import invalid
 from mlxgate.api.http import Receive, Scope, Send, respond, send_json
-from mlxgate.api.shared import AdmissionErrors, Route, Services, admit, parse, render, sampling
-from mlxgate.engine import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
+from mlxgate.api.shared import (
+    COMMON_ADMISSION_ERRORS,
+    AdmissionErrors,
+    Route,
+    Services,
+    admit,
+    parse,
+    render,
+    sampling,
+)
+from mlxgate.engine import GenerationRequest, PromptTooLong
 
 ANTHROPIC = Dialect.ANTHROPIC
 
 ADMISSION_ERRORS: AdmissionErrors = {
+    **COMMON_ADMISSION_ERRORS,
     # Exact wording: Claude Code parses the two numbers to decide whether to compact.
     PromptTooLong: lambda e: invalid(
         f"prompt is too long: {e.prompt_tokens} tokens > {e.context_length} maximum"
     ),
-    # 529: what Anthropic's clients retry as "overloaded".
-    QueueFull: lambda e: ApiError(
-        ErrorKind.OVERLOADED,
-        "the server is overloaded: too many requests waiting, retry later",
-        retry_after_s=e.retry_after_s,
-    ),
-    EngineStopped: lambda e: ApiError(ErrorKind.UNAVAILABLE, str(e)),
 }
 
 

@@ -16,12 +16,21 @@ from mlxgate.api.openai.requests import (
     _Sampling,
     conversation,
 )
-from mlxgate.api.shared import AdmissionErrors, Route, Services, admit, parse, render
-from mlxgate.engine import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
+from mlxgate.api.shared import (
+    COMMON_ADMISSION_ERRORS,
+    AdmissionErrors,
+    Route,
+    Services,
+    admit,
+    parse,
+    render,
+)
+from mlxgate.engine import GenerationRequest, PromptTooLong
 
 OPENAI = Dialect.OPENAI
 
 ADMISSION_ERRORS: AdmissionErrors = {
+    **COMMON_ADMISSION_ERRORS,
     # Claude Code and OpenAI's clients both recognise this wording; Codex acts on the code.
     PromptTooLong: lambda e: ApiError(
         ErrorKind.INVALID_REQUEST,
@@ -30,13 +39,6 @@ ADMISSION_ERRORS: AdmissionErrors = {
         code="context_length_exceeded",
         param="messages",
     ),
-    # 503: what OpenAI's clients retry as "overloaded".
-    QueueFull: lambda e: ApiError(
-        ErrorKind.OVERLOADED,
-        "the server is overloaded: too many requests waiting, retry later",
-        retry_after_s=e.retry_after_s,
-    ),
-    EngineStopped: lambda e: ApiError(ErrorKind.UNAVAILABLE, str(e)),
 }
 
 
