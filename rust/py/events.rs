@@ -147,7 +147,7 @@ fn spec(
     dialect: DialectParams,
     stop_sequences: Vec<String>,
     markup: Option<&Bound<'_, PyMarkup>>,
-    prefill: String,
+    prefill: &str,
     eos_ids: Vec<u32>,
 ) -> PyStreamSpec {
     PyStreamSpec {
@@ -155,7 +155,7 @@ fn spec(
             dialect,
             stop_sequences,
             markup: markup.map(|m| m.get().inner.clone()),
-            prefill,
+            prefill: prefill.to_owned(),
             eos_ids,
         },
     }
@@ -166,7 +166,7 @@ impl PyStreamSpec {
     #[staticmethod]
     #[pyo3(signature = (
         *, model, message_id, stream = true, stop_sequences = Vec::new(), markup = None,
-        prefill = String::new(), eos_ids = Vec::new(),
+        prefill = "", eos_ids = Vec::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn anthropic(
@@ -175,7 +175,7 @@ impl PyStreamSpec {
         stream: bool,
         stop_sequences: Vec<String>,
         markup: Option<&Bound<'_, PyMarkup>>,
-        prefill: String,
+        prefill: &str,
         eos_ids: Vec<u32>,
     ) -> PyStreamSpec {
         let params = AnthropicParams {
@@ -195,7 +195,7 @@ impl PyStreamSpec {
     #[staticmethod]
     #[pyo3(signature = (
         *, model, completion_id, created, stream = true, include_usage = false, kind = "chat",
-        stop_sequences = Vec::new(), markup = None, prefill = String::new(), eos_ids = Vec::new(),
+        stop_sequences = Vec::new(), markup = None, prefill = "", eos_ids = Vec::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn openai(
@@ -207,7 +207,7 @@ impl PyStreamSpec {
         kind: &str,
         stop_sequences: Vec<String>,
         markup: Option<&Bound<'_, PyMarkup>>,
-        prefill: String,
+        prefill: &str,
         eos_ids: Vec<u32>,
     ) -> PyResult<PyStreamSpec> {
         let params = OpenAiParams {
