@@ -105,3 +105,126 @@ def test_swiglu_without_mlx_exp_equals_mlx() -> None:
     ours, theirs = np.asarray(fast_exp.swiglu(gate, x)), np.asarray(swiglu(gate, x))
     assert np.isfinite(ours).all()
     np.testing.assert_allclose(ours, theirs, rtol=2e-6, atol=1e-30)
+
+
+def tiny_llama(**overrides: Any) -> Any:
+    """A random-weight mlx-lm llama, small enough to build per test."""
+    from mlx_lm.models import llama
+
+    args: dict[str, Any] = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 128,
+    }
+    return llama.Model(llama.ModelArgs(**{**args, **overrides}))
+
+
+def test_kernels_go_to_one_instance_not_its_module_or_its_siblings() -> None:
+    import mlx.core as mx
+    from mlx_lm.models import activations, base, llama
+
+    from mlxgate.models import cpu_attention, kernels
+    from mlxgate.models.adapter import install_kernels
+
+    ours, sibling = tiny_llama(), tiny_llama()
+    sibling.update(ours.parameters())
+    tokens = mx.array([list(range(64))])
+    before = sibling(tokens)
+
+    install_kernels(ours)
+    assert cpu_attention.installed(ours)
+    assert not cpu_attention.installed(sibling)
+    assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+    assert llama.swiglu is activations.swiglu
+    assert type(sibling.model.layers[0].self_attn) is llama.Attention
+    assert type(sibling.model.layers[0].mlp) is llama.MLP
+    # Same weights, same answer, with and without the kernels (64 tokens: both kernels run).
+    np.testing.assert_allclose(np.asarray(ours(tokens)), np.asarray(before), atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(sibling(tokens)), np.asarray(before))
+
+    calls: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return base.scaled_dot_product_attention(*args, **kwargs)
+
+    third = tiny_llama()
+    kernels.install(
+        third, "scaled_dot_product_attention", base.scaled_dot_product_attention, counted
+    )
+    mx.eval(third(tokens), sibling(tokens), ours(tokens))
+    assert len(calls) == 4  # once per layer of `third`, never for the others
+
+
+def test_prefill_fills_the_caches_as_mlx_lm_does_and_stops_between_layers() -> None:
+    import mlx.core as mx
+
+    from mlxgate.models.adapter import ModelAdapter
+
+    # Sliding-window layers beside full ones: the mask is mlx-lm's business, not the adapter's.
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    model, reference = (tiny_llama(layer_types=layer_types, sliding_window=8) for _ in range(2))
+    reference.update(model.parameters())
+    adapter = ModelAdapter(model)
+    assert adapter.cancellable
+    prompt = mx.array([[(7 * i) % 128 for i in range(20)]])
+
+    caches, expected = model.make_cache(), reference.make_cache()
+    for chunk in (prompt[:, :12], prompt[:, 12:]):
+        assert adapter.prefill(chunk, caches, should_stop=lambda: False)
+        reference.model(chunk, cache=expected)
+    for ours, theirs in zip(caches, expected, strict=True):
+        assert ours.offset == theirs.offset == 20
+        for a, b in zip(ours.state, theirs.state, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return True
+
+    caches = model.make_cache()
+    assert not adapter.prefill(prompt, caches, should_stop=stop)
+    assert asked == [1]
+    assert [c.offset for c in caches] == [20, 0, 0, 0]
+    # Outside a prefill with a stop check the layers are mlx-lm's as they were.
+    np.testing.assert_array_equal(np.asarray(model(prompt)), np.asarray(reference(prompt)))
+
+
+def test_greedy_decode_through_the_adapter_equals_mlx_lm(smollm: LoadedModel) -> None:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxgate.models import cpu_attention
+    from mlxgate.models.adapter import ModelAdapter
+
+    tok = smollm.tokenizer
+    prompt = tok.encode(tok.render([{"role": "user", "content": "Name three colors."}]))
+    steps = 32
+    # mlx-lm alone: a second instance over the same weights, without mlxgate's kernels.
+    plain = llama.Model(smollm.model.args)
+    plain.update(smollm.model.parameters())
+    assert not cpu_attention.installed(plain)
+    expected = [int(token) for token, _ in generate_step(mx.array(prompt), plain, max_tokens=steps)]
+
+    # Eight copies of the prompt: enough rows that both kernels run in decode steps too.
+    adapter = ModelAdapter(smollm.model)
+    assert adapter.banded_attention
+    rows = 8
+    caches = make_prompt_cache(smollm.model)
+    assert adapter.prefill(mx.array([prompt[:-1]] * rows), caches, should_stop=lambda: False)
+    inputs = mx.array([prompt[-1]] * rows)
+    produced = []
+    for _ in range(steps):
+        inputs = mx.argmax(adapter.decode(inputs, caches), axis=-1)
+        produced.append(np.asarray(inputs))
+    tokens = np.stack(produced, axis=1)
+    assert (tokens == np.array(expected)).all()

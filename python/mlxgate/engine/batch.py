@@ -264,15 +264,15 @@ class _Band:
                 both[:old, :, columns - ours : columns, :] = mine_kv[..., :ours, :]
                 both[old:, :, columns - joining : columns, :] = theirs_kv[index, :, :joining, :]
                 grown.append(both)
-            mine.keys, mine.values = grown
-            mine.left_padding = mx.concatenate(
+            keys, values = grown
+            left_padding = mx.concatenate(
                 [
                     mine.left_padding + (columns - ours),
                     theirs.left_padding[index] + (columns - joining),
                 ]
             )
-            mine.offset = mx.concatenate([mine.offset, theirs.offset[index]])
-            mine._idx = columns
+            offset = mx.concatenate([mine.offset, theirs.offset[index]])
+            mine.state = (keys, values, offset, left_padding, columns)
 
     def drop(self, ended: np.ndarray) -> None:
         """Free the slots of rows that ended (a boolean mask over slots)."""
@@ -308,11 +308,15 @@ class _Band:
             return
         padding_mx = mx.array(np.maximum(padding - unused, 0))
         for cache in self.caches:
-            assert cache.keys is not None and cache.values is not None
-            cache.keys = cache.keys[..., unused:, :]
-            cache.values = cache.values[..., unused:, :]
-            cache._idx -= unused
-            cache.left_padding = padding_mx
+            keys, values, offset, _, columns = cache.state
+            assert keys is not None and values is not None
+            cache.state = (
+                keys[..., unused:, :],
+                values[..., unused:, :],
+                offset,
+                padding_mx,
+                columns - unused,
+            )
             _own_buffers(cache)
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxgate._native import ErrorKind, FinishReason, Reader, Router
@@ -29,7 +28,8 @@ from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.prefix_cache import PrefixCache, PrefixMatch
 from mlxgate.engine.sampling import Sampler
 from mlxgate.engine.settings import EngineSettings
-from mlxgate.models import LoadedModel, cpu_attention
+from mlxgate.models import LoadedModel
+from mlxgate.models.adapter import ModelAdapter
 
 log = logging.getLogger("mlxgate.engine")
 
@@ -85,15 +85,7 @@ class Engine:
         self.metrics = EngineMetrics()
         self.prefix_cache = PrefixCache(self.settings.prefix_cache_mb << 20)
         self._num_layers = len(self.model.layers)
-        # Prefill needs only the KV cache: skip the vocabulary projection (mlx-lm models keep
-        # the transformer without the LM head as `.model`).
-        self._backbone: Any = getattr(self.model, "model", self.model)
-        # Layer by layer, a prefill chunk can stop as soon as its client goes away.
-        self._layerwise = (
-            hasattr(self._backbone, "embed_tokens")
-            and hasattr(self._backbone, "layers")
-            and getattr(self._backbone, "swa_idx", None) is None
-        )
+        self._adapter = ModelAdapter(self.model)
         self._gone: set[int] = set()  # cancelled stream ids not yet dropped
         # Measured as the engine runs: a decode step, and one prefilled token (seconds).
         self._decode_s: float | None = None
@@ -107,7 +99,7 @@ class Engine:
         # Engine-thread state.
         self._waiting: deque[_Pending] = deque()
         # Bands of rows need the attention that attends band by band.
-        self._banded = cpu_attention.installed(self.model)
+        self._banded = self._adapter.banded_attention
         self._batch = DecodeBatch(self._banded)
 
     def admit(self, request: GenerationRequest) -> Reader:
@@ -283,7 +275,7 @@ class Engine:
 
     def _decode(self) -> None:
         batch = self._batch
-        logits = self.model(batch.inputs[:, None], cache=batch.caches)[:, -1, :]
+        logits = self._adapter.decode(batch.inputs, batch.caches)
         tokens = batch.sample(logits)
         mx.eval(tokens)
         # Free slots were computed too: their tokens go nowhere.
@@ -414,21 +406,9 @@ class Engine:
     def _forward(
         self, tokens: mx.array, caches: list[Any], left: Callable[[set[int]], bool]
     ) -> bool:
-        """Run the backbone over `tokens` into `caches`, layer by layer where the model allows,
-        so that it stops once `left(cancelled stream ids)` says its clients went away."""
-        if not self._layerwise:
-            self._backbone(tokens, cache=caches)
-            mx.eval([c.state for c in caches])
-            return True
-        backbone = self._backbone
-        hidden = backbone.embed_tokens(tokens)
-        mask = create_attention_mask(hidden, caches[0])
-        for layer, cache in zip(backbone.layers, caches, strict=True):
-            hidden = layer(hidden, mask, cache=cache)
-            mx.eval(hidden)
-            if left(self._poll_cancelled()):
-                return False
-        return True
+        """Prefill `tokens` into `caches`; False once `left(cancelled stream ids)` says its
+        clients went away (checked after each layer, where the model allows)."""
+        return self._adapter.prefill(tokens, caches, lambda: left(self._poll_cancelled()))
 
     def _start_prefill(self, pending: _Pending) -> None:
         if pending.match is not None:

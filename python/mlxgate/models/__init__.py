@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxgate.models import cpu_attention, fast_exp
+from mlxgate.models.adapter import install_kernels
 from mlxgate.models.tokenizer import ChatTokenizer
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -55,8 +55,7 @@ def _download(repo_id: str) -> Path:
 def load(spec: str | None, dtype: mx.Dtype = mx.float32) -> LoadedModel:
     """Load the model named by `--model`; None means the embedded default."""
     loaded = _load(spec, dtype)
-    cpu_attention.install(loaded.model)
-    fast_exp.install(loaded.model)
+    install_kernels(loaded.model)
     return loaded
 
 

@@ -18,15 +18,15 @@ tokens of context that attention took 5.5 ms of a layer's ~12 ms. Here it is wri
 
 from __future__ import annotations
 
-import sys
 from functools import partial
 from typing import Any, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import base
 
-from mlxgate.models import fast_exp
+from mlxgate.models import fast_exp, kernels
 from mlxgate.models.banded_cache import BandedCache
 
 # Attention scores per layer (batch x heads x queries x keys) from which each way pays off:
@@ -137,21 +137,16 @@ def _grouped_mask(mask: mx.array | str, n: int, t: int) -> mx.array:
     return mask[:, :, None] if mask.ndim == 4 else mask  # [batch, 1, n, t] per query head
 
 
-def installed(model: Any) -> bool:
+def installed(model: nn.Module) -> bool:
     """Whether `model`'s attention goes through this module (and so can take a BandedCache)."""
-    module = sys.modules[type(model).__module__]
-    return getattr(module, "scaled_dot_product_attention", None) is scaled_dot_product_attention
+    return kernels.installed(model, "scaled_dot_product_attention", scaled_dot_product_attention)
 
 
-def install(model: Any) -> bool:
-    """Route the attention of `model`'s architecture through this module (CPU only)."""
-    if mx.default_device() != mx.cpu:
-        return False
-    module = sys.modules[type(model).__module__]
-    if (
-        getattr(module, "scaled_dot_product_attention", None)
-        is not base.scaled_dot_product_attention
-    ):
-        return False
-    module.scaled_dot_product_attention = scaled_dot_product_attention  # type: ignore[attr-defined]
-    return True
+def install(model: nn.Module) -> bool:
+    """Route the attention of `model` (this instance only) through this module (CPU only)."""
+    return kernels.install(
+        model,
+        "scaled_dot_product_attention",
+        base.scaled_dot_product_attention,
+        scaled_dot_product_attention,
+    )

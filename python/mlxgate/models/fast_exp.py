@@ -14,12 +14,13 @@ callers compile what comes before the view and what comes after it.
 from __future__ import annotations
 
 import math
-import sys
 from functools import partial
-from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import activations
+
+from mlxgate.models import kernels
 
 LOG2E = 1.4426950408889634
 # Below this many elements (a few tokens' MLP units) MLX's one kernel launch is cheaper.
@@ -66,12 +67,6 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return _swiglu_from_parts(gate, x, fraction, power_of_two(exponent_bits))
 
 
-def install(model: Any) -> bool:
-    """Give `model`'s architecture this SwiGLU, if it uses mlx-lm's (CPU only)."""
-    if mx.default_device() != mx.cpu:
-        return False
-    module = sys.modules[type(model).__module__]
-    if getattr(module, "swiglu", None) is not activations.swiglu:
-        return False
-    module.swiglu = swiglu  # type: ignore[attr-defined]
-    return True
+def install(model: nn.Module) -> bool:
+    """Give `model` (this instance only) this SwiGLU where it uses mlx-lm's (CPU only)."""
+    return kernels.install(model, "swiglu", activations.swiglu, swiglu)

@@ -1,0 +1,122 @@
+"""The one way the engine calls a loaded mlx-lm model: batched decode, cancellable prefill."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxgate.models import cpu_attention, fast_exp
+
+
+def install_kernels(model: nn.Module) -> None:
+    """Put mlxgate's CPU kernels in place of mlx-lm's in `model` (this instance only).
+
+    Before a `ModelAdapter` wraps the layers: a wrapped layer's class no longer shows the
+    globals its own `__call__` uses (mlx-lm's layers leave those calls to their submodules).
+    """
+    cpu_attention.install(model)
+    fast_exp.install(model)
+
+
+class ModelAdapter:
+    """What the engine needs from an mlx-lm model, through the model's own code.
+
+    The prefill runs mlx-lm's backbone as it is: the model without its LM head (`model.model`),
+    or the whole model if it keeps no such part.
+    It can stop between layers because each decoder layer instance in `backbone.layers` is
+    wrapped: while a prefill with a stop check runs, a layer evaluates its output and ends the
+    pass if the check says so. A model without a `layers` list is prefilled whole, without that
+    chance to stop early.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        backbone = getattr(model, "model", None)
+        self.backbone = backbone if isinstance(backbone, nn.Module) else model
+        layers = getattr(self.backbone, "layers", None)
+        self.layers: list[nn.Module] = list(layers) if isinstance(layers, list) else []
+        self._check = _make_stoppable(self.layers)
+
+    @property
+    def cancellable(self) -> bool:
+        """Whether a prefill can stop between layers."""
+        return bool(self.layers)
+
+    @property
+    def banded_attention(self) -> bool:
+        """Whether the attention attends band by band (takes a `BandedCache`)."""
+        return cpu_attention.installed(self.model)
+
+    def decode(self, inputs: mx.array, caches: Sequence[Any]) -> mx.array:
+        """Next-token logits [batch, vocab] for one input token per row."""
+        logits: mx.array = self.model(inputs[:, None], cache=caches)[:, -1, :]
+        return logits
+
+    def prefill(
+        self,
+        tokens: mx.array,
+        caches: Sequence[Any],
+        should_stop: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Add `tokens` [batch, n] to `caches` (evaluated). False if `should_stop()` said so
+        after a layer; the caches are then partly filled and of no use."""
+        self._check.should_stop = should_stop
+        try:
+            self.backbone(tokens, cache=caches)
+        except _Stopped:
+            return False
+        finally:
+            self._check.should_stop = None
+        mx.eval([c.state for c in caches])
+        return True
+
+
+class _Stopped(Exception):
+    """Raised by a layer to end a prefill whose clients went away."""
+
+
+class _StopCheck(threading.local):
+    """The running prefill's stop check, shared by the layers of one model; None outside one.
+
+    Per thread, so that a prefill on one thread never sees another thread's check.
+    """
+
+    should_stop: Callable[[], bool] | None = None
+
+
+class _Stoppable:
+    """Mixed into a decoder layer's class: checks `should_stop` after the layer, during prefill."""
+
+    __slots__ = ()
+    _stop_check: _StopCheck
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().__call__(*args, **kwargs)  # type: ignore[misc]
+        should_stop = self._stop_check.should_stop
+        if should_stop is not None:
+            mx.eval(out)
+            if should_stop():
+                raise _Stopped
+        return out
+
+
+_stoppable: dict[type, type] = {}  # layer class -> its _Stoppable subclass
+
+
+def _make_stoppable(layers: list[nn.Module]) -> _StopCheck:
+    """Wrap each layer instance (once: another adapter over the same model shares the check)."""
+    wrapped = [layer for layer in layers if isinstance(layer, _Stoppable)]
+    check = wrapped[0]._stop_check if wrapped else _StopCheck()
+    for layer in layers:
+        if isinstance(layer, _Stoppable):
+            continue
+        cls = type(layer)
+        if cls not in _stoppable:
+            _stoppable[cls] = type(cls.__name__, (_Stoppable, cls), {})
+        layer.__class__ = _stoppable[cls]
+        object.__setattr__(layer, "_stop_check", check)
+    return check

@@ -1,0 +1,65 @@
+"""Puts an mlxgate kernel in place of an mlx-lm function on one model instance, not in its module.
+
+mlx-lm's model code calls module globals (`scaled_dot_product_attention`, `swiglu`). Writing our
+kernel into the module would give it to every model of that architecture in the process. Here
+each submodule whose `__call__` calls the global gets a subclass whose `__call__` is the same
+code run with a copy of the module's globals where that one name is bound to the kernel.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# (class, global name, kernel) -> the class whose `__call__` sees the kernel under that name.
+_rebound: dict[tuple[type, str, Callable[..., Any]], type] = {}
+
+
+def install(
+    model: nn.Module, name: str, original: Callable[..., Any], kernel: Callable[..., Any]
+) -> bool:
+    """Give `model`'s modules that call `original` as the global `name` the `kernel` instead.
+
+    CPU only: elsewhere MLX's own kernels are the fast ones. Returns whether any module took it.
+    """
+    if mx.default_device() != mx.cpu:
+        return False
+    taken = False
+    for module in model.modules():
+        if _bound(type(module), name) is original:
+            module.__class__ = _rebound_class(type(module), name, kernel)
+            taken = True
+    return taken
+
+
+def installed(model: nn.Module, name: str, kernel: Callable[..., Any]) -> bool:
+    """Whether every module of `model` that calls the global `name` calls `kernel`, and one does."""
+    bound = [b for m in model.modules() if (b := _bound(type(m), name)) is not None]
+    return bool(bound) and all(b is kernel for b in bound)
+
+
+def _bound(cls: type, name: str) -> Any:
+    """What the global `name` is in `cls.__call__`, or None if it calls no such global."""
+    call = getattr(cls, "__call__", None)  # noqa: B004 (the method itself, not a test)
+    if not isinstance(call, types.FunctionType) or name not in call.__code__.co_names:
+        return None
+    return call.__globals__.get(name)
+
+
+def _rebound_class(cls: type, name: str, kernel: Callable[..., Any]) -> type:
+    key = (cls, name, kernel)
+    if key not in _rebound:
+        call = cls.__call__
+        assert isinstance(call, types.FunctionType)
+        namespace = {**call.__globals__, name: kernel}
+        rebound = types.FunctionType(
+            call.__code__, namespace, call.__name__, call.__defaults__, call.__closure__
+        )
+        rebound.__kwdefaults__ = call.__kwdefaults__
+        rebound.__qualname__ = call.__qualname__
+        _rebound[key] = type(cls.__name__, (cls,), {"__call__": rebound})
+    return _rebound[key]
