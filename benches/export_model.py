@@ -93,7 +93,7 @@ def check(out: Path) -> bool:
     cache = make_prompt_cache(ours.model)
     logits = ours.model(mx.array(ids)[None], cache=cache)[:, -1, :]
     for _ in range(CHECK_TOKENS):
-        token = int(mx.argmax(logits, axis=-1).item())
+        token = int(mx.argmax(logits, axis=-1).item())  # type: ignore[arg-type]  # argmax gives an int
         if token in ours.tokenizer.eos_ids:
             break
         tokens.append(token)

@@ -16,53 +16,66 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import numpy as np
 from granian.constants import HTTPModes, Interfaces
 from granian.log import LogLevels
 from granian.server import Server
-from pure_python_stream import MAX_TOKENS, RUNNING, PyRouter, mlx_lm_tokenizer
+from pure_python_stream import PyRouter, mlx_lm_tokenizer
 from stream_server import IDLE_FROM, STEPPING_FROM
 from stream_workload import Workload, load_workload
 
-from mlxgate._native import Router
+from mlxgate import chat
+from mlxgate._native import ErrorKind, Reader, Router
 from mlxgate.app import App
 from mlxgate.config import Config
-from mlxgate.engine import GenerationRequest
+from mlxgate.engine import EngineStopped, GenerationRequest, PromptTooLong
 
 ROUTER_ENV = "STREAM_BENCH_ROUTER"
 GATE_ENV = "STREAM_BENCH_GATE"
 GATE_TIMEOUT_S = 30.0  # open the gate anyway if some client never arrives
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class FakeEngine:
-    """Stands in for mlxgate's Engine (the part the API uses): admits every request and steps all
-    open streams back to back, each replaying the workload text from its own place."""
+    """A `mlxgate.engine.Generator` standing in for mlxgate's Engine: admits every request and
+    steps all open streams back to back, each replaying the workload text from its own place.
+    The router ends each stream (at max_tokens: the text holds no end-of-turn token)."""
 
-    def __init__(self, workload: Workload, router: Any, gate: int = 1) -> None:
+    def __init__(self, workload: Workload, router: Router, gate: int = 1) -> None:
         self.workload = workload
-        self.loaded = workload.loaded
         self.context_length = workload.loaded.context_length
         self.router = router
         self.gate = gate
         self.steps = 0
-        self._incoming: list[tuple[int, int]] = []  # (stream id, max tokens)
+        self._incoming: list[int] = []  # stream ids
         self._first_incoming_at = 0.0
         self._ids = itertools.count(1)
         self._wakeup = threading.Condition()
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def submit(self, request: GenerationRequest, open_stream: Callable[[int, int], Any]) -> Any:
+    def admit(self, request: GenerationRequest) -> Reader:
+        """As Engine.admit: open the request's stream and queue it."""
+        if not self._running.is_set():
+            raise EngineStopped()
+        prompt_tokens = len(request.prompt_ids)
+        context = self.context_length
+        if prompt_tokens >= context:
+            raise PromptTooLong(prompt_tokens, context)
         stream_id = next(self._ids)
-        reader = open_stream(stream_id, 0)
+        reader = self.router.open(
+            stream_id,
+            request.stream,
+            prompt_tokens=prompt_tokens,
+            max_tokens=min(request.max_tokens or context, context - prompt_tokens),
+        )
         with self._wakeup:
             if not self._incoming:
                 self._first_incoming_at = time.monotonic()
-            self._incoming.append((stream_id, request.max_tokens))
+            self._incoming.append(stream_id)
             self._wakeup.notify()
         return reader
 
@@ -78,7 +91,7 @@ class FakeEngine:
         if self._thread is not None:
             self._thread.join(5.0)
 
-    def _admit(self, stepping: bool) -> list[tuple[int, int]]:
+    def _admit(self, stepping: bool) -> list[int]:
         """New streams; while nothing is stepping, wait until the gate's count has arrived."""
         with self._wakeup:
             while self._running.is_set() and not stepping:
@@ -86,50 +99,60 @@ class FakeEngine:
                 if len(self._incoming) >= self.gate or (self._incoming and waited > GATE_TIMEOUT_S):
                     break
                 self._wakeup.wait(0.05)
+            if not self._running.is_set():
+                return []  # stopping: _run fails them
             admitted, self._incoming = self._incoming, []
             return admitted
 
     def _run(self) -> None:
         stream_ids = np.empty(0, dtype=np.uint32)
         positions = np.empty(0, dtype=np.int64)
-        remaining = np.empty(0, dtype=np.int64)
+        newest = 0  # ids are taken in in order: a reported id above this one is still incoming
+        early: set[int] = set()  # cancelled while incoming: the next _admit has them
         while self._running.is_set():
-            if admitted := self._admit(stepping=len(stream_ids) > 0):
+            admitted = self._admit(stepping=len(stream_ids) > 0)
+            if early:
+                admitted = [stream_id for stream_id in admitted if stream_id not in early]
+                early.clear()
+            if admitted:
                 if not len(stream_ids):
                     print(f"{STEPPING_FROM} {time.monotonic():.6f}", flush=True)
-                new_ids = np.array([stream_id for stream_id, _ in admitted], dtype=np.uint32)
+                newest = admitted[-1]
+                new_ids = np.array(admitted, dtype=np.uint32)
                 stream_ids = np.concatenate([stream_ids, new_ids])
                 positions = np.concatenate([positions, new_ids.astype(np.int64) * 37])
-                remaining = np.concatenate([remaining, [max_tokens for _, max_tokens in admitted]])
             if not len(stream_ids):
                 continue
-            gone = self.router.cancelled()
-            remaining -= 1
-            finish_codes = np.where(remaining <= 0, MAX_TOKENS, RUNNING).astype(np.uint32)
-            dropped = self.router.step(stream_ids, self.workload.tokens_at(positions), finish_codes)
+            ended = self.router.step(stream_ids, self.workload.tokens_at(positions))
             positions += 1
             self.steps += 1
-            keep = finish_codes == RUNNING
-            if gone or dropped:
-                keep &= ~np.isin(stream_ids, gone + dropped)
-            stream_ids, positions, remaining = stream_ids[keep], positions[keep], remaining[keep]
-            if not len(stream_ids):
-                print(f"{IDLE_FROM} {time.monotonic():.6f} {self.steps}", flush=True)
-        for stream_id in stream_ids.tolist():
-            self.router.fail(stream_id, "overloaded_error", "the server is shutting down")
+            if ended:
+                ids = [stream_id for stream_id, _ in ended]
+                early.update(stream_id for stream_id in ids if stream_id > newest)
+                keep = ~np.isin(stream_ids, ids)
+                stream_ids, positions = stream_ids[keep], positions[keep]
+                if not len(stream_ids):
+                    print(f"{IDLE_FROM} {time.monotonic():.6f} {self.steps}", flush=True)
+        with self._wakeup:
+            waiting, self._incoming = self._incoming, []
+        for stream_id in [*stream_ids.tolist(), *waiting]:
+            self.router.fail(stream_id, ErrorKind.UNAVAILABLE, SHUTTING_DOWN)
 
 
 def create_app() -> App:
-    """The factory granian calls in its worker process."""
+    """The factory granian calls in its worker process; as mlxgate.app.build_app builds it."""
     logging.basicConfig(level=logging.WARNING)
     workload = load_workload()
     if os.environ[ROUTER_ENV] == "rust":
-        router: Any = Router(workload.vocab)
+        router = Router(workload.vocab)
     else:
-        router = PyRouter(mlx_lm_tokenizer(workload.loaded.tokenizer))
+        # Duck-typed: PyRouter has the interface of Router (and PyReader that of Reader).
+        router = cast(Router, PyRouter(mlx_lm_tokenizer(workload.loaded.tokenizer)))
     engine = FakeEngine(workload, router, gate=int(os.environ.get(GATE_ENV, "1")))
     engine.start()
-    return App(engine, Config.from_env())  # type: ignore[arg-type]
+    renderer = chat.Renderer(workload.loaded.tokenizer)
+    # App takes a Generator: mypy checks FakeEngine against the protocol here.
+    return App(engine, renderer, workload.loaded.name, Config.from_env())
 
 
 def serve(router: str, port: int, gate: int) -> None:

@@ -1,20 +1,25 @@
 """The best pure-Python stream path, the baseline the Rust router is measured against.
 
-Per stream: mlx-lm's streaming detokenizer (the one mlx-lm picks for the tokenizer), stop
-sequences matched across token boundaries with hold-back, Anthropic events encoded with orjson,
-SSE framing. Per step: one `loop.call_soon_threadsafe` hands every stream's frames to the event
-loop, which appends them to per-stream queues and wakes the readers waiting on them (one
-`wake_all` call per loop, as the Rust router does).
+Per stream: the end decided as the Rust router decides it (an end-of-turn token from the spec's
+`eos_ids`, counted and not rendered; the `max_tokens` given to `open`), mlx-lm's streaming
+detokenizer (the one mlx-lm picks for the tokenizer), stop sequences matched across token
+boundaries with hold-back, Anthropic events encoded with orjson, SSE framing. Per step: one
+`loop.call_soon_threadsafe` hands every stream's frames to the event loop, which appends them to
+per-stream queues and wakes the readers waiting on them (one `wake_all` call per loop, as the
+Rust router does).
 
 `PyRouter` and `PyReader` have the interface of `mlxgate._native.Router` and `Reader` for
-streamed Anthropic messages (no OpenAI dialect, no non-streamed bodies, no thinking or tool-call
-markup), so the same app and engine run on either.
+streamed Anthropic messages, so the same app and engine run on either. `open` reads the spec's
+`model`, `stop_sequences` and `eos_ids`, and raises NotImplementedError for an OpenAI or a
+non-streamed spec. A spec's markup and message id are not readable from Python: thinking and
+tool-call markup streams as plain text, and each message gets an id of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import tempfile
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -25,10 +30,8 @@ from export_model import write_tokenizer
 from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
 
+from mlxgate._native import Dialect, ErrorKind, FinishReason, StreamSpec
 from mlxgate.models.tokenizer import ChatTokenizer
-
-# Router finish codes (see _native.pyi: Router.step).
-RUNNING, END_TURN, MAX_TOKENS = 0, 1, 2
 
 CONTEXT_LENGTH = 8192  # only written into tokenizer_config.json
 
@@ -52,6 +55,23 @@ BLOCK_START = sse(
     "content_block_start",
     {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
 )
+STOP_REASONS = {
+    FinishReason.END_TURN: "end_turn",
+    FinishReason.MAX_TOKENS: "max_tokens",
+    FinishReason.STOP_SEQUENCE: "stop_sequence",
+}
+# Anthropic's error type and HTTP status for each kind (as Dialect.ANTHROPIC words them).
+ERRORS = {
+    ErrorKind.INVALID_REQUEST: ("invalid_request_error", 400),
+    ErrorKind.AUTHENTICATION: ("authentication_error", 401),
+    ErrorKind.PERMISSION: ("permission_error", 403),
+    ErrorKind.NOT_FOUND: ("not_found_error", 404),
+    ErrorKind.REQUEST_TOO_LARGE: ("request_too_large", 413),
+    ErrorKind.RATE_LIMITED: ("rate_limit_error", 429),
+    ErrorKind.OVERLOADED: ("overloaded_error", 529),
+    ErrorKind.UNAVAILABLE: ("overloaded_error", 503),
+    ErrorKind.INTERNAL: ("api_error", 500),
+}
 
 
 class StopMatcher:
@@ -91,9 +111,9 @@ class StopMatcher:
 class PyReader:
     """Consumer side of one stream; all of its state is touched on the event loop thread only."""
 
-    def __init__(self, stream_id: int, on_cancel: Callable[[int], None]) -> None:
+    def __init__(self, stream_id: int, on_cancel: Callable[[PyReader], None]) -> None:
         self.stream_id = stream_id
-        self.cancelled = False
+        self.status = 200  # or the error's (PyRouter.fail)
         self._on_cancel = on_cancel
         self._queue: list[bytes] = []
         self._unread = 0
@@ -117,10 +137,10 @@ class PyReader:
     def cancel(self) -> None:
         if self._closed:
             return
-        self.cancelled = self._closed = True
+        self._closed = True
         self._queue = []
         self._unread = 0
-        self._on_cancel(self.stream_id)
+        self._on_cancel(self)
         if parked := self._unpark():
             waiter, wake_all = parked
             wake_all([waiter])
@@ -158,35 +178,49 @@ def _deliver(deliveries: Iterable[tuple[PyReader, bytes, bool]]) -> None:
 
 
 class _AnthropicStream:
-    """One streamed Anthropic message: tokens in, SSE frames out."""
+    """One streamed Anthropic message: tokens in, SSE frames out, and when it ends."""
 
     def __init__(
-        self, reader: PyReader, detokenizer: StreamingDetokenizer, stop: StopMatcher
+        self,
+        reader: PyReader,
+        detokenizer: StreamingDetokenizer,
+        stop: StopMatcher,
+        eos_ids: frozenset[int],
+        max_tokens: int,
     ) -> None:
         self.reader = reader
         self.detokenizer = detokenizer
         self.stop = stop
+        self.eos_ids = eos_ids
+        self.max_tokens = max_tokens
         self.output_tokens = 0
         self.block_open = False
-        self.finished = False
+        self.finish: FinishReason | None = None
         self.stop_sequence: str | None = None
 
-    def step(self, token_id: int, finish_code: int) -> bytes:
+    def step(self, token_id: int) -> bytes:
+        """The frames `token_id` adds; sets `finish` if it ends the stream."""
         self.output_tokens += 1
         detokenizer = self.detokenizer
-        if finish_code != END_TURN:
-            detokenizer.add_token(token_id)
-        if finish_code != RUNNING:
+        end = None
+        if token_id in self.eos_ids:  # counted, not rendered
+            end = FinishReason.END_TURN
             detokenizer.finalize()
+        else:
+            detokenizer.add_token(token_id)
+            if self.output_tokens >= self.max_tokens:
+                end = FinishReason.MAX_TOKENS
+                detokenizer.finalize()
         text, self.stop_sequence = self.stop.feed(detokenizer.last_segment)
         frames = self._text_delta(text) if text else b""
         if self.stop_sequence is not None:
-            return frames + self._finish("stop_sequence")
-        if finish_code == RUNNING:
+            end = FinishReason.STOP_SEQUENCE
+        elif end is None:
             return frames
-        if held := self.stop.flush():
+        elif held := self.stop.flush():
             frames += self._text_delta(held)
-        return frames + self._finish("end_turn" if finish_code == END_TURN else "max_tokens")
+        self.finish = end
+        return frames + self._finish(STOP_REASONS[end])
 
     def _text_delta(self, text: str) -> bytes:
         frame = (
@@ -206,7 +240,6 @@ class _AnthropicStream:
         return BLOCK_START + frame
 
     def _finish(self, stop_reason: str) -> bytes:
-        self.finished = True
         frames = b"" if self.block_open else BLOCK_START
         return (
             frames
@@ -242,92 +275,80 @@ class PyRouter:
         self._loop = loop
         self._streams: dict[int, _AnthropicStream] = {}
         # Appended to on the event loop thread, drained on the engine thread.
-        self._cancel_inbox: deque[int] = deque()
+        self._cancel_inbox: deque[PyReader] = deque()
 
-    def open_anthropic(
+    def open(
         self,
         stream_id: int,
+        spec: StreamSpec,
         *,
-        model: str,
-        message_id: str,
-        input_tokens: int,
-        cache_read_input_tokens: int = 0,
-        stop_sequences: Sequence[str] = (),
-        stream: bool = True,
-        markup: object = None,
-        prefill: str = "",
+        prompt_tokens: int,
+        cached_tokens: int = 0,
+        max_tokens: int,
     ) -> PyReader:
-        """Called on the event loop thread, like the app does."""
-        if not stream:
-            raise NotImplementedError("the pure-Python path streams only")
+        """Called on the event loop thread (where the engine's `admit` runs)."""
+        if spec.dialect != Dialect.ANTHROPIC or not spec.stream:
+            raise NotImplementedError("the pure-Python path streams Anthropic messages only")
         if stream_id in self._streams:
             raise ValueError(f"stream {stream_id} is already open")
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         reader = PyReader(stream_id, self._cancel_inbox.append)
         message: dict[str, Any] = {
-            "id": message_id,
+            "id": f"msg_{uuid.uuid4().hex[:24]}",
             "type": "message",
             "role": "assistant",
-            "model": model,
+            "model": spec.model,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
             "usage": {
-                "input_tokens": input_tokens,
+                "input_tokens": prompt_tokens - cached_tokens,
                 "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": cache_read_input_tokens,
+                "cache_read_input_tokens": cached_tokens,
                 "output_tokens": 0,
             },
         }
         start = sse("message_start", {"type": "message_start", "message": message})
         reader.put(start + PING, False)
-        detokenizer = self.tokenizer.detokenizer
         self._streams[stream_id] = _AnthropicStream(
-            reader, detokenizer, StopMatcher(stop_sequences)
+            reader,
+            self.tokenizer.detokenizer,
+            StopMatcher(spec.stop_sequences),
+            frozenset(spec.eos_ids),
+            max(max_tokens, 1),
         )
         return reader
 
-    def open_openai(self, stream_id: int, **kwargs: Any) -> PyReader:
-        raise NotImplementedError("the pure-Python path speaks the Anthropic dialect only")
-
-    def step(self, stream_ids: Any, token_ids: Any, finish_codes: Any) -> list[int]:
-        """Called on the engine thread. Returns the ids ended by a stop sequence or a cancel."""
+    def step(self, stream_ids: Any, token_ids: Any) -> list[tuple[int, FinishReason]]:
+        """Called on the engine thread. Returns every stream that ended, and why (those are
+        removed): cancelled since the last report, an end-of-turn token, max_tokens, a stop
+        sequence. Unknown ids are ignored."""
+        ended = [(stream_id, FinishReason.CANCELLED) for stream_id in self._drain_cancelled()]
         streams = self._streams
-        dropped: list[int] = []
         deliveries: list[tuple[PyReader, bytes, bool]] = []
-        for stream_id, token_id, finish_code in zip(
-            _ints(stream_ids), _ints(token_ids), _ints(finish_codes), strict=True
-        ):
+        for stream_id, token_id in zip(_ints(stream_ids), _ints(token_ids), strict=True):
             stream = streams.get(stream_id)
             if stream is None:
                 continue
-            if stream.reader.cancelled:
+            data = stream.step(token_id)
+            finish = stream.finish
+            if finish is not None:
                 del streams[stream_id]
-                dropped.append(stream_id)
-                continue
-            data = stream.step(token_id, finish_code)
-            if stream.finished:
-                del streams[stream_id]
-                if stream.stop_sequence is not None:
-                    dropped.append(stream_id)
+                ended.append((stream_id, finish))
             if data:
-                deliveries.append((stream.reader, data, stream.finished))
+                deliveries.append((stream.reader, data, finish is not None))
         if deliveries:
             self._send(deliveries)
-        return dropped
+        return ended
 
     def cancelled(self) -> list[int]:
-        gone = []
-        while self._cancel_inbox:
-            stream_id = self._cancel_inbox.popleft()
-            if self._streams.pop(stream_id, None) is not None:
-                gone.append(stream_id)
-        return gone
+        return self._drain_cancelled()
 
-    def fail(self, stream_id: int, error_type: str, message: str) -> None:
+    def fail(self, stream_id: int, kind: ErrorKind, message: str) -> None:
         stream = self._streams.pop(stream_id, None)
         if stream is not None:
+            error_type, stream.reader.status = ERRORS[kind]
             error = {"type": "error", "error": {"type": error_type, "message": message}}
             self._send([(stream.reader, sse("error", error), True)])
 
@@ -347,6 +368,17 @@ class PyRouter:
 
     def __len__(self) -> int:
         return len(self._streams)
+
+    def _drain_cancelled(self) -> list[int]:
+        """Remove the streams whose readers cancelled (not a later stream reusing the id)."""
+        gone = []
+        while self._cancel_inbox:
+            reader = self._cancel_inbox.popleft()
+            stream = self._streams.get(reader.stream_id)
+            if stream is not None and stream.reader is reader:
+                del self._streams[reader.stream_id]
+                gone.append(reader.stream_id)
+        return gone
 
     def _send(self, deliveries: list[tuple[PyReader, bytes, bool]]) -> None:
         assert self._loop is not None, "no stream was opened"

@@ -2,9 +2,11 @@
 
     make bench-router        (pytest benches/test_router_bench.py --benchmark-enable)
 
-Both routers get the step as the engine passes it (numpy arrays of stream ids, token ids and
-finish codes) for streams past message_start that are streaming text deltas. The engine thread's
-call is what is timed; between rounds the event loop delivers, and every reader takes its frames.
+Both routers get the step as the engine passes it (numpy arrays of stream ids and token ids)
+for streams past message_start that are streaming text deltas; each router decides itself
+whether a token ends its stream (the model's end-of-turn ids, max_tokens, stop sequences). The
+engine thread's call is what is timed; between rounds the event loop delivers, and every reader
+takes its frames.
 
 Two reader states, both common under load. `waiting`: every reader is parked, like an asyncio
 task awaiting its next frame, with its loop's one `wake_all` (as `mlxgate.streams` parks them);
@@ -23,16 +25,19 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
-from pure_python_stream import MAX_TOKENS, PyRouter, mlx_lm_tokenizer
+from pure_python_stream import PyRouter, mlx_lm_tokenizer
 from stream_workload import GENERATED_TEXT, STOP_SEQUENCES, Workload, load_workload
 
-from mlxgate._native import Router
+from mlxgate._native import FinishReason, Router, StreamSpec
 from mlxgate.streams import wake_all_for
 
 STREAM_COUNTS = [1, 32, 256]
 PATHS = ["rust", "python"]
 WARMUP_STEPS = 8  # past message_start, ping and content_block_start
 ROUNDS = 300  # mlx-lm's detokenizer keeps each stream's whole text: stay near a real length
+WARMUP_ROUNDS = 10
+# More than a benchmark steps: no stream ends while it is timed.
+BENCH_MAX_TOKENS = 2 * (WARMUP_STEPS + WARMUP_ROUNDS + ROUNDS)
 
 
 @pytest.fixture(scope="session")
@@ -68,6 +73,7 @@ class OpenStreams:
         workload: Workload,
         loop: asyncio.AbstractEventLoop,
         stop_sequences: list[str] = STOP_SEQUENCES,
+        max_tokens: int = BENCH_MAX_TOKENS,
     ) -> None:
         self.router = router
         self.workload = workload
@@ -76,16 +82,20 @@ class OpenStreams:
         self.stream_ids = np.arange(1, count + 1, dtype=np.uint32)
         # Apart in the text, so one step mixes words, spaces, newlines and partial characters.
         self.positions = self.stream_ids.astype(np.int64) * 37
-        self.running = np.zeros(count, dtype=np.uint32)
+        eos_ids = sorted(workload.loaded.tokenizer.eos_ids)
 
-        async def open_all() -> list[Any]:  # on the loop thread, as the app opens them
+        async def open_all() -> list[Any]:  # on the loop thread, as the engine's admit opens them
             return [
-                router.open_anthropic(
+                router.open(
                     int(stream_id),
-                    model="SmolLM2-135M-Instruct",
-                    message_id=f"msg_{stream_id:024d}",
-                    input_tokens=70,
-                    stop_sequences=stop_sequences,
+                    StreamSpec.anthropic(
+                        model="SmolLM2-135M-Instruct",
+                        message_id=f"msg_{stream_id:024d}",
+                        stop_sequences=stop_sequences,
+                        eos_ids=eos_ids,
+                    ),
+                    prompt_tokens=70,
+                    max_tokens=max_tokens,
                 )
                 for stream_id in self.stream_ids
             ]
@@ -98,17 +108,14 @@ class OpenStreams:
             self.loop.run_until_complete(asyncio.sleep(0))
         return [reader.take() or b"" for reader in self.readers]
 
-    def next_step(
-        self, finish_codes: np.ndarray | None = None, park: bool = True
-    ) -> tuple[tuple[Any, ...], dict]:
+    def next_step(self, park: bool = True) -> tuple[tuple[Any, ...], dict]:
         """Drain, park every reader again (unless `park` is False); the next step's arrays."""
         self.drain()
         for reader in self.readers if park else ():
             reader.park(self.loop.create_future(), self.wake_all)
         tokens = self.workload.tokens_at(self.positions)
         self.positions += 1
-        codes = self.running if finish_codes is None else finish_codes
-        return (self.stream_ids, tokens, codes), {}
+        return (self.stream_ids, tokens), {}
 
 
 @pytest.mark.parametrize("readers", ["waiting", "behind"])
@@ -129,7 +136,7 @@ def test_step(
         router.step(*open_streams.next_step()[0])
     benchmark.group = f"one step, {streams} streams, readers {readers}"
     setup = functools.partial(open_streams.next_step, park=readers == "waiting")
-    benchmark.pedantic(router.step, setup=setup, rounds=ROUNDS, warmup_rounds=10)
+    benchmark.pedantic(router.step, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS)
 
 
 def text_and_stop(sse: bytes) -> tuple[str, Any]:
@@ -146,15 +153,17 @@ def text_and_stop(sse: bytes) -> tuple[str, Any]:
     return text, stop
 
 
-def run_to_end(open_streams: OpenStreams, steps: int) -> list[tuple[str, Any]]:
+def run_to_end(open_streams: OpenStreams, steps: int) -> tuple[list[tuple[str, Any]], dict]:
+    """Step until max_tokens (`steps`) ends every stream still open: each stream's text and
+    stop fields, and how the router reported each end."""
     received = [b""] * len(open_streams.readers)
-    last = np.full(len(open_streams.readers), MAX_TOKENS, dtype=np.uint32)
-    for n in range(steps):
-        (ids, tokens, codes), _ = open_streams.next_step(last if n == steps - 1 else None)
-        open_streams.router.step(ids, tokens, codes)
+    ended: dict[int, FinishReason] = {}
+    for _ in range(steps):
+        ended.update(open_streams.router.step(*open_streams.next_step()[0]))
         received = [a + b for a, b in zip(received, open_streams.drain(), strict=True)]
     received = [a + b for a, b in zip(received, open_streams.drain(), strict=True)]
-    return [text_and_stop(sse) for sse in received]
+    assert not len(open_streams.router)
+    return [text_and_stop(sse) for sse in received], ended
 
 
 @pytest.mark.parametrize("stop_sequences", [STOP_SEQUENCES, ["du Port", "storm of"]])
@@ -165,23 +174,20 @@ def test_both_paths_stream_the_same_text(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
     steps = len(workload.token_ids)
-    results = {
-        path: run_to_end(
-            OpenStreams(
-                make_router(path, workload, python_router_tokenizer, loop),
-                8,
-                workload,
-                loop,
-                stop_sequences,
-            ),
-            steps,
-        )
-        for path in PATHS
-    }
+    results, ends = {}, {}
+    for path in PATHS:
+        router = make_router(path, workload, python_router_tokenizer, loop)
+        open_streams = OpenStreams(router, 8, workload, loop, stop_sequences, max_tokens=steps)
+        results[path], ends[path] = run_to_end(open_streams, steps)
     # mlx-lm's detokenizer drops a leading space from a stream's first text.
     rust = [(text.removeprefix(" "), stop) for text, stop in results["rust"]]
     assert rust == results["python"]
+    assert ends["rust"] == ends["python"]
+    # The stop sequences of STOP_SEQUENCES never match: the last step ends every stream.
+    matches = stop_sequences != STOP_SEQUENCES
+    reason = FinishReason.STOP_SEQUENCE if matches else FinishReason.MAX_TOKENS
+    assert ends["rust"] == dict.fromkeys(range(1, 9), reason)
     stopped = [stop for _, stop in results["rust"] if stop[0] == "stop_sequence"]
-    assert len(stopped) == (0 if stop_sequences == STOP_SEQUENCES else 8)
+    assert len(stopped) == (8 if matches else 0)
     for text, _ in results["rust"]:
         assert text and text in GENERATED_TEXT * 2
