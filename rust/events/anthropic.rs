@@ -257,15 +257,8 @@ pub fn error_type(kind: ErrorKind) -> &'static str {
 /// The status Anthropic's clients act on: 529 is its "overloaded, retry".
 pub fn error_status(kind: ErrorKind) -> u16 {
     match kind {
-        ErrorKind::InvalidRequest => 400,
-        ErrorKind::Authentication => 401,
-        ErrorKind::Permission => 403,
-        ErrorKind::NotFound => 404,
-        ErrorKind::RequestTooLarge => 413,
-        ErrorKind::RateLimited => 429,
         ErrorKind::Overloaded => 529,
-        ErrorKind::Unavailable => 503,
-        ErrorKind::Internal => 500,
+        _ => kind.http_status(),
     }
 }
 

@@ -58,6 +58,22 @@ pub enum ErrorKind {
     Internal,
 }
 
+impl ErrorKind {
+    /// The plain HTTP status for the kind; a dialect may answer one kind differently.
+    pub fn http_status(self) -> u16 {
+        match self {
+            Self::InvalidRequest => 400,
+            Self::Authentication => 401,
+            Self::Permission => 403,
+            Self::NotFound => 404,
+            Self::RequestTooLarge => 413,
+            Self::RateLimited => 429,
+            Self::Overloaded | Self::Unavailable => 503,
+            Self::Internal => 500,
+        }
+    }
+}
+
 impl std::str::FromStr for ErrorKind {
     type Err = CoreError;
 

@@ -316,18 +316,9 @@ pub fn error_type(kind: ErrorKind) -> &'static str {
     }
 }
 
-/// The status OpenAI's clients act on: 503 is their "overloaded, retry".
+/// The status OpenAI's clients act on: the plain HTTP one (503 is their "overloaded, retry").
 pub fn error_status(kind: ErrorKind) -> u16 {
-    match kind {
-        ErrorKind::InvalidRequest => 400,
-        ErrorKind::Authentication => 401,
-        ErrorKind::Permission => 403,
-        ErrorKind::NotFound => 404,
-        ErrorKind::RequestTooLarge => 413,
-        ErrorKind::RateLimited => 429,
-        ErrorKind::Overloaded | ErrorKind::Unavailable => 503,
-        ErrorKind::Internal => 500,
-    }
+    kind.http_status()
 }
 
 /// Streaming: an error chunk, then `[DONE]`. Non-streaming: the error envelope as the body.
