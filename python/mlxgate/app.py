@@ -201,6 +201,16 @@ def build_app(config: Config) -> App:
         tokenizer.token_strings(), tokenizer.vocab_kind, sorted(tokenizer.special_ids)
     )
     engine = Engine(loaded, Router(vocab), config.engine)
+    layout = engine.layout
+    log.info(
+        "model %s: %s, %s, %s, context %d; the prefix cache reuses %s",
+        loaded.name,
+        models.architecture(loaded.model),
+        layout.describe(),
+        models.precision(loaded.model),
+        loaded.context_length,
+        layout.reuse(),
+    )
     engine.start()
     REGISTRY.register(EngineCollector(engine))
     import mlx.core as mx
