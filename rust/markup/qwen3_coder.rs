@@ -94,7 +94,7 @@ impl FunctionXml {
 }
 
 /// Appends `text` to a name or key, cut at [`MAX_NAME`] bytes.
-fn push_capped(buf: &mut String, text: &str) {
+pub(super) fn push_capped(buf: &mut String, text: &str) {
     let room = MAX_NAME.saturating_sub(buf.len());
     let mut end = text.len().min(room);
     while !text.is_char_boundary(end) {
@@ -104,7 +104,7 @@ fn push_capped(buf: &mut String, text: &str) {
 }
 
 /// A name or key without surrounding whitespace and quotes.
-fn unquote(text: &str) -> &str {
+pub(super) fn unquote(text: &str) -> &str {
     let text = text.trim();
     let text = text.strip_prefix(['"', '\'']).unwrap_or(text);
     text.strip_suffix(['"', '\'']).unwrap_or(text).trim()
