@@ -76,11 +76,6 @@ impl JsonArgs {
         (i, ArgsStatus::Open)
     }
 
-    /// True once the object has closed.
-    pub(super) fn is_done(&self) -> bool {
-        self.state == State::Done
-    }
-
     /// Ends the object early: writes the shortest valid close (`{}` if it never began). Returns
     /// true if the object was already complete.
     pub(super) fn close(&mut self, out: &mut ToolOut<'_>) -> bool {
