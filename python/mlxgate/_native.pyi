@@ -90,9 +90,10 @@ class Markup:
     {…}}</tool_call>`, Qwen/Hermes), "mistral" (`[TOOL_CALLS][{…}, …]`), "llama3_json" (a reply
     that starts with `{"name": …, "parameters": {…}}`), "mistral_v11" (`[TOOL_CALLS]NAME[ARGS]{…}`
     per call), "kimi_k2" (`<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0
-    <|tool_call_argument_begin|>{…}<|tool_call_end|>…`), "deepseek_v3" (V3.1: `tool▁calls▁begin`, then per call
-    `tool▁call▁begin` NAME `tool▁sep` {…} `tool▁call▁end`, each tag between DeepSeek's fullwidth
-    bars; also V3's ```` function tool▁sep NAME\n```json … ``` ```` form). XML formats, whose parameters are raw
+    <|tool_call_argument_begin|>{…}<|tool_call_end|>…`), "deepseek_v3" (V3.1:
+    `tool▁calls▁begin`, then per call `tool▁call▁begin` NAME `tool▁sep` {…} `tool▁call▁end`,
+    each tag between DeepSeek's fullwidth bars; also V3's fenced `function tool▁sep NAME` form).
+    XML formats, whose parameters are raw
     text typed by the tool's input schema (see StreamSpec's `tools`): "qwen3_coder"
     (`<tool_call><function=NAME><parameter=K>\nV\n</parameter></function></tool_call>`; a Hermes
     JSON object after `<tool_call>` is read too), "seed_oss" (the same inside `<seed:tool_call>`),
