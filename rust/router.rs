@@ -668,6 +668,62 @@ mod tests {
     }
 
     #[test]
+    fn special_tokens_render_only_as_the_markups_tags() {
+        let tokens: Vec<&[u8]> = vec![
+            b"<eos>",
+            b"[TOOL_CALLS]",
+            b"ls",
+            b"[ARGS]",
+            b"{}",
+            b"[INST]",
+        ];
+        let vocab = Vocab::from_token_bytes(&tokens, &[0, 1, 3, 5]).unwrap();
+        assert_eq!(vocab.special_bytes(1), Some(&b"[TOOL_CALLS]"[..]));
+        assert_eq!(vocab.special_bytes(2), None);
+        let mut r = TestRouter::new(Arc::new(vocab), DEFAULT_MAX_UNREAD_BYTES);
+        for (id, markup) in [(1, true), (2, false)] {
+            let spec = StreamSpec {
+                dialect: DialectParams::Anthropic(AnthropicParams {
+                    model: "m".into(),
+                    message_id: "msg_x".into(),
+                    stream: false,
+                }),
+                stop_sequences: Vec::new(),
+                markup: markup
+                    .then(|| Arc::new(MarkupSpec::new(None, Some("mistral_v11")).unwrap())),
+                prefill: String::new(),
+                eos_ids: vec![0],
+                tools: Arc::default(),
+            };
+            let usage = PromptUsage {
+                prompt_tokens: 1,
+                cached_tokens: 0,
+            };
+            let ch = r.open(id, &spec, usage, u64::MAX).unwrap();
+            for tok in [5, 1, 2, 3, 4] {
+                assert_eq!(step(&mut r, &[id], &[tok]).0, NONE);
+            }
+            let end = if markup {
+                FinishReason::ToolUse
+            } else {
+                FinishReason::EndTurn
+            };
+            assert_eq!(step(&mut r, &[id], &[0]).0, [(id, end)]);
+            let body = read_all(&ch);
+            if markup {
+                assert!(
+                    body.contains("\"content\":[{\"type\":\"tool_use\"")
+                        && body.contains("\"name\":\"ls\",\"input\":{}"),
+                    "{body}"
+                );
+            } else {
+                assert!(body.contains("\"text\":\"ls{}\""), "{body}");
+            }
+            assert!(!body.contains("[INST]"));
+        }
+    }
+
+    #[test]
     fn sentencepiece_trim_applies_to_first_text_only() {
         let tokens = ["<s>", "\u{2581}Hi", "\u{2581}there"];
         let vocab = Vocab::from_token_strings(&tokens, VocabKind::SentencePiece, &[0])
