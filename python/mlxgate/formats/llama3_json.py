@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxgate.formats.hermes import json_call_opening
+from mlxgate.formats.common import json_call_opening
+from mlxgate.formats.common import unchanged as prepare
+
+__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call"]
 
 NAME = "llama3_json"
 
