@@ -79,6 +79,8 @@ class ChatFormat:
     (a format named in the settings overrides the detected one)."""
 
     template_renders_tools: bool
+    # Renders earlier calls and results, whether or not it lists the tools (DeepSeek V3.1 does not).
+    template_renders_calls: bool
     tool_format: ToolFormat
     reasoning: formats.ReasoningFormat
     # What the router parses: with tools declared, tool calls and thinking; without, thinking only
@@ -107,6 +109,7 @@ class ChatFormat:
         always = tools.NAME if reasoning.name == "harmony" == tools.NAME else None
         return cls(
             template_renders_tools="tools" in template,
+            template_renders_calls="tool_calls" in template,
             tool_format=tools,
             reasoning=reasoning,
             markup_tools=markup(tools.NAME, reasoning.tags),
@@ -125,18 +128,22 @@ class Prompt:
     markup: Markup | None
 
 
+def _with_tool_prompt(messages: list[Message], tools: list[Tool], fmt: ToolFormat) -> list[Message]:
+    """The tools listed in the system message, for a template that does not list them."""
+    if not tools:
+        return messages
+    prompt = fmt.tool_prompt(tools) or GENERIC_TOOL_PROMPT.format(
+        tools="\n".join(json.dumps(tool) for tool in tools)
+    )
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
 def _inline_tools(messages: list[Message], tools: list[Tool], fmt: ToolFormat) -> list[Message]:
     """Rewrite tool traffic as plain turns for a template that knows nothing of tools."""
     out: list[Message] = []
-    if tools:
-        listing = "\n".join(json.dumps(tool) for tool in tools)
-        prompt = GENERIC_TOOL_PROMPT.format(tools=listing)
-        if messages and messages[0]["role"] == "system":
-            out.append({"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"})
-            messages = messages[1:]
-        else:
-            out.append({"role": "system", "content": prompt})
-    for message in messages:
+    for message in _with_tool_prompt(messages, tools, fmt):
         if message["role"] == "assistant" and message.get("tool_calls"):
             calls = "\n".join(
                 fmt.render_call(c["function"]["name"], c["function"].get("arguments", {}))
@@ -206,7 +213,7 @@ class Renderer:
         self.format = ChatFormat.detect(tokenizer.chat_template, tool_format, reasoning_format)
         self.eos_ids = sorted(tokenizer.eos_ids)
         self.arguments_as_json = False
-        self.arguments_as_json = self.format.template_renders_tools and self._prints_arguments()
+        self.arguments_as_json = self.format.template_renders_calls and self._prints_arguments()
 
     def _prints_arguments(self) -> bool:
         """Whether the template prints a call's arguments as given (it then needs JSON text)
@@ -255,6 +262,9 @@ class Renderer:
             messages = messages[:-1]
         if fmt.template_renders_tools:
             turns, template_tools = self._shaped(merge_turns(messages)), tools or None
+        elif fmt.template_renders_calls:
+            turns = self._shaped(merge_turns(_with_tool_prompt(messages, tools, fmt.tool_format)))
+            template_tools = None
         else:
             turns = merge_turns(_inline_tools(messages, tools, fmt.tool_format))
             template_tools = None

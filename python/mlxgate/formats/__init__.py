@@ -57,6 +57,11 @@ class ToolFormat(Protocol):
         """The start of a call the prompt forces: of tool `name`, or of any tool (None)."""
         ...
 
+    def tool_prompt(self, tools: list[dict[str, Any]]) -> str | None:
+        """The tool listing for the system message, for templates that render calls but do not
+        list tools; None: mlxgate's generic listing."""
+        ...
+
     def prepare(self, messages: list[Message]) -> list[Message]:
         """The neutral messages in the shape this format's templates read."""
         ...

@@ -21,3 +21,8 @@ def xml_value(value: Any) -> str:
 def unchanged(messages: list[Message]) -> list[Message]:
     """The messages as the template takes them (most templates read the neutral shape as is)."""
     return messages
+
+
+def no_tool_prompt(tools: list[dict[str, Any]]) -> str | None:
+    """No tool listing of the format's own: mlxgate's generic one is used where needed."""
+    return None

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlxgate.formats.common import no_tool_prompt as tool_prompt
 from mlxgate.formats.common import unchanged as prepare
 from mlxgate.formats.common import xml_value
 
-__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call"]
+__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call", "tool_prompt"]
 
 NAME = "glm"
 

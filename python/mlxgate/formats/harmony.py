@@ -9,8 +9,9 @@ import json
 from typing import Any
 
 from mlxgate.formats.common import Message
+from mlxgate.formats.common import no_tool_prompt as tool_prompt
 
-__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call"]
+__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call", "tool_prompt"]
 
 NAME = "harmony"
 

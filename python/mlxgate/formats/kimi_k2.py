@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mlxgate.formats.common import no_tool_prompt as tool_prompt
 from mlxgate.formats.common import unchanged as prepare
 
-__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call"]
+__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call", "tool_prompt"]
 
 NAME = "kimi_k2"
 SECTION = "<|tool_calls_section_begin|>"
