@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxgate.formats.common import no_tool_prompt as tool_prompt
 from mlxgate.formats.common import Message
+from mlxgate.formats.common import no_tool_prompt as tool_prompt
 
 __all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call", "tool_prompt"]
 
