@@ -212,7 +212,10 @@ def tokenizer(family: Family) -> ChatTokenizer:
 
 @pytest.fixture(params=list(FAMILIES))
 def family(request: pytest.FixtureRequest) -> Family:
-    return FAMILIES[request.param]
+    family = FAMILIES[request.param]
+    if not (TEMPLATES / family.template).exists():
+        pytest.skip(f"no {family.template} in {TEMPLATES}")
+    return family
 
 
 def renderer(family: Family) -> chat.Renderer:
