@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import SandboxedEnvironment
 from tokenizers import Tokenizer
 
 VocabKind = Literal["byte_level", "sentencepiece"]
@@ -42,7 +43,9 @@ class ChatTokenizer:
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # Sandboxed but mutable: templates keep state in lists they build (Kimi K2 appends to
+        # one); the messages they read are rebuilt for every render.
+        env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
