@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from mlxgate import chat, formats
-from mlxgate._native import FinishReason, Markup, NativeError, Router, StreamSpec, Vocab
+from mlxgate._native import FinishReason, Markup, Router, StreamSpec, Vocab
 from mlxgate.api.anthropic.requests import MessagesRequest
 from mlxgate.api.anthropic.requests import conversation as anthropic_conversation
 from mlxgate.api.errors import ApiError
@@ -217,15 +217,17 @@ def test_tool_format_detection(template: str, expected: str) -> None:
     assert chat.ChatFormat.detect(template).markup_tools.tool_call == expected
 
 
+BASH_SCHEMA = {
+    "type": "object",
+    "properties": {"command": {"type": "string"}, "n": {"type": "array"}},
+}
+
+
 @pytest.mark.parametrize("name", list(formats.TOOL_FORMATS))
 def test_each_formats_prompt_side_parses_back_in_rust(name: str) -> None:
     """An earlier call as the format renders it, and a forced call's opening plus the model's
     rest, both come back from the Rust parser of the same name as the same tool call."""
     fmt = formats.TOOL_FORMATS[name]
-    try:
-        Markup(tool_call=name)  # type: ignore[arg-type]
-    except NativeError:
-        pytest.skip(f"the native parser does not know {name!r} yet")
     args = {"command": "echo 'héllo' > <f>", "n": [1, {"k": None}]}
     whole = fmt.render_call("Bash", args)
     opening = fmt.forced_opening("Bash")
@@ -248,6 +250,8 @@ def _parse(markup: Markup, prefill: str, text: str) -> list[tuple[str, Any]]:
         markup=markup,
         prefill=prefill,
         eos_ids=[0],
+        # The XML formats type parameter values by the tool's schema.
+        tools=[("Bash", json.dumps(BASH_SCHEMA))],
     )
     reader = router.open(1, spec, prompt_tokens=1, max_tokens=10_000)
     ended = router.step([1] * len(text), [chars.index(c) + 1 for c in text])
