@@ -4,6 +4,7 @@ the Rust parser of the same name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -262,3 +263,22 @@ def _parse(markup: Markup, prefill: str, text: str) -> list[tuple[str, Any]]:
         (c["function"]["name"], json.loads(c["function"]["arguments"]))
         for c in message["tool_calls"]
     ]
+
+
+def test_the_templates_turn_end_token_ends_a_reply() -> None:
+    """A model ends its reply with the token its template closes assistant turns with, even
+    where the tokenizer's `eos_token` is another (Llama 3's `<|eot_id|>` beside
+    `<|end_of_text|>`)."""
+    from tokenizers import AddedToken
+
+    template = (
+        "{% for m in messages %}<|start|>{{ m.role }}\n{{ m.content }}<|eot|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
+    )
+    tokenizer = byte_tokenizer(template)
+    tokenizer.tokenizer.add_special_tokens([AddedToken("<|eot|>", special=True)])
+    eot = tokenizer.tokenizer.token_to_id("<|eot|>")
+    tokenizer = dataclasses.replace(tokenizer, special_ids=frozenset({0, eot}))
+    assert chat.Renderer(tokenizer).eos_ids == [0, eot]
+    # A template that closes turns with plain text adds nothing.
+    assert chat.Renderer(byte_tokenizer(template.replace("<|eot|>", "\n"))).eos_ids == [0]

@@ -211,9 +211,32 @@ class Renderer:
     ) -> None:
         self.tokenizer = tokenizer
         self.format = ChatFormat.detect(tokenizer.chat_template, tool_format, reasoning_format)
-        self.eos_ids = sorted(tokenizer.eos_ids)
+        self.eos_ids = sorted(tokenizer.eos_ids | self._turn_end_ids())
         self.arguments_as_json = False
         self.arguments_as_json = self.format.template_renders_calls and self._prints_arguments()
+
+    def _turn_end_ids(self) -> set[int]:
+        """The special token the template closes an assistant turn with (`<|im_end|>`,
+        `<|eot_id|>`, ...): a model ends its reply with it even where the tokenizer's
+        `eos_token` is another. Not for harmony, whose `<|end|>` also ends an analysis message
+        in the middle of a reply (its reply ends with `<|return|>` or `<|call|>`, which
+        generation_config.json lists)."""
+        if self.format.tool_format.NAME == "harmony":
+            return set()
+        marker = "MLXGATE_TURN_PROBE"
+        turns: list[Message] = [
+            {"role": "user", "content": "probe"},
+            {"role": "assistant", "content": marker},
+        ]
+        try:
+            text = self.tokenizer.render(turns, add_generation_prompt=False)
+        except Exception:  # a template that wants another conversation: nothing learned
+            return set()
+        if marker not in text:
+            return set()
+        after = self.tokenizer.encode(text[text.rindex(marker) + len(marker) :].lstrip(" "))
+        special = self.tokenizer.special_ids
+        return {after[0]} if after and after[0] in special else set()
 
     def _prints_arguments(self) -> bool:
         """Whether the template prints a call's arguments as given (it then needs JSON text)
