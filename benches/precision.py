@@ -1,10 +1,10 @@
 """What each weight precision costs per decode step on this CPU, against float32, in one run.
 
-    .venv/bin/python benches/precision.py [--rounds 6] [--steps 24] [--rows 1,8]
+    .venv/bin/python benches/precision.py [--rounds 3] [--steps 12] [--rows 1,8]
 
 The embedded model (SmolLM2-135M, llama) is loaded once and copied into each precision mlx-lm
 serves: float32, bfloat16, float16, affine 8-bit and 4-bit (group 64, as `mlx_lm.convert -q`),
-mxfp4 (gpt-oss's). Each copy decodes `steps` tokens after a 256-token prompt, at each batch
+mxfp4 (gpt-oss's). Each copy decodes `steps` tokens after a 128-token prompt, at each batch
 size; the copies take turns round after round (the machine's speed drifts), and the report
 gives each one's median step time and its ratio to float32's from the same rounds.
 """
@@ -40,12 +40,12 @@ def variant(name: str) -> Any:
 
 
 def step_seconds(model: Any, rows: int, steps: int) -> float:
-    """Median seconds of one decode step of `rows` sequences after a 256-token prompt."""
+    """Median seconds of one decode step of `rows` sequences after a 128-token prompt."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    prompt = mx.array([[(13 * i) % 4000 + 10 for i in range(256)]] * rows)
+    prompt = mx.array([[(13 * i) % 4000 + 10 for i in range(128)]] * rows)
     token = mx.argmax(model(prompt, cache=cache)[:, -1, :], axis=-1)
     mx.eval(token)
     times = []
@@ -59,8 +59,8 @@ def step_seconds(model: Any, rows: int, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -74,16 +74,20 @@ def main() -> None:
     for model in models.values():  # warm-up: kernels compile on first use
         step_seconds(model, 1, 2)
     samples: dict[tuple[str, int], list[float]] = {}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for rows in batch_sizes:
             for name, model in models.items():
-                samples.setdefault((name, rows), []).append(step_seconds(model, rows, args.steps))
+                seconds = step_seconds(model, rows, args.steps)
+                samples.setdefault((name, rows), []).append(seconds)
+                print(
+                    f"round {round_ + 1}, {rows} row(s), {name}: {seconds * 1e3:.1f} ms", flush=True
+                )
 
     lines = [
         f"# Decode step cost per weight precision ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
         f"`benches/precision.py --rounds {args.rounds} --steps {args.steps} --rows {args.rows}`"
-        f": SmolLM2-135M, 256-token prompt, CPU, BLAS {blas.blas_in_use()}. Median step time "
+        f": SmolLM2-135M, 128-token prompt, CPU, BLAS {blas.blas_in_use()}. Median step time "
         "over the rounds (each the median of its steps); ratio to float32 from the same rounds.",
         "",
         "| precision | stored as | "
