@@ -66,9 +66,8 @@ def write_tokenizer(family: str, dest: Path) -> Path:
     spec = FAMILIES[family]
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "tokenizer.json").write_bytes(_tokenizer_json(spec.vocab))
-    for source in (TOKENIZERS / spec.files).iterdir():
-        if source.name != "tokenizer.json.xz":
-            shutil.copyfile(source, dest / source.name)
+    for name in ("tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        shutil.copyfile(TOKENIZERS / spec.files / name, dest / name)
     return dest
 
 

@@ -53,7 +53,7 @@ def _digits(ids: mx.array) -> mx.array:
     )
 
 
-class Layer(nn.Module):
+class Layer(nn.Module):  # type: ignore[misc,name-defined]
     """Writes the tokens to its cache; returns every row's cached tokens (padding included)."""
 
     def __call__(self, h: mx.array, cache: Any) -> Any:
@@ -61,7 +61,7 @@ class Layer(nn.Module):
         return keys
 
 
-class Backbone(nn.Module):
+class Backbone(nn.Module):  # type: ignore[misc,name-defined]
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.layers = [Layer() for _ in range(args.num_hidden_layers)]
@@ -69,7 +69,7 @@ class Backbone(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> tuple[Any, Any]:
         if cache is None:
-            cache = [KVCache() for _ in self.layers]
+            cache = [KVCache() for _ in self.layers]  # type: ignore[no-untyped-call]
         # Which cached columns each row attends to (computed before the cache grows, as mlx-lm's
         # models do): the row's own tokens, not its padding.
         mask = create_attention_mask(inputs, cache[0], return_array=True)
@@ -80,7 +80,7 @@ class Backbone(nn.Module):
         return keys, mask
 
 
-class Model(nn.Module):
+class Model(nn.Module):  # type: ignore[misc,name-defined]
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -95,7 +95,7 @@ class Model(nn.Module):
         return self.model.layers
 
     def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+        return [KVCache() for _ in self.layers]  # type: ignore[no-untyped-call]
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
         keys, mask = self.model(inputs, cache=cache)
