@@ -48,6 +48,9 @@ OPENAI_BASH: ChatCompletionToolParam = {
 HERMES_CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "echo hi"}}\n</tool_call>'
 # A trigger is best the start of a user message: it then encodes as it does inside the prompt.
 QWEN3_SCRIPTS = [
+    # Token 0 ("!") is in no prompt here, but it is what a batch's padding columns hold: a row
+    # whose history took in padding would answer this.
+    Script("Padding leaked!", when=[0]),
     Script("The command printed hi.", when="<tool_response>"),
     Script(HERMES_CALL, when="Run the tool"),
     Script("Apples are red, apples are sweet, apples are red.", when="apple"),
