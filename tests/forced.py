@@ -6,9 +6,7 @@ A test builds a model directory and serves it like any mlx-lm model:
     model = forced_model_dir(
         tmp_path,
         family="qwen3",
-        scripts=[
-            Script('<tool_call>\\n{"name": "Bash", "arguments": {"command": "ls"}}\\n</tool_call>'),
-        ],
+        script='<tool_call>\\n{"name": "Bash", "arguments": {"command": "ls"}}\\n</tool_call>',
     )
     server = start_server(tmp_path, *serve_args(model))
 
@@ -19,6 +17,11 @@ follows the first script whose `when` occurs in the tokens it has seen (the prom
 it has written), e.g. `Script("Done.", when="<tool_response>")` before the tool call's script
 answers the turn that carries a tool result. After its script, the model writes `end` (the
 family's end-of-turn token unless given). See forced_model.py for how it works.
+
+Triggers match token ids, so write them as they encode inside the prompt: an added token
+(`<tool_response>`), or the first words of a user message. `Script("...", when=[0])` first in
+the list answers only for a row that took in a batch's padding (id 0): a cheap check that the
+engine keeps each row's history exact.
 """
 
 from __future__ import annotations
@@ -96,10 +99,14 @@ def forced_model_dir(
     scripts: list[Script] | None = None,
     end: str | int | None = None,
     name: str | None = None,
+    script: str | list[int] | None = None,
 ) -> Path:
     """A model directory `mlxgate serve --model DIR --trust-remote-code` serves, whose greedy
-    output is the first matching script (see the module docstring), then `end` for ever."""
+    output is the first matching script (see the module docstring), then `end` for ever.
+    `script` is short for `scripts=[Script(script)]`."""
     spec = FAMILIES[family]
+    if script is not None:
+        scripts = [*(scripts or []), Script(script)]
     chat = tokenizer(family)
     if end is None:
         end_id = chat.tokenizer.token_to_id(chat.eos_token)

@@ -269,9 +269,7 @@ def test_concurrent_requests_each_get_their_own_script(qwen3_server: RunningServ
 
 def test_gpt_oss_vocabulary_plain_text(tmp_path: Path) -> None:
     model = forced_model_dir(
-        tmp_path,
-        "gpt-oss",
-        [Script("<|channel|>final<|message|>Hello from gpt-oss.<|return|>")],
+        tmp_path, "gpt-oss", script="<|channel|>final<|message|>Hello from gpt-oss.<|return|>"
     )
     server = start_server(tmp_path, *serve_args(model))
     try:
