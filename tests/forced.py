@@ -19,7 +19,11 @@ answers the turn that carries a tool result. After its script, the model writes 
 family's end-of-turn token unless given). See forced_model.py for how it works.
 
 Triggers match token ids, so write them as they encode inside the prompt: an added token
-(`<tool_response>`), or the first words of a user message. `Script("...", when=[0])` first in
+(`<tool_response>`), or the first words of a user message; and pick one only that situation's
+prompt holds (Qwen3's tool instructions already contain `<tool_call>`). A prompt that ends with
+the start of the script (a forced call's opening) is continued from there only if its tokens
+are the script's own; BPE seldom cuts the two alike, so for a forced call script just the
+continuation (`', "arguments": {...}}\n</tool_call>'`). `Script("...", when=[0])` first in
 the list answers only for a row that took in a batch's padding (id 0): a cheap check that the
 engine keeps each row's history exact.
 """
