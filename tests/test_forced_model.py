@@ -267,6 +267,36 @@ def test_concurrent_requests_each_get_their_own_script(qwen3_server: RunningServ
     assert any(cached > 0 for _, _, cached in answers)
 
 
+def test_a_forced_tool_choice_continues_the_opening_in_the_prompt(tmp_path: Path) -> None:
+    """With tool_choice naming Bash, the prompt already ends with the call's opening
+    (`<tool_call>\\n{"name": "Bash", "arguments": `): the model writes only the rest."""
+    model = forced_model_dir(tmp_path, "qwen3", script='{"command": "echo hi"}}\n</tool_call>')
+    server = start_server(tmp_path, *serve_args(model))
+    try:
+        message = anthropic_client(server).messages.create(
+            model="forced",
+            max_tokens=100,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[BASH],
+            tool_choice={"type": "tool", "name": "Bash"},
+        )
+        calls = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+        assert calls == [("Bash", {"command": "echo hi"})]
+        completion = openai_client(server).chat.completions.create(
+            model="forced",
+            max_tokens=100,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[OPENAI_BASH],
+            tool_choice={"type": "function", "function": {"name": "Bash"}},
+        )
+        tool_calls = completion.choices[0].message.tool_calls or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls] == [  # type: ignore[union-attr]
+            ("Bash", {"command": "echo hi"})
+        ]
+    finally:
+        stop_server(server)
+
+
 def test_gpt_oss_vocabulary_plain_text(tmp_path: Path) -> None:
     model = forced_model_dir(
         tmp_path, "gpt-oss", script="<|channel|>final<|message|>Hello from gpt-oss.<|return|>"
