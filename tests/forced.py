@@ -56,6 +56,7 @@ FAMILIES = {
     "qwen3": Family("qwen3", "qwen3", 151936, 40960),
     "qwen3-coder": Family("qwen3-coder", "qwen3", 151936, 262144),
     "gpt-oss": Family("gpt-oss", "gpt-oss", 201088, 131072),
+    "deepseek-v3.1": Family("deepseek-v3.1", "deepseek-v3.1", 129280, 163840),
 }
 
 

@@ -46,6 +46,9 @@ OPENAI_BASH: ChatCompletionToolParam = {
     },
 }
 HERMES_CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "echo hi"}}\n</tool_call>'
+# DeepSeek's tags are written with the fullwidth bar.
+DEEPSEEK_CALL_START = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>Bash<｜tool▁sep｜>"  # noqa: RUF001
+DEEPSEEK_END = "<｜end▁of▁sentence｜>"  # noqa: RUF001
 # A trigger is best the start of a user message: it then encodes as it does inside the prompt.
 QWEN3_SCRIPTS = [
     # Token 0 ("!") is in no prompt here, but it is what a batch's padding columns hold: a row
@@ -117,6 +120,28 @@ def test_vocabularies_are_the_families_own() -> None:
     ]
     assert harmony.eos_ids == {200002, 199999, 200012}
     assert harmony.vocab_size == 201088
+    deepseek = tokenizer("deepseek-v3.1")
+    calls = deepseek.encode(DEEPSEEK_CALL_START)
+    assert calls[:2] == [128806, 128808]
+    assert calls[-1] == 128814
+    assert deepseek.encode(f"<think></think>{DEEPSEEK_END}") == [128798, 128799, 1]
+    assert deepseek.eos_ids == {1}
+
+
+@pytest.mark.parametrize(
+    ("family", "script", "end"),
+    [
+        ("qwen3-coder", "Plain words.", "<|im_end|>"),
+        ("gpt-oss", "<|channel|>final<|message|>Plain words.<|return|>", "<|return|>"),
+        ("deepseek-v3.1", "Plain words.", DEEPSEEK_END),
+    ],
+)
+def test_each_family_renders_and_writes_its_script(
+    tmp_path: Path, family: str, script: str, end: str
+) -> None:
+    model = forced_model_dir(tmp_path, family, script=script)
+    text = generate(model, [{"role": "user", "content": "hi"}])
+    assert text == (script if script.endswith(end) else script + end)
 
 
 def vocab_cases(name: str) -> list[tuple[str, list[int]]]:
