@@ -98,6 +98,39 @@ def test_mlx_lm_generates_the_script_picked_by_the_conversation(tmp_path: Path) 
     )
 
 
+@pytest.mark.parametrize("banded", [False, True])
+def test_rows_of_a_padded_batch_each_follow_their_own_history(tmp_path: Path, banded: bool) -> None:
+    """Decoding rows of different lengths together, in one left-padded BatchKVCache or in bands
+    of rows (mlxgate's BandedCache), each row's next token is the one its own tokens give."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlxgate.models.banded_cache import BandedCache
+
+    model_dir = forced_model_dir(tmp_path, "qwen3", QWEN3_SCRIPTS)
+    model = load(str(model_dir), trust_remote_code=True).model
+    chat = tokenizer("qwen3")
+    prompts = [
+        chat.encode(chat.render([{"role": "user", "content": text}]))
+        for text in ("apple", "banana split " * 20, "Run the tool", "hi")
+    ]
+    rows = []
+    for prompt in prompts:
+        caches = model.make_cache()
+        model.model(mx.array(prompt[:-1])[None], cache=caches)
+        rows.append(caches[0])
+    if banded:
+        bands = [[BatchKVCache.merge(rows[:2])], [BatchKVCache.merge(rows[2:])]]
+        cache: list[Any] = BandedCache.per_layer(bands)
+    else:
+        cache = [BatchKVCache.merge(rows)]
+    logits = model(mx.array([[p[-1]] for p in prompts]), cache=cache)
+    expected = [model.next_token(p) for p in prompts]
+    assert mx.argmax(logits[:, -1], axis=-1).tolist() == expected
+    assert chat.decode(expected) == chat.decode(
+        [encode("qwen3", text)[0] for text in ("Apples", "Bananas", "<tool_call>", "Hello")]
+    )
+
+
 def test_vocabularies_are_the_families_own() -> None:
     qwen3 = tokenizer("qwen3")
     assert encode("qwen3", "<tool_call><think></think><|im_end|>") == [
