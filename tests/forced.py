@@ -18,6 +18,10 @@ it has written), e.g. `Script("Done.", when="<tool_response>")` before the tool 
 answers the turn that carries a tool result. After its script, the model writes `end` (the
 family's end-of-turn token unless given). See forced_model.py for how it works.
 
+`bash_call(family, command)` is a Bash call in the family's own format and
+`TOOL_RESULT[family]` what its template writes before a tool result, so a tool round trip is
+`scripts=[Script("Done.", when=TOOL_RESULT[family]), Script(bash_call(family, "ls"))]`.
+
 Triggers match token ids, so write them as they encode inside the prompt: an added token
 (`<tool_response>`), or the first words of a user message; and pick one only that situation's
 prompt holds (Qwen3's tool instructions already contain `<tool_call>`). A prompt that ends with
@@ -141,6 +145,42 @@ def forced_model_dir(
 
     mx.save_safetensors(str(directory / "model.safetensors"), {"model.scale": mx.ones((1,))})
     return directory
+
+
+def bash_call(family: str, command: str) -> str:
+    """A Bash tool call of `command` as `family`'s model writes it after the generation prompt:
+    its chat template's rendering of an earlier call (checked in test_forced_model.py), or for
+    gpt-oss harmony's documented reply form (the template renders the recipient elsewhere)."""
+    arguments = json.dumps({"command": command})
+    if family == "qwen3":
+        return f'<tool_call>\n{{"name": "Bash", "arguments": {arguments}}}\n</tool_call>'
+    if family == "qwen3-coder":
+        return (
+            "<tool_call>\n<function=Bash>\n<parameter=command>\n"
+            f"{command}\n</parameter>\n</function>\n</tool_call>"
+        )
+    if family == "deepseek-v3.1":
+        bar = "\uff5c"  # DeepSeek's tags use the fullwidth bar
+        return (
+            f"<{bar}tool▁calls▁begin{bar}><{bar}tool▁call▁begin{bar}>Bash<{bar}tool▁sep{bar}>"
+            f"{arguments}<{bar}tool▁call▁end{bar}><{bar}tool▁calls▁end{bar}>"
+        )
+    if family == "gpt-oss":
+        return (
+            "<|channel|>commentary to=functions.Bash <|constrain|>json<|message|>"
+            f"{arguments}<|call|>"
+        )
+    raise ValueError(f"no Bash call written for {family}")
+
+
+# What each family's template writes before a tool result: a trigger for the script that
+# answers the turn after a tool call.
+TOOL_RESULT = {
+    "qwen3": "<tool_response>",
+    "qwen3-coder": "<tool_response>",
+    "deepseek-v3.1": "<\uff5ctool▁output▁begin\uff5c>",
+    "gpt-oss": "<|start|>functions",
+}
 
 
 def serve_args(model_dir: Path) -> list[str]:

@@ -21,7 +21,7 @@ from mlx_lm.generate import generate_step
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from conftest import RunningServer, start_server, stop_server
-from forced import Script, encode, forced_model_dir, serve_args, tokenizer
+from forced import TOOL_RESULT, Script, bash_call, encode, forced_model_dir, serve_args, tokenizer
 from mlxgate.models import load
 
 BASH: ToolParam = {
@@ -119,16 +119,38 @@ def test_rows_of_a_padded_batch_each_follow_their_own_history(tmp_path: Path, ba
         model.model(mx.array(prompt[:-1])[None], cache=caches)
         rows.append(caches[0])
     if banded:
-        bands = [[BatchKVCache.merge(rows[:2])], [BatchKVCache.merge(rows[2:])]]
+        bands = [[BatchKVCache.merge(rows[:2])], [BatchKVCache.merge(rows[2:])]]  # type: ignore[no-untyped-call]
         cache: list[Any] = BandedCache.per_layer(bands)
     else:
-        cache = [BatchKVCache.merge(rows)]
+        cache = [BatchKVCache.merge(rows)]  # type: ignore[no-untyped-call]
     logits = model(mx.array([[p[-1]] for p in prompts]), cache=cache)
     expected = [model.next_token(p) for p in prompts]
     assert mx.argmax(logits[:, -1], axis=-1).tolist() == expected
     assert chat.decode(expected) == chat.decode(
         [encode("qwen3", text)[0] for text in ("Apples", "Bananas", "<tool_call>", "Hello")]
     )
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-coder", "deepseek-v3.1"])
+def test_bash_call_is_what_the_template_renders_for_a_call(family: str) -> None:
+    """The call `bash_call` scripts, and the tool-result trigger, are the family's own."""
+    chat = tokenizer(family)
+    command = 'echo "a <b>" > out.txt'
+    function = {"name": "Bash", "arguments": {"command": command}}
+    call = {"type": "function", "id": "call_1", "function": function}
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "Bash", "content": "done"},
+    ]
+    tools = [dict(OPENAI_BASH)]
+    rendered = chat.render(messages, tools=tools)
+    assert bash_call(family, command) in rendered
+    result = encode(family, TOOL_RESULT[family])
+    prompt = chat.encode(rendered)
+    assert any(prompt[i : i + len(result)] == result for i in range(len(prompt)))
+    first_turn = chat.encode(chat.render(messages[:1], tools=tools))
+    assert not any(first_turn[i : i + len(result)] == result for i in range(len(first_turn)))
 
 
 def test_vocabularies_are_the_families_own() -> None:
@@ -383,20 +405,25 @@ def claude_code_path() -> Path:
     return Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"
 
 
-def test_claude_code_runs_the_forced_tool_call_and_gets_the_answer(tmp_path: Path) -> None:
+# The families whose tool calls mlxgate parses; add one here once its format is parsed.
+ROUND_TRIP_FAMILIES = ["qwen3"]
+
+
+@pytest.mark.parametrize("family", ROUND_TRIP_FAMILIES)
+def test_claude_code_runs_the_forced_tool_call_and_gets_the_answer(
+    tmp_path: Path, family: str
+) -> None:
     """The model's first turn is a Bash call that writes a nonce; Claude Code really runs it and
     sends the result; the model's second turn (its prompt holds a tool result) is plain text."""
     nonce = secrets.token_hex(8)
     target = tmp_path / "work" / "nonce.txt"
     target.parent.mkdir()
-    command = f"echo {nonce} > {target}"
-    call = json.dumps({"name": "Bash", "arguments": {"command": command}})
     model = forced_model_dir(
         tmp_path,
-        "qwen3",
+        family,
         [
-            Script("The nonce is written.", when="<tool_response>"),
-            Script(f"<tool_call>\n{call}\n</tool_call>"),
+            Script("The nonce is written.", when=TOOL_RESULT[family]),
+            Script(bash_call(family, f"echo {nonce} > {target}")),
         ],
     )
     server = start_server(tmp_path, *serve_args(model))
