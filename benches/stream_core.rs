@@ -41,6 +41,7 @@ fn spec(stream: bool, stops: &[&str], markup: Option<Arc<MarkupSpec>>) -> Stream
         markup,
         prefill: String::new(),
         eos_ids: vec![0],
+        tools: Default::default(),
     }
 }
 

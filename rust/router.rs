@@ -8,7 +8,7 @@ use crate::channel::{CancelInbox, Channel};
 use crate::detok::Detok;
 use crate::error::CoreError;
 use crate::events::{DialectParams, ErrorKind, Finish, FinishReason, PromptUsage, Protocol};
-use crate::markup::{MarkupParser, MarkupSpec, PieceKind, Pieces};
+use crate::markup::{MarkupParser, MarkupSpec, PieceKind, Pieces, ToolSchemas};
 use crate::stop::StopMatcher;
 use crate::vocab::Vocab;
 
@@ -26,6 +26,8 @@ pub struct StreamSpec {
     pub prefill: String,
     /// Tokens that end the turn: counted, not rendered.
     pub eos_ids: Vec<u32>,
+    /// The request's tools: the XML formats type parameters by their schemas.
+    pub tools: Arc<ToolSchemas>,
 }
 
 /// What one token does to its stream, before stop sequences and markup are considered.
@@ -120,7 +122,7 @@ impl<W> Router<W> {
             .markup
             .clone()
             .filter(|_| protocol.supports_markup())
-            .map(|markup| Box::new(MarkupParser::new(markup)));
+            .map(|markup| Box::new(MarkupParser::new(markup, spec.tools.clone())));
         let pieces = &mut self.pieces;
         pieces.clear();
         if let Some(parser) = markup.as_deref_mut() {
@@ -191,7 +193,11 @@ impl<W> Router<W> {
             raw.clear();
             text.clear();
             if code != TokenEnd::EndTurn {
-                stream.detok.push(vocab.token_bytes(token_id), raw);
+                let mut bytes = vocab.token_bytes(token_id);
+                if bytes.is_empty() {
+                    bytes = markup_special(stream.markup.as_deref(), vocab, token_id);
+                }
+                stream.detok.push(bytes, raw);
             }
             if code != TokenEnd::Running {
                 stream.detok.finish(raw);
@@ -287,6 +293,15 @@ impl<W> Router<W> {
                 .map(|(&id, _)| id),
         );
         out[start..].sort_unstable();
+    }
+}
+
+/// A special token renders to nothing, except one whose text is a tag of the stream's markup
+/// (gpt-oss, Kimi, DeepSeek and Mistral write their tool markup as special tokens).
+fn markup_special<'v>(markup: Option<&MarkupParser>, vocab: &'v Vocab, token_id: u32) -> &'v [u8] {
+    match (markup, vocab.special_bytes(token_id)) {
+        (Some(markup), Some(bytes)) if markup.spec().renders_special(bytes) => bytes,
+        _ => &[],
     }
 }
 
@@ -434,6 +449,7 @@ mod tests {
             markup: None,
             prefill: String::new(),
             eos_ids: vec![0],
+            tools: Arc::default(),
         };
         let usage = PromptUsage {
             prompt_tokens: 3,
@@ -649,6 +665,62 @@ mod tests {
         let mut out = Vec::new();
         r.over_bound(&mut out);
         assert_eq!(out, [2]);
+    }
+
+    #[test]
+    fn special_tokens_render_only_as_the_markups_tags() {
+        let tokens: Vec<&[u8]> = vec![
+            b"<eos>",
+            b"[TOOL_CALLS]",
+            b"ls",
+            b"[ARGS]",
+            b"{}",
+            b"[INST]",
+        ];
+        let vocab = Vocab::from_token_bytes(&tokens, &[0, 1, 3, 5]).unwrap();
+        assert_eq!(vocab.special_bytes(1), Some(&b"[TOOL_CALLS]"[..]));
+        assert_eq!(vocab.special_bytes(2), None);
+        let mut r = TestRouter::new(Arc::new(vocab), DEFAULT_MAX_UNREAD_BYTES);
+        for (id, markup) in [(1, true), (2, false)] {
+            let spec = StreamSpec {
+                dialect: DialectParams::Anthropic(AnthropicParams {
+                    model: "m".into(),
+                    message_id: "msg_x".into(),
+                    stream: false,
+                }),
+                stop_sequences: Vec::new(),
+                markup: markup
+                    .then(|| Arc::new(MarkupSpec::new(None, Some("mistral_v11")).unwrap())),
+                prefill: String::new(),
+                eos_ids: vec![0],
+                tools: Arc::default(),
+            };
+            let usage = PromptUsage {
+                prompt_tokens: 1,
+                cached_tokens: 0,
+            };
+            let ch = r.open(id, &spec, usage, u64::MAX).unwrap();
+            for tok in [5, 1, 2, 3, 4] {
+                assert_eq!(step(&mut r, &[id], &[tok]).0, NONE);
+            }
+            let end = if markup {
+                FinishReason::ToolUse
+            } else {
+                FinishReason::EndTurn
+            };
+            assert_eq!(step(&mut r, &[id], &[0]).0, [(id, end)]);
+            let body = read_all(&ch);
+            if markup {
+                assert!(
+                    body.contains("\"content\":[{\"type\":\"tool_use\"")
+                        && body.contains("\"name\":\"ls\",\"input\":{}"),
+                    "{body}"
+                );
+            } else {
+                assert!(body.contains("\"text\":\"ls{}\""), "{body}");
+            }
+            assert!(!body.contains("[INST]"));
+        }
     }
 
     #[test]

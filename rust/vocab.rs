@@ -29,8 +29,10 @@ impl FromStr for VocabKind {
 #[derive(Debug, Clone)]
 pub struct Vocab {
     data: Vec<u8>,
-    /// `offsets[id]..offsets[id + 1]` is the token's slice of `data`.
+    /// `offsets[id]..offsets[id + 1]` is the token's slice of `data` (empty for special ids).
     offsets: Vec<u32>,
+    /// The special tokens' own bytes, sorted by id: rendered only where a stream's markup asks.
+    special: Vec<(u32, Box<[u8]>)>,
     trim_leading_space: bool,
 }
 
@@ -99,6 +101,14 @@ impl Vocab {
         }
     }
 
+    /// The bytes of a special token (which [`Vocab::token_bytes`] renders as nothing).
+    pub fn special_bytes(&self, id: u32) -> Option<&[u8]> {
+        self.special
+            .binary_search_by_key(&id, |(special, _)| *special)
+            .ok()
+            .map(|at| &*self.special[at].1)
+    }
+
     /// Whole-sequence decode, lossy like the streaming path.
     pub fn decode(&self, ids: &[u32]) -> String {
         let mut bytes = Vec::new();
@@ -143,6 +153,7 @@ impl Builder {
             return Ok(Vocab {
                 data,
                 offsets,
+                special: Vec::new(),
                 trim_leading_space: false,
             });
         }
@@ -152,10 +163,13 @@ impl Builder {
             special[id as usize] = true;
         }
         let mut kept = Vec::with_capacity(data.len());
+        let mut special_bytes = Vec::with_capacity(special_ids.len());
         let mut start = 0usize;
         for (id, is_special) in special.iter().enumerate() {
             let end = offsets[id + 1] as usize;
-            if !is_special {
+            if *is_special {
+                special_bytes.push((id as u32, data[start..end].into()));
+            } else {
                 kept.extend_from_slice(&data[start..end]);
             }
             start = end;
@@ -164,6 +178,7 @@ impl Builder {
         Ok(Vocab {
             data: kept,
             offsets,
+            special: special_bytes,
             trim_leading_space: false,
         })
     }

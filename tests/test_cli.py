@@ -27,6 +27,8 @@ CHANGED = Config(
     trust_remote_code=True,
     model_aliases={"claude-local": "tiny", "gpt-local": "tiny"},
     strict_models=True,
+    tool_format="qwen3_coder",
+    reasoning_format="think",
     temperature=0.7,
     top_p=0.9,
     top_k=40,
@@ -55,6 +57,8 @@ CHANGED_ARGV = [
     "--model-alias", "claude-local=tiny",
     "--model-alias", "gpt-local=tiny",
     "--strict-models",
+    "--tool-format", "qwen3_coder",
+    "--reasoning-format", "think",
     "--temperature", "0.7",
     "--top-p", "0.9",
     "--top-k", "40",
@@ -122,6 +126,7 @@ def test_every_flag_round_trips() -> None:
         ["--model-alias", "no-equals-sign"],
         ["--log-level", "loud"],
         ["--max-queued", "many"],
+        ["--tool-format", "json"],
     ],
 )
 def test_bad_command_lines_are_usage_errors(

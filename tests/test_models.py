@@ -93,6 +93,27 @@ def test_attention_equals_mlx(rows: int, n: int, t: int, padding: list[int] | No
     assert np.isfinite(np.asarray(ours)).all()
 
 
+@pytest.mark.parametrize(("rows", "n", "t"), [(8, 1, 300), (1, 256, 1280), (2, 24, 60)])
+def test_attention_with_latent_keys_equals_mlx(rows: int, n: int, t: int) -> None:
+    """MLA (DeepSeek-V3, Kimi K2): one shared key/value head, values narrower than keys, and the
+    rotary part of the scores passed as a per-head additive mask."""
+    import mlx.core as mx
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    from mlxgate.models import cpu_attention
+
+    queries = mx.random.normal((rows, 8, n, 48), key=mx.random.key(1))
+    keys = mx.random.normal((rows, 1, t, 48), key=mx.random.key(2))
+    values = keys[..., :32]
+    position_scores = mx.random.normal((rows, 8, n, t), key=mx.random.key(4))
+    ours = cpu_attention.scaled_dot_product_attention(
+        queries, keys, values, None, 0.1, position_scores
+    )
+    theirs = scaled_dot_product_attention(queries, keys, values, None, 0.1, position_scores)
+    assert ours.shape == theirs.shape == (rows, 8, n, 32)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-5)
+
+
 def test_swiglu_without_mlx_exp_equals_mlx() -> None:
     import mlx.core as mx
     from mlx_lm.models.activations import swiglu

@@ -872,3 +872,197 @@ def test_completion_kind_ignores_markup() -> None:
         if f.startswith("data: {")
     ]
     assert "".join(texts) == "<think>x</think><tool_call>{}"
+
+
+# Issue 13 formats: schema-typed XML parameters, and tags that are special tokens.
+
+BASH_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "command": {"type": "string"},
+            "timeout": {"type": "integer"},
+            "background": {"type": "boolean"},
+            "env": {"type": "object"},
+        },
+    }
+)
+QWEN3_CODER = Markup(think=("<think>", "</think>"), tool_call="qwen3_coder")
+QWEN3_CODER_CALLS = (
+    "Running it.\n<tool_call>\n<function=Bash>\n<parameter=command>\n"
+    'cat <a> </b> "x" é😀\n</parameter>\n<parameter=timeout>\n30\n</parameter>\n'
+    '<parameter=background>\ntrue\n</parameter>\n<parameter=env>\n{"A": [1, "b"]}\n'
+    "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=Bash>\n"
+    "<parameter=command>\nls\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("dialect", ["anthropic", "openai"])
+def test_qwen3_coder_parameters_typed_by_tool_schema(size: int, dialect: str) -> None:
+    sse = run_pieces(
+        split_bytes(QWEN3_CODER_CALLS.encode(), size),
+        dialect=dialect,
+        markup=QWEN3_CODER,
+        tools=[("Bash", BASH_SCHEMA), ("Read", "{}")],
+    )
+    want = [
+        {
+            "command": 'cat <a> </b> "x" é😀',
+            "timeout": 30,
+            "background": True,
+            "env": {"A": [1, "b"]},
+        },
+        {"command": "ls"},
+    ]
+    if dialect == "openai":
+        calls: dict[int, str] = {}
+        for line in sse.decode().splitlines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    for call in choice["delta"].get("tool_calls") or []:
+                        args = call.get("function", {}).get("arguments", "")
+                        calls[call["index"]] = calls.get(call["index"], "") + args
+        assert [json.loads(calls[i]) for i in sorted(calls)] == want
+        return
+    blocks, delta = anthropic_blocks(sse)
+    assert blocks[0] == {"type": "text", "text": "Running it.", "json": ""}
+    assert [b["name"] for b in blocks[1:]] == ["Bash", "Bash"]
+    assert [json.loads(b["json"]) for b in blocks[1:]] == want
+    assert delta["stop_reason"] == "tool_use"
+
+
+def test_xml_call_cut_by_max_tokens_is_closed_validly() -> None:
+    text = (
+        "<tool_call>\n<function=Bash>\n<parameter=timeout>\n3\n</parameter>\n"
+        "<parameter=command>\nec"
+    )
+    blocks, delta = anthropic_blocks(
+        run_pieces(
+            split_bytes(text.encode(), 5),
+            markup=QWEN3_CODER,
+            tools=[("Bash", BASH_SCHEMA)],
+            max_tokens=True,
+        )
+    )
+    assert [(b["type"], json.loads(b["json"])) for b in blocks] == [
+        ("tool_use", {"timeout": 3, "command": "ec"})
+    ]
+    assert delta["stop_reason"] == "max_tokens"
+
+
+def special_vocab(texts: list[str], special: list[str]) -> tuple[Vocab, dict[str, int]]:
+    """A vocab of `texts` (id 0 is `<eos>`); those in `special` are special tokens."""
+    tokens = ["<eos>", *texts]
+    ids = {t: i for i, t in enumerate(tokens)}
+    vocab = Vocab.from_token_bytes([t.encode() for t in tokens], [0, *(ids[t] for t in special)])
+    return vocab, ids
+
+
+def test_harmony_tags_as_special_tokens_reach_the_parser() -> None:
+    harmony_tags = [
+        "<|start|>",
+        "<|channel|>",
+        "<|message|>",
+        "<|end|>",
+        "<|constrain|>",
+        "<|call|>",
+    ]
+    words = [
+        "analysis",
+        "Look",
+        " up.",
+        "assistant",
+        "commentary to=functions.get",
+        " json",
+        '{"q":',
+        ' "x"}',
+        "<|other|>",
+    ]
+    vocab, ids = special_vocab([*harmony_tags, *words], [*harmony_tags, "<|other|>"])
+    router = Router(vocab)
+    spec = StreamSpec.anthropic(
+        model="m",
+        message_id="msg_1",
+        markup=Markup(tool_call="harmony"),
+        eos_ids=[0, ids["<|call|>"]],
+        tools=[("get", "{}")],
+    )
+    reader = router.open(1, spec, prompt_tokens=1, max_tokens=UNLIMITED)
+    script = [
+        "<|channel|>",
+        "analysis",
+        "<|message|>",
+        "Look",
+        "<|other|>",
+        " up.",
+        "<|end|>",
+        "<|start|>",
+        "assistant",
+        "<|channel|>",
+        "commentary to=functions.get",
+        "<|constrain|>",
+        " json",
+        "<|message|>",
+        '{"q":',
+        ' "x"}',
+    ]
+    for token in script:
+        assert router.step([1], [ids[token]]) == []
+    assert router.step([1], [ids["<|call|>"]]) == [(1, TOOL_USE)]
+    out = bytearray()
+    while (chunk := reader.take()) is not None:
+        out += chunk
+    blocks, delta = anthropic_blocks(bytes(out))
+    assert [b["type"] for b in blocks] == ["thinking", "tool_use"]
+    assert blocks[0]["thinking"] == "Look up."
+    assert blocks[1]["name"] == "get" and json.loads(blocks[1]["json"]) == {"q": "x"}
+    assert delta["stop_reason"] == "tool_use"
+    assert b"<|" not in out
+
+
+def test_kimi_special_tags_without_markup_render_nothing() -> None:
+    tags = [
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+    ]
+    words = ["Sure.", "functions.ls:0", "{}"]
+    vocab, ids = special_vocab([*tags, *words], tags)
+    script = [
+        ids[t]
+        for t in ["Sure.", tags[0], tags[1], "functions.ls:0", tags[2], "{}", tags[3], tags[4]]
+    ]
+    for markup, want in [
+        (Markup(tool_call="kimi_k2"), ["text", "tool_use"]),
+        (None, ["text"]),
+    ]:
+        router = Router(vocab)
+        spec = StreamSpec.anthropic(model="m", message_id="msg_1", markup=markup, eos_ids=[0])
+        reader = router.open(1, spec, prompt_tokens=1, max_tokens=UNLIMITED)
+        for token in script:
+            router.step([1], [token])
+        router.step([1], [0])
+        out = bytearray()
+        while (chunk := reader.take()) is not None:
+            out += chunk
+        blocks, _ = anthropic_blocks(bytes(out))
+        assert [b["type"] for b in blocks] == want
+        if markup is None:
+            assert blocks[0]["text"] == "Sure.functions.ls:0{}"
+
+
+def test_markup_accepts_every_format_name() -> None:
+    for name in [
+        "qwen3_coder",
+        "harmony",
+        "glm",
+        "mistral_v11",
+        "kimi_k2",
+        "deepseek_v3",
+        "minimax_m2",
+        "seed_oss",
+    ]:
+        assert Markup(tool_call=name).tool_call == name  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ the Rust parser of the same name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -96,6 +97,7 @@ def test_a_tool_round_trip_is_the_same_conversation_in_both_dialects(
             {
                 "role": "assistant",
                 "content": None,
+                "reasoning_content": "hmm",
                 "tool_calls": [
                     {
                         "id": "t1",
@@ -216,6 +218,12 @@ def test_tool_format_detection(template: str, expected: str) -> None:
     assert chat.ChatFormat.detect(template).markup_tools.tool_call == expected
 
 
+BASH_SCHEMA = {
+    "type": "object",
+    "properties": {"command": {"type": "string"}, "n": {"type": "array"}},
+}
+
+
 @pytest.mark.parametrize("name", list(formats.TOOL_FORMATS))
 def test_each_formats_prompt_side_parses_back_in_rust(name: str) -> None:
     """An earlier call as the format renders it, and a forced call's opening plus the model's
@@ -243,6 +251,8 @@ def _parse(markup: Markup, prefill: str, text: str) -> list[tuple[str, Any]]:
         markup=markup,
         prefill=prefill,
         eos_ids=[0],
+        # The XML formats type parameter values by the tool's schema.
+        tools=[("Bash", json.dumps(BASH_SCHEMA))],
     )
     reader = router.open(1, spec, prompt_tokens=1, max_tokens=10_000)
     ended = router.step([1] * len(text), [chars.index(c) + 1 for c in text])
@@ -253,3 +263,22 @@ def _parse(markup: Markup, prefill: str, text: str) -> list[tuple[str, Any]]:
         (c["function"]["name"], json.loads(c["function"]["arguments"]))
         for c in message["tool_calls"]
     ]
+
+
+def test_the_templates_turn_end_token_ends_a_reply() -> None:
+    """A model ends its reply with the token its template closes assistant turns with, even
+    where the tokenizer's `eos_token` is another (Llama 3's `<|eot_id|>` beside
+    `<|end_of_text|>`)."""
+    from tokenizers import AddedToken
+
+    template = (
+        "{% for m in messages %}<|start|>{{ m.role }}\n{{ m.content }}<|eot|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
+    )
+    tokenizer = byte_tokenizer(template)
+    tokenizer.tokenizer.add_special_tokens([AddedToken("<|eot|>", special=True)])
+    eot = tokenizer.tokenizer.token_to_id("<|eot|>")
+    tokenizer = dataclasses.replace(tokenizer, special_ids=frozenset({0, eot}))
+    assert chat.Renderer(tokenizer).eos_ids == [0, eot]
+    # A template that closes turns with plain text adds nothing.
+    assert chat.Renderer(byte_tokenizer(template.replace("<|eot|>", "\n"))).eos_ids == [0]

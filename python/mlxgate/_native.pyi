@@ -14,6 +14,19 @@ class _IntArray(Protocol):
     def __array__(self) -> Any: ...
 
 _Ints = Sequence[int] | Buffer | _IntArray
+_ToolFormat = Literal[
+    "hermes",
+    "mistral",
+    "llama3_json",
+    "qwen3_coder",
+    "harmony",
+    "glm",
+    "mistral_v11",
+    "kimi_k2",
+    "deepseek_v3",
+    "minimax_m2",
+    "seed_oss",
+]
 _Waiter = TypeVar("_Waiter")
 
 __all__ = [
@@ -70,33 +83,55 @@ class Markup:
     think: open and close tags, e.g. ("<think>", "</think>"). Anthropic: a `thinking` block
     (`thinking_delta`s, then an empty `signature_delta`); OpenAI: `delta.reasoning_content`.
 
-    tool_call: "hermes" (`<tool_call>{"name": …, "arguments": {…}}</tool_call>`, Qwen/Hermes),
-    "mistral" (`[TOOL_CALLS][{…}, …]`) or "llama3_json" (a reply that starts with
-    `{"name": …, "parameters": {…}}`). `parameters` is accepted for `arguments` in every format,
-    as is an arguments object encoded as a JSON string. A call starts (Anthropic `tool_use`
-    block, OpenAI `delta.tool_calls` entry) once its name is known; its arguments stream as the
-    model writes them (byte for byte, escapes kept), buffered only while the name is unknown.
-    Tool ids are deterministic: `toolu_`/`call_` + 24 base62 chars hashed from the message or
-    completion id and the call's position. A call that is malformed before its name is known is
-    emitted as plain text; one that goes bad (or is cut off) later gets its arguments JSON closed
-    validly. A generation that ends after a complete call finishes with `tool_use` /
-    `tool_calls`; one cut off inside a call keeps its real reason (e.g. `max_tokens`).
+    think: open and close tags, e.g. ("<think>", "</think>"), ("[THINK]", "[/THINK]") or
+    ("<seed:think>", "</seed:think>").
 
-    Tokens such as `<think>` or `<tool_call>` must not be in the vocab's special ids (those render
-    to nothing)."""
+    tool_call: the format's name. JSON formats: "hermes" (`<tool_call>{"name": …, "arguments":
+    {…}}</tool_call>`, Qwen/Hermes), "mistral" (`[TOOL_CALLS][{…}, …]`), "llama3_json" (a reply
+    that starts with `{"name": …, "parameters": {…}}`), "mistral_v11" (`[TOOL_CALLS]NAME[ARGS]{…}`
+    per call), "kimi_k2" (`<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0
+    <|tool_call_argument_begin|>{…}<|tool_call_end|>…`), "deepseek_v3" (V3.1:
+    `tool▁calls▁begin`, then per call `tool▁call▁begin` NAME `tool▁sep` {…} `tool▁call▁end`,
+    each tag between DeepSeek's fullwidth bars; also V3's fenced `function tool▁sep NAME` form).
+    XML formats, whose parameters are raw
+    text typed by the tool's input schema (see StreamSpec's `tools`): "qwen3_coder"
+    (`<tool_call><function=NAME><parameter=K>\nV\n</parameter></function></tool_call>`; a Hermes
+    JSON object after `<tool_call>` is read too), "seed_oss" (the same inside `<seed:tool_call>`),
+    "minimax_m2" (`<minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter>
+    </invoke>…`), "glm" (`<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>…`).
+    "harmony" (gpt-oss) reads the whole reply as channel messages: `analysis` is thinking, `final`
+    and commentary without a recipient are text, `to=functions.NAME` is a call whose arguments
+    stream as written; `think` is not needed.
+
+    In the JSON formats `parameters` is accepted for `arguments`, as is an arguments object
+    encoded as a JSON string. A call starts (Anthropic `tool_use` block, OpenAI
+    `delta.tool_calls` entry) once its name is known; its arguments stream as the model writes
+    them (JSON formats: byte for byte, escapes kept; XML formats: converted to compact JSON as
+    each parameter is written, string values streaming as they arrive). Tool ids are
+    deterministic: `toolu_`/`call_` + 24 base62 chars hashed from the message or completion id and
+    the call's position. A call that is malformed before its name is known is emitted as plain
+    text; one that goes bad (or is cut off) later gets its arguments JSON closed validly. A
+    generation that ends after a complete call finishes with `tool_use` / `tool_calls`; one cut
+    off inside a call keeps its real reason (e.g. `max_tokens`).
+
+    Special tokens render to nothing (see Vocab), except in a stream with markup a special token
+    whose text is one of the markup's tags (the think pair, or any tag the tool format writes,
+    e.g. harmony's `<|channel|>`, Kimi's `<|tool_call_begin|>`, `[TOOL_CALLS]`): that one reaches
+    the parser. An EOS id (the spec's `eos_ids`, e.g. harmony's `<|call|>` and `<|return|>`)
+    still only ends the stream."""
 
     def __new__(
         cls,
         *,
         think: tuple[str, str] | None = None,
-        tool_call: Literal["hermes", "mistral", "llama3_json"] | None = None,
+        tool_call: _ToolFormat | None = None,
     ) -> Markup:
         """Raises NativeError for an unknown tool_call format or an empty think tag."""
 
     @property
     def think(self) -> tuple[str, str] | None: ...
     @property
-    def tool_call(self) -> Literal["hermes", "mistral", "llama3_json"] | None: ...
+    def tool_call(self) -> _ToolFormat | None: ...
 
 @final
 class FinishReason:
@@ -174,6 +209,7 @@ class StreamSpec:
         markup: Markup | None = None,
         prefill: str = "",
         eos_ids: list[int] = ...,
+        tools: Sequence[tuple[str, str]] = ...,
     ) -> StreamSpec:
         """An Anthropic Messages stream. stream=True queues message_start and ping at once;
         stream=False makes the whole JSON Message body readable once the stream ends."""
@@ -191,6 +227,7 @@ class StreamSpec:
         markup: Markup | None = None,
         prefill: str = "",
         eos_ids: list[int] = ...,
+        tools: Sequence[tuple[str, str]] = ...,
     ) -> StreamSpec:
         """An OpenAI stream. kind="chat" answers /v1/chat/completions (`chat.completion.chunk`s,
         the first with the assistant role, queued at once); "completion" answers /v1/completions

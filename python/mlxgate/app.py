@@ -200,24 +200,46 @@ def build_app(config: Config) -> App:
     vocab = Vocab.from_token_strings(
         tokenizer.token_strings(), tokenizer.vocab_kind, sorted(tokenizer.special_ids)
     )
+    renderer = chat.Renderer(
+        tokenizer,
+        tool_format=None if config.tool_format == "auto" else config.tool_format,
+        reasoning_format=None if config.reasoning_format == "auto" else config.reasoning_format,
+    )
     engine = Engine(loaded, Router(vocab), config.engine)
+    layout = engine.layout
+    log.info(
+        "model %s: %s, %s, %s, context %d; the prefix cache reuses %s",
+        loaded.name,
+        models.architecture(loaded.model),
+        layout.describe(),
+        models.precision(loaded.model),
+        loaded.context_length,
+        layout.reuse(),
+    )
     engine.start()
     REGISTRY.register(EngineCollector(engine))
     import mlx.core as mx
 
     log.info(
-        "mlxgate ready: model %s (context %d, %s), device %s, BLAS %s, loaded in %.1fs. "
+        "mlxgate ready: model %s (context %d, %s), tool calls %s, reasoning %s, device %s, "
+        "BLAS %s, loaded in %.1fs. "
         "Point clients at http://%s:%d (ANTHROPIC_BASE_URL, or OPENAI_BASE_URL=.../v1)",
         loaded.name,
         loaded.context_length,
         loaded.source,
+        _chosen(renderer.format.tool_format.NAME, config.tool_format),
+        _chosen(renderer.format.reasoning.name, config.reasoning_format),
         mx.default_device(),
         blas.blas_in_use(),
         time.monotonic() - started,
         config.host,
         config.port,
     )
-    return App(engine, chat.Renderer(tokenizer), loaded.name, config)
+    return App(engine, renderer, loaded.name, config)
+
+
+def _chosen(name: str, setting: str) -> str:
+    return f"{name} ({'detected' if setting == 'auto' else 'set'})"
 
 
 def create_app() -> App:

@@ -8,13 +8,17 @@ then renders it here, so one model gets one rendering whichever dialect asked.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mlxgate import formats
-from mlxgate._native import Markup
+from mlxgate._native import Markup, NativeError
 from mlxgate.formats import ToolFormat
+from mlxgate.formats.reasoning import FIELD as REASONING
 from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
+
+log = logging.getLogger("mlxgate")
 
 Message = dict[str, Any]
 Tool = dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
@@ -57,27 +61,59 @@ class Conversation:
     thinking: bool | None = None
 
 
+def markup(tool_call: str | None, think: tuple[str, str] | None) -> Markup | None:
+    """What the router parses: the one place a `Markup` is built from format names. A format the
+    native parser does not know yet degrades to reasoning only (its calls reach clients as text)."""
+    if tool_call is None and think is None:
+        return None
+    try:
+        return Markup(think=think, tool_call=tool_call)  # type: ignore[arg-type]
+    except NativeError:
+        log.warning("the stream parser does not know tool format %r: calls stay text", tool_call)
+        return Markup(think=think) if think else None
+
+
 @dataclass(frozen=True)
 class ChatFormat:
-    """How a model's template handles tools and reasoning, decided once from the template."""
+    """How a model's template handles tools and reasoning, decided once from the template
+    (a format named in the settings overrides the detected one)."""
 
     template_renders_tools: bool
+    # Renders earlier calls and results, whether or not it lists the tools (DeepSeek V3.1 does not).
+    template_renders_calls: bool
     tool_format: ToolFormat
-    think: tuple[str, str] | None
-    # What the router parses: with tools declared, tool calls and thinking; without, thinking only.
-    markup_tools: Markup = field(compare=False)
+    reasoning: formats.ReasoningFormat
+    # What the router parses: with tools declared, tool calls and thinking; without, thinking only
+    # (harmony's channels are one format: its parser reads them with or without tools).
+    markup_tools: Markup | None = field(compare=False)
     markup_text: Markup | None = field(compare=False)
 
+    @property
+    def think(self) -> tuple[str, str] | None:
+        return self.reasoning.tags
+
     @classmethod
-    def detect(cls, template: str) -> ChatFormat:
-        tool_format = formats.detect_tool_format(template)
-        think = formats.detect_reasoning(template)
+    def detect(
+        cls, template: str, tool_format: str | None = None, reasoning_format: str | None = None
+    ) -> ChatFormat:
+        tools = (
+            formats.TOOL_FORMATS[tool_format]
+            if tool_format
+            else formats.detect_tool_format(template)
+        )
+        reasoning = (
+            formats.REASONING_FORMATS[reasoning_format]
+            if reasoning_format
+            else formats.detect_reasoning_format(template)
+        )
+        always = tools.NAME if reasoning.name == "harmony" == tools.NAME else None
         return cls(
             template_renders_tools="tools" in template,
-            tool_format=tool_format,
-            think=think,
-            markup_tools=Markup(think=think, tool_call=tool_format.NAME),  # type: ignore[arg-type]
-            markup_text=Markup(think=think) if think else None,
+            template_renders_calls="tool_calls" in template,
+            tool_format=tools,
+            reasoning=reasoning,
+            markup_tools=markup(tools.NAME, reasoning.tags),
+            markup_text=markup(always, reasoning.tags),
         )
 
 
@@ -92,18 +128,22 @@ class Prompt:
     markup: Markup | None
 
 
+def _with_tool_prompt(messages: list[Message], tools: list[Tool], fmt: ToolFormat) -> list[Message]:
+    """The tools listed in the system message, for a template that does not list them."""
+    if not tools:
+        return messages
+    prompt = fmt.tool_prompt(tools) or GENERIC_TOOL_PROMPT.format(
+        tools="\n".join(json.dumps(tool) for tool in tools)
+    )
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
 def _inline_tools(messages: list[Message], tools: list[Tool], fmt: ToolFormat) -> list[Message]:
     """Rewrite tool traffic as plain turns for a template that knows nothing of tools."""
     out: list[Message] = []
-    if tools:
-        listing = "\n".join(json.dumps(tool) for tool in tools)
-        prompt = GENERIC_TOOL_PROMPT.format(tools=listing)
-        if messages and messages[0]["role"] == "system":
-            out.append({"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"})
-            messages = messages[1:]
-        else:
-            out.append({"role": "system", "content": prompt})
-    for message in messages:
+    for message in _with_tool_prompt(messages, tools, fmt):
         if message["role"] == "assistant" and message.get("tool_calls"):
             calls = "\n".join(
                 fmt.render_call(c["function"]["name"], c["function"].get("arguments", {}))
@@ -132,8 +172,9 @@ def merge_turns(messages: list[Message]) -> list[Message]:
             previous is not None
             and previous["role"] == message["role"]
             and message["role"] in ("user", "assistant", "system")
-            and not previous.get("tool_calls")
-            and not message.get("tool_calls")
+            and not any(
+                m.get(key) for m in (previous, message) for key in ("tool_calls", REASONING)
+            )
         ):
             previous["content"] = f"{previous['content']}\n\n{message['content']}"
         else:
@@ -141,14 +182,88 @@ def merge_turns(messages: list[Message]) -> list[Message]:
     return merged
 
 
+def _arguments_as_json(messages: list[Message]) -> list[Message]:
+    """Tool-call arguments as JSON text, for templates that print them rather than iterate them."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = [
+                {**c, "function": {**c["function"], "arguments": json.dumps(args)}}
+                if not isinstance(args := c["function"].get("arguments", {}), str)
+                else c
+                for c in message["tool_calls"]
+            ]
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    return out
+
+
 class Renderer:
     """One model's prompt rendering, shared by every API dialect: the chat template, its tool
     and reasoning format, the tokenizer."""
 
-    def __init__(self, tokenizer: ChatTokenizer) -> None:
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        *,
+        tool_format: str | None = None,
+        reasoning_format: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
-        self.format = ChatFormat.detect(tokenizer.chat_template)
-        self.eos_ids = sorted(tokenizer.eos_ids)
+        self.format = ChatFormat.detect(tokenizer.chat_template, tool_format, reasoning_format)
+        self.eos_ids = sorted(tokenizer.eos_ids | self._turn_end_ids())
+        self.arguments_as_json = False
+        self.arguments_as_json = self.format.template_renders_calls and self._prints_arguments()
+
+    def _turn_end_ids(self) -> set[int]:
+        """The special token the template closes an assistant turn with (`<|im_end|>`,
+        `<|eot_id|>`, ...): a model ends its reply with it even where the tokenizer's
+        `eos_token` is another. Not for harmony, whose `<|end|>` also ends an analysis message
+        in the middle of a reply (its reply ends with `<|return|>` or `<|call|>`, which
+        generation_config.json lists)."""
+        if self.format.tool_format.NAME == "harmony":
+            return set()
+        marker = "MLXGATE_TURN_PROBE"
+        turns: list[Message] = [
+            {"role": "user", "content": "probe"},
+            {"role": "assistant", "content": marker},
+        ]
+        try:
+            text = self.tokenizer.render(turns, add_generation_prompt=False)
+        except Exception:  # a template that wants another conversation: nothing learned
+            return set()
+        if marker not in text:
+            return set()
+        after = self.tokenizer.encode(text[text.rindex(marker) + len(marker) :].lstrip(" "))
+        special = self.tokenizer.special_ids
+        return {after[0]} if after and after[0] in special else set()
+
+    def _prints_arguments(self) -> bool:
+        """Whether the template prints a call's arguments as given (it then needs JSON text)
+        rather than iterating or serialising them (it then needs an object)."""
+        arguments = {"probe_key": "probe_value"}
+        call = {
+            "id": "probe",
+            "type": "function",
+            "function": {"name": "probe", "arguments": arguments},
+        }
+        probe: list[Message] = [
+            {"role": "user", "content": "probe"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "probe", "content": "probe"},
+        ]
+        try:
+            text = self.tokenizer.render(self._shaped(probe), add_generation_prompt=True)
+        except Exception:  # the probe is not the conversation this template wants: assume objects
+            return False
+        return "{'probe_key'" in text
+
+    def _shaped(self, turns: list[Message]) -> list[Message]:
+        """Neutral turns in the shape the template reads: reasoning where it looks for it, calls
+        as its format lays them out, arguments as object or text."""
+        turns = self.format.reasoning.prepare(turns)
+        turns = self.format.tool_format.prepare(turns)
+        return _arguments_as_json(turns) if self.arguments_as_json else turns
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -169,7 +284,10 @@ class Renderer:
             continuation = messages[-1].get("content") or ""
             messages = messages[:-1]
         if fmt.template_renders_tools:
-            turns, template_tools = merge_turns(messages), tools or None
+            turns, template_tools = self._shaped(merge_turns(messages)), tools or None
+        elif fmt.template_renders_calls:
+            turns = self._shaped(merge_turns(_with_tool_prompt(messages, tools, fmt.tool_format)))
+            template_tools = None
         else:
             turns = merge_turns(_inline_tools(messages, tools, fmt.tool_format))
             template_tools = None
@@ -194,6 +312,9 @@ class Renderer:
         forced = ""
         if tools and choice.mode in ("any", "tool"):
             forced = fmt.tool_format.forced_opening(choice.name if choice.mode == "tool" else None)
+            if prefill and fmt.think is not None:
+                # A forced call does not reason: close the reasoning the template opened.
+                text, prefill = f"{text.rstrip()}\n\n{fmt.think[1]}\n\n", ""
         text += continuation + forced
         return Prompt(
             text=text,

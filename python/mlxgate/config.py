@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from functools import reduce
 
 from mlxgate.engine.settings import EngineSettings
+from mlxgate.formats import REASONING_FORMATS, TOOL_FORMATS
 from mlxgate.setting import build, setting
 
 CONFIG_ENV = "MLXGATE_CONFIG"
@@ -42,6 +43,22 @@ class Config:
         "answer only the served model's name and its aliases; a request naming any other "
         "model gets 404 (not_found_error; OpenAI: model_not_found)",
         default_text="any model name is answered by the served model",
+    )
+    tool_format: str = setting(
+        "auto",
+        "how the model writes tool calls and how earlier calls are rendered back into its prompt: "
+        f"{', '.join(sorted(TOOL_FORMATS))}",
+        metavar="NAME",
+        choices=("auto", *TOOL_FORMATS),
+        default_text="auto: detected from the chat template",
+    )
+    reasoning_format: str = setting(
+        "auto",
+        "how the model delimits its reasoning and where its template reads earlier reasoning: "
+        f"{', '.join(REASONING_FORMATS)}",
+        metavar="NAME",
+        choices=("auto", *REASONING_FORMATS),
+        default_text="auto: detected from the chat template",
     )
     # The Anthropic API no longer has these fields; OpenAI requests may set them.
     temperature: float = setting(

@@ -6,7 +6,8 @@ use super::{Opener, Step, ToolOut, ToolRegion, ToolSyntax};
 pub(super) static SYNTAX: ToolSyntax = ToolSyntax {
     name: "hermes",
     opener: Opener::Tag("<tool_call>"),
-    region: || Box::<Hermes>::default(),
+    tags: &["<tool_call>", "</tool_call>"],
+    region: |_| Box::<Hermes>::default(),
 };
 
 const CLOSE: &str = "</tool_call>";

@@ -259,14 +259,14 @@ impl CallParser {
 
 #[cfg(test)]
 mod tests {
-    use crate::markup::{MarkupParser, Pieces};
+    use crate::markup::Pieces;
 
     use crate::markup::tests::{all_splits, p, run, spec};
     use crate::markup::PieceKind::{ToolArgs, ToolEnd, ToolStart};
 
     #[test]
     fn args_stream_as_tokens_arrive() {
-        let mut parser = MarkupParser::new(spec(false, Some("hermes")));
+        let mut parser = crate::markup::tests::parser(spec(false, Some("hermes")));
         let mut seen = Vec::new();
         for chunk in [
             "<tool_call>{\"name\":\"f\",",

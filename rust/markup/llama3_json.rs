@@ -6,7 +6,8 @@ use super::{Opener, Step, ToolOut, ToolRegion, ToolSyntax};
 pub(super) static SYNTAX: ToolSyntax = ToolSyntax {
     name: "llama3_json",
     opener: Opener::ReplyStart(b'{'),
-    region: || Box::<Llama3Json>::default(),
+    tags: &[],
+    region: |_| Box::<Llama3Json>::default(),
 };
 
 #[derive(Debug, Default)]

@@ -6,7 +6,8 @@ use super::{Opener, Step, ToolOut, ToolRegion, ToolSyntax};
 pub(super) static SYNTAX: ToolSyntax = ToolSyntax {
     name: "mistral",
     opener: Opener::Tag("[TOOL_CALLS]"),
-    region: || Box::<Mistral>::default(),
+    tags: &["[TOOL_CALLS]"],
+    region: |_| Box::<Mistral>::default(),
 };
 
 #[derive(Debug, Default)]

@@ -6,14 +6,40 @@ use std::sync::Arc;
 use crate::error::CoreError;
 use crate::stop::find;
 
+mod deepseek_v3;
+mod glm;
+mod harmony;
 mod hermes;
+mod json_args;
 mod json_call;
+mod kimi_k2;
 mod llama3_json;
+mod minimax_m2;
 mod mistral;
+mod mistral_v11;
+mod qwen3_coder;
+mod schema;
+mod seed_oss;
+mod tags;
+mod xml_params;
+
+pub use schema::{ToolSchemas, Types};
 
 /// Every tool-call format, by the name a model is configured with. A new format is a module
 /// above and one line here.
-static FORMATS: &[&ToolSyntax] = &[&hermes::SYNTAX, &mistral::SYNTAX, &llama3_json::SYNTAX];
+static FORMATS: &[&ToolSyntax] = &[
+    &hermes::SYNTAX,
+    &mistral::SYNTAX,
+    &llama3_json::SYNTAX,
+    &qwen3_coder::SYNTAX,
+    &harmony::SYNTAX,
+    &glm::SYNTAX,
+    &mistral_v11::SYNTAX,
+    &kimi_k2::SYNTAX,
+    &deepseek_v3::SYNTAX,
+    &minimax_m2::SYNTAX,
+    &seed_oss::SYNTAX,
+];
 
 /// The names of the tool-call formats [`MarkupSpec::new`] accepts.
 pub fn format_names() -> impl ExactSizeIterator<Item = &'static str> {
@@ -33,8 +59,12 @@ fn syntax_named(name: &str) -> Result<&'static ToolSyntax, CoreError> {
 pub struct ToolSyntax {
     pub name: &'static str,
     pub opener: Opener,
-    /// A fresh state for one region of markup, entered just after the opener.
-    pub region: fn() -> Box<dyn ToolRegion>,
+    /// Every tag the format writes. Where the vocab has one as a special token (rendered to
+    /// nothing elsewhere), streams with this markup render it so the parser sees it.
+    pub tags: &'static [&'static str],
+    /// A fresh state for one region of markup, entered just after the opener, typing parameters
+    /// by the request's tool schemas.
+    pub region: fn(&Arc<ToolSchemas>) -> Box<dyn ToolRegion>,
 }
 
 /// Where a format's tool markup starts.
@@ -44,6 +74,9 @@ pub enum Opener {
     Tag(&'static str),
     /// The reply's first non-whitespace byte, if it is this one; the region starts at it.
     ReplyStart(u8),
+    /// The whole reply is one region (harmony's channels): it writes text and thinking too,
+    /// never ends, and handles its own malformed markup.
+    Whole,
 }
 
 /// The state of one region of tool-call markup in one stream, from its opener to its end: one
@@ -95,6 +128,16 @@ impl ToolOut<'_> {
         self.pieces.push_with(PieceKind::ToolArgs, f)
     }
 
+    /// Visible text, for a region that spans the whole reply ([`Opener::Whole`]).
+    pub fn text(&mut self, text: &str) {
+        self.pieces.push(PieceKind::Text, text);
+    }
+
+    /// Reasoning, for a region that spans the whole reply ([`Opener::Whole`]).
+    pub fn thinking(&mut self, text: &str) {
+        self.pieces.push(PieceKind::Thinking, text);
+    }
+
     /// The call ends; `args_complete` is false if its arguments had to be closed artificially.
     pub fn end(&mut self, args_complete: bool) {
         self.book.calls += 1;
@@ -126,6 +169,8 @@ pub struct MarkupSpec {
     open_tags: Vec<(String, Tag)>,
     /// Their first bytes: text without any of them cannot hold (part of) a tag.
     tag_starts: Vec<u8>,
+    /// Every tag of the think pair and the tool format: special tokens with these texts render.
+    tags: Vec<String>,
 }
 
 impl MarkupSpec {
@@ -150,12 +195,26 @@ impl MarkupSpec {
         let mut tag_starts: Vec<u8> = open_tags.iter().map(|(tag, _)| tag.as_bytes()[0]).collect();
         tag_starts.sort_unstable();
         tag_starts.dedup();
+        let mut tags: Vec<String> = tool_call
+            .iter()
+            .flat_map(|syntax| syntax.tags.iter().map(|tag| (*tag).to_owned()))
+            .collect();
+        if let Some((open, close)) = &think {
+            tags.extend([open.clone(), close.clone()]);
+        }
         Ok(Self {
             think,
             tool_call,
             open_tags,
             tag_starts,
+            tags,
         })
+    }
+
+    /// True if a special token with this text is one of the markup's tags, so it must reach the
+    /// parser although the vocab renders special tokens to nothing.
+    pub fn renders_special(&self, text: &[u8]) -> bool {
+        self.tags.iter().any(|tag| tag.as_bytes() == text)
     }
 
     pub fn think(&self) -> Option<(&str, &str)> {
@@ -248,6 +307,7 @@ enum Mode {
 #[derive(Debug)]
 pub struct MarkupParser {
     spec: Arc<MarkupSpec>,
+    tools: Arc<ToolSchemas>,
     mode: Mode,
     /// Input not yet consumed: a possible partial tag.
     carry: String,
@@ -258,24 +318,36 @@ pub struct MarkupParser {
     skip_ws: bool,
     /// Nothing visible yet, so a format that opens at the reply's start may still open.
     at_start: bool,
+    /// The whole reply is the tool format's region ([`Opener::Whole`]).
+    whole: bool,
 }
 
 impl MarkupParser {
-    pub fn new(spec: Arc<MarkupSpec>) -> Self {
-        let opens_at_start = matches!(
-            spec.tool_call.map(|syntax| syntax.opener),
-            Some(Opener::ReplyStart(_))
-        );
+    /// `tools` types the parameters of formats that write them as text (the XML formats).
+    pub fn new(spec: Arc<MarkupSpec>, tools: Arc<ToolSchemas>) -> Self {
+        let opener = spec.tool_call.map(|syntax| syntax.opener);
+        let opens_at_start = matches!(opener, Some(Opener::ReplyStart(_)));
+        let whole = opener == Some(Opener::Whole);
+        let mode = match spec.tool_call {
+            Some(syntax) if whole => Mode::Tool((syntax.region)(&tools)),
+            _ => Mode::Text,
+        };
         Self {
             spec,
-            mode: Mode::Text,
+            tools,
+            mode,
             carry: String::new(),
             raw: String::new(),
             book: CallBook::default(),
             held_ws: String::new(),
             skip_ws: opens_at_start,
             at_start: opens_at_start,
+            whole,
         }
+    }
+
+    pub fn spec(&self) -> &MarkupSpec {
+        &self.spec
     }
 
     /// Tool calls started so far (complete or not).
@@ -326,10 +398,12 @@ impl MarkupParser {
                 self.visible(&carry, out);
                 self.held_ws.clear();
             }
-            Mode::Tool(region) if self.book.committed => region.finish(&mut ToolOut {
-                pieces: out,
-                book: &mut self.book,
-            }),
+            Mode::Tool(region) if self.book.committed || self.whole => {
+                region.finish(&mut ToolOut {
+                    pieces: out,
+                    book: &mut self.book,
+                })
+            }
             Mode::Tool(_) => {
                 self.mode = Mode::Text;
                 let raw = std::mem::take(&mut self.raw);
@@ -445,7 +519,7 @@ impl MarkupParser {
 
     fn open_region(&mut self, syntax: &ToolSyntax) {
         self.book.committed = false;
-        self.mode = Mode::Tool((syntax.region)());
+        self.mode = Mode::Tool((syntax.region)(&self.tools));
     }
 
     fn enter(&mut self, tag: Tag, text: &str) {
@@ -467,7 +541,7 @@ impl MarkupParser {
 
     /// Keeps consumed markup for the text fallback while the call is uncommitted.
     fn keep_raw(&mut self, markup: &str) {
-        if self.book.committed {
+        if self.book.committed || self.whole {
             self.raw.clear();
         } else {
             self.raw.push_str(markup);
@@ -552,7 +626,7 @@ impl MarkupParser {
 }
 
 /// Length of the longest suffix of `text` that is a proper prefix of `tag`.
-fn partial_len(text: &str, tag: &str) -> usize {
+pub(super) fn partial_len(text: &str, tag: &str) -> usize {
     let (text, tag) = (text.as_bytes(), tag.as_bytes());
     let from = text.len() - (tag.len().saturating_sub(1)).min(text.len());
     (from..text.len())
@@ -569,13 +643,28 @@ mod tests {
         Arc::new(MarkupSpec::new(think, tool).unwrap())
     }
 
+    /// A parser for `spec` with no tool schemas.
+    pub(super) fn parser(spec: Arc<MarkupSpec>) -> MarkupParser {
+        MarkupParser::new(spec, Arc::default())
+    }
+
     /// Feeds chunks; returns the pieces (merged across chunks) as (kind, text) pairs.
     pub(super) fn run(
         spec: Arc<MarkupSpec>,
         prefill: &str,
         chunks: &[&str],
     ) -> (Vec<(PieceKind, String)>, MarkupParser) {
-        let mut parser = MarkupParser::new(spec);
+        run_with(spec, &Arc::default(), prefill, chunks)
+    }
+
+    /// As [`run`], with tool schemas.
+    pub(super) fn run_with(
+        spec: Arc<MarkupSpec>,
+        tools: &Arc<ToolSchemas>,
+        prefill: &str,
+        chunks: &[&str],
+    ) -> (Vec<(PieceKind, String)>, MarkupParser) {
+        let mut parser = MarkupParser::new(spec, tools.clone());
         let mut all = Pieces::default();
         parser.prefill(prefill, &mut all);
         for chunk in chunks {
@@ -615,6 +704,50 @@ mod tests {
     }
 
     use PieceKind::{Text, Thinking, ToolArgs, ToolEnd, ToolStart};
+
+    /// Checks that `text` parses the same fed whole, one char at a time and split in two at
+    /// every position, and that every prefix (generation cut anywhere) ends well-formed: each
+    /// call closed, with arguments that parse as a JSON object.
+    pub(super) fn check_splits_and_truncation(
+        spec: &Arc<MarkupSpec>,
+        tools: &Arc<ToolSchemas>,
+        text: &str,
+    ) {
+        let (whole, _) = run_with(spec.clone(), tools, "", &[text]);
+        let chars: Vec<String> = text.chars().map(String::from).collect();
+        let by_char: Vec<&str> = chars.iter().map(String::as_str).collect();
+        assert_eq!(run_with(spec.clone(), tools, "", &by_char).0, whole);
+        for (at, _) in text.char_indices().skip(1) {
+            let (a, b) = text.split_at(at);
+            let (got, _) = run_with(spec.clone(), tools, "", &[a, b]);
+            assert_eq!(got, whole, "split at {at}: {a:?} | {b:?}");
+            let (cut, _) = run_with(spec.clone(), tools, "", &[a]);
+            assert_well_formed(&cut, a);
+        }
+        assert_well_formed(&whole, text);
+    }
+
+    pub(super) fn assert_well_formed(pieces: &[(PieceKind, String)], text: &str) {
+        let mut args: Option<String> = None;
+        for (kind, piece) in pieces {
+            match kind {
+                ToolStart => {
+                    assert!(args.is_none(), "call inside a call: {text:?}");
+                    assert!(!piece.is_empty());
+                    args = Some(String::new());
+                }
+                ToolArgs => args.as_mut().expect("args inside a call").push_str(piece),
+                ToolEnd => {
+                    let json = args.take().expect("end inside a call");
+                    let value: serde_json::Value = serde_json::from_str(&json)
+                        .unwrap_or_else(|e| panic!("{text:?}: {json:?}: {e}"));
+                    assert!(value.is_object(), "{text:?}: {json:?}");
+                }
+                Text | Thinking => assert!(args.is_none(), "{text:?}"),
+            }
+        }
+        assert!(args.is_none(), "every call ends: {text:?}");
+    }
 
     pub(super) fn p(kind: PieceKind, text: &str) -> (PieceKind, String) {
         (kind, text.to_owned())
@@ -836,7 +969,19 @@ mod tests {
     fn formats_come_from_the_registry() {
         assert_eq!(
             format_names().collect::<Vec<_>>(),
-            ["hermes", "mistral", "llama3_json"]
+            [
+                "hermes",
+                "mistral",
+                "llama3_json",
+                "qwen3_coder",
+                "harmony",
+                "glm",
+                "mistral_v11",
+                "kimi_k2",
+                "deepseek_v3",
+                "minimax_m2",
+                "seed_oss"
+            ]
         );
         for name in format_names() {
             let spec = MarkupSpec::new(None, Some(name)).unwrap();
@@ -845,7 +990,7 @@ mod tests {
         let err = MarkupSpec::new(None, Some("qwen")).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "unknown tool call format \"qwen\" (expected \"hermes\", \"mistral\" or \"llama3_json\")"
+            "unknown tool call format \"qwen\" (expected \"hermes\", \"mistral\", \"llama3_json\", \"qwen3_coder\", \"harmony\", \"glm\", \"mistral_v11\", \"kimi_k2\", \"deepseek_v3\", \"minimax_m2\" or \"seed_oss\")"
         );
     }
 }

@@ -1,12 +1,16 @@
 //! The stream contract's Python names: `StreamSpec`, `FinishReason`, `ErrorKind`, `Dialect`, error replies.
 
+use std::sync::Arc;
+
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedStr;
 use pyo3::types::PyBytes;
 
 use super::markup::PyMarkup;
 use crate::events::anthropic::AnthropicParams;
 use crate::events::openai::{CompletionKind, OpenAiParams};
 use crate::events::{Dialect, DialectParams, ErrorKind, ErrorReply, FinishReason};
+use crate::markup::ToolSchemas;
 use crate::router::StreamSpec;
 
 /// Why a stream ended: the router's answer to the engine for every row that ended in a step.
@@ -149,6 +153,7 @@ fn spec(
     markup: Option<&Bound<'_, PyMarkup>>,
     prefill: &str,
     eos_ids: Vec<u32>,
+    tools: Vec<(PyBackedStr, PyBackedStr)>,
 ) -> PyStreamSpec {
     PyStreamSpec {
         inner: StreamSpec {
@@ -157,6 +162,7 @@ fn spec(
             markup: markup.map(|m| m.get().inner.clone()),
             prefill: prefill.to_owned(),
             eos_ids,
+            tools: Arc::new(ToolSchemas::new(&tools)),
         },
     }
 }
@@ -166,7 +172,7 @@ impl PyStreamSpec {
     #[staticmethod]
     #[pyo3(signature = (
         *, model, message_id, stream = true, stop_sequences = Vec::new(), markup = None,
-        prefill = "", eos_ids = Vec::new(),
+        prefill = "", eos_ids = Vec::new(), tools = Vec::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn anthropic(
@@ -177,6 +183,7 @@ impl PyStreamSpec {
         markup: Option<&Bound<'_, PyMarkup>>,
         prefill: &str,
         eos_ids: Vec<u32>,
+        tools: Vec<(PyBackedStr, PyBackedStr)>,
     ) -> PyStreamSpec {
         let params = AnthropicParams {
             model,
@@ -189,6 +196,7 @@ impl PyStreamSpec {
             markup,
             prefill,
             eos_ids,
+            tools,
         )
     }
 
@@ -196,6 +204,7 @@ impl PyStreamSpec {
     #[pyo3(signature = (
         *, model, completion_id, created, stream = true, include_usage = false, kind = "chat",
         stop_sequences = Vec::new(), markup = None, prefill = "", eos_ids = Vec::new(),
+        tools = Vec::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn openai(
@@ -209,6 +218,7 @@ impl PyStreamSpec {
         markup: Option<&Bound<'_, PyMarkup>>,
         prefill: &str,
         eos_ids: Vec<u32>,
+        tools: Vec<(PyBackedStr, PyBackedStr)>,
     ) -> PyResult<PyStreamSpec> {
         let params = OpenAiParams {
             model,
@@ -224,6 +234,7 @@ impl PyStreamSpec {
             markup,
             prefill,
             eos_ids,
+            tools,
         ))
     }
 

@@ -154,6 +154,7 @@ fn run(fixture: &Fixture) -> Vec<u8> {
         markup,
         prefill: open.prefill.clone(),
         eos_ids: open.eos_ids.clone(),
+        tools: Default::default(),
     };
     let usage = PromptUsage {
         prompt_tokens: open.prompt_tokens,

@@ -9,6 +9,10 @@ only attention sees them apart (models/banded_cache.py).
 Copying a band's whole KV cache costs ~0.15 s at 32 rows, so rows are slots: a sequence that
 ends leaves its slot (still computed, its tokens ignored) until a joining sequence is written
 into it, and a band is only compacted once more of its slots are free than in use.
+
+Layers keep whatever their kind needs (engine/cache_kinds.py): bands of different widths need
+every layer to be attention, slots need no sliding window; otherwise a batch has one band and
+rows that end are dropped at once.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mlxgate.engine import cache_kinds
+from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.contract import SamplingParams
 from mlxgate.engine.sampling import Sampler
 from mlxgate.models.banded_cache import BandedCache
@@ -40,8 +45,9 @@ _GREEDY = Sampler(SamplingParams())
 class DecodeBatch:
     """The bands, seen as one batch: rows (slots) in band order."""
 
-    def __init__(self, banded: bool = True) -> None:
-        self.max_bands = MAX_BANDS if banded else 1
+    def __init__(self, layout: CacheLayout, banded: bool = True) -> None:
+        self.layout = layout
+        self.max_bands = MAX_BANDS if banded and layout.all_attention else 1
         self.bands: list[_Band] = []
 
     def __len__(self) -> int:
@@ -69,20 +75,22 @@ class DecodeBatch:
 
     @property
     def caches(self) -> list[Any]:
-        """Per layer: the one band's BatchKVCache, or a BandedCache over all bands."""
+        """Per layer: the one band's batch cache, or a BandedCache over all bands."""
         if len(self.bands) == 1:
             return self.bands[0].caches
         return BandedCache.per_layer([band.caches for band in self.bands])
 
     def add(
         self,
-        caches: Sequence[BatchKVCache],
+        caches: Sequence[Any],
+        lengths: Sequence[int],
         stream_ids: Sequence[int],
         samplers: Sequence[Sampler],
         inputs: Sequence[int],
     ) -> None:
-        """Join rows whose keys/values `caches` hold (per layer, rows left-padded to its end)."""
-        lengths = np.array(caches[0].offset).tolist()
+        """Join rows whose `lengths` tokens `caches` hold (per layer, a batch cache; attention
+        rows left-padded to its end)."""
+        lengths = list(lengths)
         bands = list(self.bands)
         widths = [band.columns for band in bands]
         slots = [len(band.stream_ids) for band in bands]
@@ -96,7 +104,7 @@ class DecodeBatch:
             ]
             best = int(np.argmin(padding)) if padding else -1
             if best < 0 or (padding[best] > BAND_PADDING and len(bands) < self.max_bands):
-                bands.append(_Band())
+                bands.append(_Band(self.layout))
                 widths.append(length)
                 slots.append(1)
                 rows.append([row])
@@ -109,7 +117,7 @@ class DecodeBatch:
                 band.add(caches, lengths, sorted(band_rows), stream_ids, samplers, inputs)
         self.bands = bands
         # The copies are paid now, by the step that admits, not by the next decode step.
-        mx.eval([(c.keys, c.values) for band in bands for c in band.caches])
+        mx.eval([cache_kinds.arrays(c) for band in bands for c in band.caches])
 
     def drop(self, ended: np.ndarray) -> None:
         """Free the slots of rows that ended (a boolean mask over slots)."""
@@ -152,15 +160,16 @@ class DecodeBatch:
 
 
 class _Band:
-    """Rows sharing one BatchKVCache per layer. Per-slot state lives in numpy arrays, so a
+    """Rows sharing one batch cache per layer. Per-slot state lives in numpy arrays, so a
     step's bookkeeping is a few vector operations whatever the number of rows.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, layout: CacheLayout) -> None:
+        self.layout = layout
         self._empty()
 
     def _empty(self) -> None:
-        self.caches: list[BatchKVCache] = []
+        self.caches: list[Any] = []
         self.stream_ids = np.zeros(0, dtype=np.uint64)  # per slot; FREE when the slot is free
         self.samplers: list[Sampler] = []
         self.inputs = mx.array([], dtype=mx.uint32)  # the token each slot feeds next
@@ -173,12 +182,19 @@ class _Band:
         return self.stream_ids != FREE
 
     @property
+    def _attention(self) -> Any:
+        """An attention layer's cache: its padding and offsets are every attention layer's."""
+        layer = self.layout.attention_layer
+        return None if layer is None or not self.caches else self.caches[layer]
+
+    @property
     def columns(self) -> int:
-        return self.caches[0].size() if self.caches else 0
+        attention = self._attention
+        return attention.size() if attention is not None else 0  # type: ignore[no-any-return]
 
     def add(
         self,
-        caches: Sequence[BatchKVCache],
+        caches: Sequence[Any],
         lengths: list[int],
         rows: list[int],
         stream_ids: Sequence[int],
@@ -193,7 +209,7 @@ class _Band:
             self.caches = [_rows_of(cache, rows) for cache in caches]
         else:
             columns = self.columns
-            free = np.flatnonzero(~self.live).tolist()
+            free = np.flatnonzero(~self.live).tolist() if self.layout.slots else []
             appended = []
             for row in rows:
                 if free and lengths[row] <= columns:
@@ -218,61 +234,28 @@ class _Band:
 
     def _write_slots(
         self,
-        caches: Sequence[BatchKVCache],
+        caches: Sequence[Any],
         placed: list[tuple[int, int]],
         lengths: list[int],
         columns: int,
     ) -> None:
-        """Copy joining rows into free slots, right-aligned with the batch (in place)."""
-        padding = np.array(self.caches[0].left_padding)
-        offset = np.array(self.caches[0].offset)
-        for slot, row in placed:
-            padding[slot] = columns - lengths[row]
-            offset[slot] = lengths[row]
-        padding_mx, offset_mx = mx.array(padding), mx.array(offset)
-        for mine, theirs in zip(self.caches, caches, strict=True):
-            assert mine.keys is not None and mine.values is not None
-            assert theirs.keys is not None and theirs.values is not None
-            end = theirs.size()
+        """Copy joining rows into free slots, attention right-aligned with the batch (in place)."""
+        attention = self._attention
+        padding = offset = mx.array([])
+        if attention is not None:
+            padding_np = np.array(attention.left_padding)
+            offset_np = np.array(attention.offset)
             for slot, row in placed:
-                n = lengths[row]
-                mine.keys[slot : slot + 1, :, columns - n : columns, :] = theirs.keys[
-                    row : row + 1, :, end - n : end, :
-                ]
-                mine.values[slot : slot + 1, :, columns - n : columns, :] = theirs.values[
-                    row : row + 1, :, end - n : end, :
-                ]
-            mine.left_padding, mine.offset = padding_mx, offset_mx
-
-    def _append(self, caches: Sequence[BatchKVCache], rows: list[int]) -> None:
-        """Grow the batch by `rows` of the joining caches: one new buffer, both right-aligned.
-
-        (mlx-lm's `BatchKVCache.extend` pads both sides and concatenates: three copies.)
-        """
-        index = mx.array(rows, dtype=mx.int32)
+                padding_np[slot] = columns - lengths[row]
+                offset_np[slot] = lengths[row]
+            padding, offset = mx.array(padding_np), mx.array(offset_np)
         for mine, theirs in zip(self.caches, caches, strict=True):
-            assert mine.keys is not None and mine.values is not None
-            assert theirs.keys is not None and theirs.values is not None
-            ours, joining = mine.size(), theirs.size()
-            columns = max(ours, joining)
-            capacity = -(-columns // mine.step) * mine.step  # room for the next tokens
-            old = mine.keys.shape[0]
-            grown = []
-            for mine_kv, theirs_kv in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
-                _, heads, _, dim = mine_kv.shape
-                both = mx.zeros((old + len(rows), heads, capacity, dim), dtype=mine_kv.dtype)
-                both[:old, :, columns - ours : columns, :] = mine_kv[..., :ours, :]
-                both[old:, :, columns - joining : columns, :] = theirs_kv[index, :, :joining, :]
-                grown.append(both)
-            keys, values = grown
-            left_padding = mx.concatenate(
-                [
-                    mine.left_padding + (columns - ours),
-                    theirs.left_padding[index] + (columns - joining),
-                ]
-            )
-            offset = mx.concatenate([mine.offset, theirs.offset[index]])
-            mine.state = (keys, values, offset, left_padding, columns)
+            cache_kinds.write_slots(mine, theirs, placed, lengths, padding, offset)
+
+    def _append(self, caches: Sequence[Any], rows: list[int]) -> None:
+        """Grow the batch by `rows` of the joining caches."""
+        for mine, theirs in zip(self.caches, caches, strict=True):
+            cache_kinds.append_rows(mine, theirs, rows)
 
     def drop(self, ended: np.ndarray) -> None:
         """Free the slots of rows that ended (a boolean mask over slots)."""
@@ -284,7 +267,7 @@ class _Band:
         live = int(np.count_nonzero(self.stream_ids))
         if live == 0:
             self._empty()
-        elif len(self.stream_ids) - live > live:
+        elif len(self.stream_ids) - live > live or not self.layout.slots:
             self._compact()
         else:
             self._trim()
@@ -294,65 +277,27 @@ class _Band:
         rows = np.flatnonzero(self.live)
         index = mx.array(rows.astype(np.int32))
         for cache in self.caches:
-            cache.filter(index)
-            _own_buffers(cache)
+            cache_kinds.keep_rows(cache, index)
         self.stream_ids = self.stream_ids[rows]
         self.samplers = [self.samplers[i] for i in rows]
         self.inputs = self.inputs[index]
 
     def _trim(self) -> None:
         """Drop the leftmost columns once no live row uses them (they only cost attention)."""
-        padding = np.array(self.caches[0].left_padding)
+        attention = self._attention
+        if attention is None:
+            return
+        padding = np.array(attention.left_padding)
         unused = int(padding[self.live].min())
         if unused < TRIM_COLUMNS:
             return
         padding_mx = mx.array(np.maximum(padding - unused, 0))
         for cache in self.caches:
-            keys, values, offset, _, columns = cache.state
-            assert keys is not None and values is not None
-            cache.state = (
-                keys[..., unused:, :],
-                values[..., unused:, :],
-                offset,
-                padding_mx,
-                columns - unused,
-            )
-            _own_buffers(cache)
+            cache_kinds.drop_columns(cache, unused, padding_mx)
 
 
-def _own_buffers(cache: BatchKVCache) -> None:
-    """A column slice is a strided view; writing the next token into a view copies the whole
-    array every step, so make the keys/values contiguous once."""
-    assert cache.keys is not None and cache.values is not None
-    cache.keys = mx.contiguous(cache.keys)
-    cache.values = mx.contiguous(cache.values)
-
-
-def _rows_of(cache: BatchKVCache, rows: list[int]) -> BatchKVCache:
+def _rows_of(cache: Any, rows: list[int]) -> Any:
     """The joining cache itself if it is all `rows`, else a copy of just those rows."""
-    assert cache.keys is not None
-    if rows == list(range(cache.keys.shape[0])):
+    if rows == list(range(cache_kinds.rows(cache))):
         return cache
-    return BatchKVCache.merge([cache.extract(row) for row in rows])
-
-
-def one_row(cache: KVCache) -> BatchKVCache:
-    """One prompt's cache copied into a one-row batch cache, with room for the next tokens.
-
-    (`BatchKVCache.merge` leaves no room, so the first decode step would copy it again to grow
-    it: ~0.1 s for a 1,500-token prompt.)
-    """
-    assert cache.keys is not None and cache.values is not None
-    length = cache.offset
-    capacity = -(-(length + 1) // cache.step) * cache.step
-    keys, values = (_with_room(kv[..., :length, :], capacity) for kv in (cache.keys, cache.values))
-    row = BatchKVCache([0])
-    row.state = (keys, values, mx.array([length]), row.left_padding, length)
-    return row
-
-
-def _with_room(kv: mx.array, capacity: int) -> mx.array:
-    """`kv` followed by zeros up to `capacity` columns."""
-    batch, heads, columns, dim = kv.shape
-    room = mx.zeros((batch, heads, capacity - columns, dim), dtype=kv.dtype)
-    return mx.concatenate([kv, room], axis=2)
+    return cache_kinds.merge([cache.extract(row) for row in rows])

@@ -8,6 +8,7 @@ token is in the KV cache; that last token is its first decode input.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -19,10 +20,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxgate._native import ErrorKind, FinishReason, Reader, Router
-from mlxgate.engine.batch import DecodeBatch, one_row
+from mlxgate.engine import cache_kinds
+from mlxgate.engine.batch import DecodeBatch
+from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.contract import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.prefix_cache import PrefixCache, PrefixMatch
@@ -38,6 +40,22 @@ PING_INTERVAL_S = 10.0
 MAX_GROUP_ROWS = 32
 
 
+# Prompts of different lengths (three of them: a batch as large as a model's key/value head
+# count can broadcast a wrong mask without an error).
+_PROBE_PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
+
+
+def _differs(batched: list[mx.array], alone: list[mx.array]) -> str | None:
+    """How batched logits differ from logits computed alone, beyond rounding; None if not."""
+    for row, (a, b) in enumerate(zip(batched, alone, strict=True)):
+        a32, b32 = a.astype(mx.float32), b.astype(mx.float32)
+        ratio = mx.linalg.norm(a32 - b32) / mx.maximum(mx.linalg.norm(b32), 1e-6)
+        error: float = ratio.item()  # type: ignore[assignment]
+        if error > 1e-2:
+            return f"row {row}'s logits differ from its logits alone by {error:.0%}"
+    return None
+
+
 def _ema(previous: float | None, sample: float, weight: float = 0.2) -> float:
     return sample if previous is None else previous + weight * (sample - previous)
 
@@ -51,7 +69,7 @@ class _Pending:
     match: PrefixMatch | None
     submitted_at: float = field(default_factory=time.monotonic)
     last_ping: float = field(default_factory=time.monotonic)
-    caches: list[KVCache] | None = None  # per layer, once prefill has started
+    caches: list[Any] | None = None  # per layer (`model.make_cache()`), once prefill started
     done: int = 0  # prompt tokens whose keys/values are in `caches`
     last_chunk: tuple[int, float] | None = None  # (tokens, seconds) of its latest prefill pass
 
@@ -67,7 +85,7 @@ class _PromptGroup:
 
     rows: list[_Pending]
     tokens: np.ndarray  # [rows, columns]: the uncached rest of each prompt, right-padded
-    caches: list[BatchKVCache]  # per layer
+    caches: list[Any]  # per layer, batch caches
 
 
 class Engine:
@@ -83,9 +101,26 @@ class Engine:
         self.router = router
         self.settings = settings or EngineSettings()
         self.metrics = EngineMetrics()
-        self.prefix_cache = PrefixCache(self.settings.prefix_cache_mb << 20)
-        self._num_layers = len(self.model.layers)
         self._adapter = ModelAdapter(self.model)
+        # Raises UnsupportedCache for a layer cache the engine cannot batch: at start-up.
+        self.layout = CacheLayout.of(self._adapter.make_cache())
+        self.prefix_cache = PrefixCache(
+            self.settings.prefix_cache_mb << 20, cuttable=self.layout.cuttable
+        )
+        # mlx-lm's code for some models fails on several sequences at once: found out now.
+        self.prefill_problem = self._try_batched_prefill()
+        if self.prefill_problem is not None:
+            log.warning(
+                "this model cannot prefill several prompts in one pass (%s): one at a time",
+                self.prefill_problem,
+            )
+        self.decode_problem = self._try_batched_decode()
+        if self.decode_problem is not None:
+            log.warning(
+                "this model cannot decode several sequences in one batch (%s): one at a time",
+                self.decode_problem,
+            )
+            self.settings = dataclasses.replace(self.settings, max_running=1)
         self._gone: set[int] = set()  # cancelled stream ids not yet dropped
         # Measured as the engine runs: a decode step, and one prefilled token (seconds).
         self._decode_s: float | None = None
@@ -100,7 +135,57 @@ class Engine:
         self._waiting: deque[_Pending] = deque()
         # Bands of rows need the attention that attends band by band.
         self._banded = self._adapter.banded_attention
-        self._batch = DecodeBatch(self._banded)
+        self._batch = DecodeBatch(self.layout, self._banded)
+
+    def _try_batched_prefill(self) -> str | None:
+        """Why prompts of different lengths cannot prefill in one right-padded pass, or None.
+
+        The pass is checked by the next decode step, compared with each prompt alone: some
+        models' code broadcasts a batch mask over the wrong axis (mlx-lm's gemma2), or lets the
+        padding into a recurrent state (mlx-lm's nemotron_h), which fails or, worse, runs and
+        computes something else.
+        """
+        prompts = _PROBE_PROMPTS
+        rests = [len(p) - 1 for p in prompts]
+        width = max(rests)
+        caches = [cache_kinds.merge([c] * len(prompts)) for c in self._adapter.make_cache()]
+        tokens = mx.array([p[:-1] + [0] * (width - n) for p, n in zip(prompts, rests, strict=True)])
+        try:
+            for cache in caches:
+                cache.prepare(lengths=rests, right_padding=[width - n for n in rests])
+            self._adapter.prefill(tokens.astype(mx.uint32), caches)
+            for cache in caches:
+                cache.finalize()
+            inputs = mx.array([p[-1] for p in prompts], dtype=mx.uint32)
+            logits = self._adapter.decode(inputs, caches)
+        except Exception as exc:  # any failure means: do not batch this way
+            return f"{type(exc).__name__}: {exc}"
+        return _differs(list(logits), self._one_at_a_time(prompts))
+
+    def _try_batched_decode(self) -> str | None:
+        """Why sequences of different lengths cannot decode in one batch, or None."""
+        prompts = _PROBE_PROMPTS
+        rows = [self._adapter.make_cache() for _ in prompts]
+        try:
+            for caches, prompt in zip(rows, prompts, strict=True):
+                self._adapter.prefill(mx.array([prompt[:-1]], dtype=mx.uint32), caches)
+            batch = [cache_kinds.batch_of_one(c) for c in rows[0]]
+            for row in rows[1:]:
+                for mine, theirs in zip(batch, row, strict=True):
+                    cache_kinds.append_rows(mine, cache_kinds.batch_of_one(theirs), [0])
+            inputs = mx.array([p[-1] for p in prompts], dtype=mx.uint32)
+            logits = self._adapter.decode(inputs, batch)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return _differs(list(logits), self._one_at_a_time(prompts))
+
+    def _one_at_a_time(self, prompts: list[list[int]]) -> list[mx.array]:
+        """Each prompt's last logits, computed alone."""
+        out = []
+        for prompt in prompts:
+            caches = self._adapter.make_cache()
+            out.append(self.model(mx.array([prompt], dtype=mx.uint32), cache=caches)[0, -1])
+        return out
 
     def admit(self, request: GenerationRequest) -> Reader:
         """Open the request's stream and queue it, or raise an AdmissionError."""
@@ -115,14 +200,15 @@ class Engine:
             raise QueueFull(retry_after_s=1 + queued // 8)
         match = self.prefix_cache.lookup(request.prompt_ids)
         stream_id = next(self._ids)
-        reader = self.router.open(
-            stream_id,
-            request.stream,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=match.length if match else 0,
-            max_tokens=min(request.max_tokens or context, context - prompt_tokens),
-        )
+        # Opened and queued as one: a cancel the engine polls finds the request somewhere.
         with self._wakeup:
+            reader = self.router.open(
+                stream_id,
+                request.stream,
+                prompt_tokens=prompt_tokens,
+                cached_tokens=match.length if match else 0,
+                max_tokens=min(request.max_tokens or context, context - prompt_tokens),
+            )
             self._incoming.append(_Pending(stream_id, request, match))
             self._wakeup.notify()
         return reader
@@ -149,13 +235,12 @@ class Engine:
 
     def _run(self) -> None:
         # MLX streams are per thread: every array the engine evaluates is made on this thread.
-        self._batch = DecodeBatch(self._banded)
+        self._batch = DecodeBatch(self.layout, self._banded)
         while self._running.is_set():
             with self._wakeup:
                 if not (self._incoming or self._waiting or len(self._batch)):
                     self._wakeup.wait(timeout=1.0)
-                while self._incoming:
-                    self._waiting.append(self._incoming.popleft())
+            self._take_incoming()
             try:
                 self._step()
             except Exception as exc:
@@ -168,7 +253,7 @@ class Engine:
         for pending in self._waiting:
             self.router.fail(pending.stream_id, ErrorKind.INTERNAL, message)
         self._waiting.clear()
-        self._batch = DecodeBatch(self._banded)
+        self._batch = DecodeBatch(self.layout, self._banded)
 
     def _step(self) -> None:
         self._drop_cancelled()
@@ -262,10 +347,17 @@ class Engine:
         self._gone.update(self.router.cancelled())
         return self._gone
 
+    def _take_incoming(self) -> None:
+        with self._wakeup:
+            while self._incoming:
+                self._waiting.append(self._incoming.popleft())
+
     def _drop_cancelled(self) -> None:
         gone = self._poll_cancelled()
         if not gone:
             return
+        # A request cancelled as soon as it was admitted may still be incoming.
+        self._take_incoming()
         self._gone = set()
         waiting = len(self._waiting)
         self._waiting = deque(p for p in self._waiting if p.stream_id not in gone)
@@ -305,7 +397,7 @@ class Engine:
             room -= sum(len(g.rows) for g in groups)
             if room <= 0:
                 break
-            group = self._whole_prompts(budget, room)
+            group = None if self.prefill_problem else self._whole_prompts(budget, room)
             if group is not None:
                 # Several short prompts that fit this step: one forward pass for all of them.
                 for _ in group.rows:
@@ -381,9 +473,9 @@ class Engine:
         for row, pending in enumerate(rows):
             tokens[row, : rests[row]] = pending.request.prompt_ids[pending.done : -1]
         caches = []
-        for layer in range(self._num_layers):
-            cache = BatchKVCache.merge([p.caches[layer] for p in rows])  # type: ignore[index]
-            cache.prepare(right_padding=[width - rest for rest in rests])
+        for layer in zip(*(p.caches for p in rows if p.caches is not None), strict=True):
+            cache = cache_kinds.merge(layer)
+            cache.prepare(lengths=rests, right_padding=[width - rest for rest in rests])
             caches.append(cache)
         return _PromptGroup(rows, tokens, caches)
 
@@ -395,7 +487,7 @@ class Engine:
         # The right padding moves to the left, where the decode batch expects it.
         for cache in group.caches:
             cache.finalize()
-        mx.eval([c.state[:4] for c in group.caches])
+        mx.eval([cache_kinds.arrays(c) for c in group.caches])
         return True
 
     def _forward_prompt(self, tokens: mx.array, pending: _Pending) -> bool:
@@ -417,14 +509,14 @@ class Engine:
             self.metrics.cache_hit_tokens += pending.match.length
             pending.match = None
         else:
-            pending.caches = [KVCache() for _ in range(self._num_layers)]
+            pending.caches = self._adapter.make_cache()
 
     def _join_batch(self, admitted: list[_Pending]) -> None:
         for pending in admitted:
             assert pending.caches is not None
             self.prefix_cache.store(pending.request.prompt_ids[: pending.done], pending.caches)
             # One at a time: together they would be padded to the longest before joining.
-            self._add_rows([pending], [one_row(cache) for cache in pending.caches])
+            self._add_rows([pending], [cache_kinds.batch_of_one(c) for c in pending.caches])
 
     def _join_group(self, group: _PromptGroup) -> None:
         for row, pending in enumerate(group.rows):
@@ -432,12 +524,13 @@ class Engine:
             self.prefix_cache.store(pending.request.prompt_ids[:-1], own)
         self._add_rows(group.rows, group.caches)
 
-    def _add_rows(self, joining: list[_Pending], caches: list[BatchKVCache]) -> None:
+    def _add_rows(self, joining: list[_Pending], caches: list[Any]) -> None:
         now = time.monotonic()
         with self.metrics.lock:
             self.metrics.ttft_s.extend(now - p.submitted_at for p in joining)
         self._batch.add(
             caches,
+            [len(p.request.prompt_ids) - 1 for p in joining],
             [p.stream_id for p in joining],
             [Sampler(p.request.sampling) for p in joining],
             [p.request.prompt_ids[-1] for p in joining],

@@ -1,22 +1,30 @@
-"""KV reuse across requests: the longest cached token prefix, bounded by bytes, LRU eviction."""
+"""Cache reuse across requests: the longest cached token prefix, bounded by bytes, LRU eviction.
+
+An entry holds a copy of every layer's cache after a run of tokens. Attention keys/values can
+be cut at any token, so an entry serves any prompt that shares part of its tokens. A sliding
+window or a recurrent state holds exactly what it has seen: for a model with such layers an
+entry is a snapshot, reused only by a prompt that starts with all of its tokens, and shorter
+snapshots are kept beside longer ones (an agent's next turn branches off where its last prompt
+ended, another session's off the end of the shared system prompt).
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
 
-LayerKV = tuple[mx.array, mx.array]  # keys, values: [1, kv_heads, tokens, head_dim]
+from mlxgate.engine import cache_kinds
 
 
 @dataclass(frozen=True)
 class CacheEntry:
-    tokens: np.ndarray  # the token ids whose keys/values `layers` hold, in order
-    layers: list[LayerKV]
+    tokens: np.ndarray  # the token ids whose state `layers` hold, in order
+    layers: list[Any]  # per layer, a single-sequence cache no one writes to
     nbytes: int
 
 
@@ -25,16 +33,11 @@ class PrefixMatch:
     entry: CacheEntry
     length: int  # tokens of the entry reused as the request's prefix
 
-    def caches(self) -> list[KVCache]:
+    def caches(self) -> list[Any]:
         """Fresh per-layer caches holding the first `length` tokens (engine thread only)."""
-        out = []
-        for keys, values in self.entry.layers:
-            cache = KVCache()
-            cache.keys = keys[..., : self.length, :]
-            cache.values = values[..., : self.length, :]
-            cache.offset = self.length
-            out.append(cache)
-        return out
+        if self.length == len(self.entry.tokens):
+            return [cache_kinds.snapshot(layer) for layer in self.entry.layers]
+        return [cache_kinds.cut(layer, self.length) for layer in self.entry.layers]
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -50,9 +53,10 @@ class PrefixCache:
     engine thread; a lock guards the index, never MLX work.
     """
 
-    def __init__(self, max_bytes: int, min_tokens: int = 16) -> None:
+    def __init__(self, max_bytes: int, min_tokens: int = 16, *, cuttable: bool = True) -> None:
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens
+        self.cuttable = cuttable  # entries can be reused in part (attention keys/values only)
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
         self._next_key = 0
         self._bytes = 0
@@ -70,43 +74,45 @@ class PrefixCache:
         if self.max_bytes <= 0 or len(prompt) <= self.min_tokens:
             return None
         tokens = np.asarray(prompt, dtype=np.int32)
+        limit = len(prompt) - 1
         best_key, best_len = -1, 0
         with self._lock:
             for key, entry in self._entries.items():
-                length = _common_prefix(entry.tokens, tokens)
+                length = min(_common_prefix(entry.tokens, tokens), limit)
+                if not self.cuttable and length < len(entry.tokens):
+                    continue  # a snapshot is all or nothing
                 if length > best_len:
                     best_key, best_len = key, length
-            best_len = min(best_len, len(prompt) - 1)
             if best_len < self.min_tokens:
                 return None
             self._entries.move_to_end(best_key)
             return PrefixMatch(self._entries[best_key], best_len)
 
-    def store(self, tokens: list[int] | np.ndarray, caches: list[KVCache]) -> None:
-        """Keep the keys/values of `tokens` (each cache holds exactly those, batch size 1)."""
+    def store(self, tokens: list[int] | np.ndarray, caches: list[Any]) -> None:
+        """Keep a copy of the state of `tokens` (each cache holds exactly those, one sequence)."""
         if self.max_bytes <= 0 or len(tokens) < self.min_tokens:
             return
-        layers = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
-        mx.eval(layers)
-        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        layers = [cache_kinds.snapshot(cache) for cache in caches]
+        mx.eval([cache_kinds.arrays(layer) for layer in layers])
+        nbytes = sum(cache_kinds.nbytes(layer) for layer in layers)
         if nbytes > self.max_bytes:
             return
         entry = CacheEntry(np.asarray(tokens, dtype=np.int32), layers, nbytes)
         with self._lock:
             for key, old in self._entries.items():
-                if len(old.tokens) >= len(entry.tokens) and _common_prefix(
-                    old.tokens, entry.tokens
-                ) == len(entry.tokens):
+                if _common_prefix(old.tokens, entry.tokens) == len(entry.tokens) and (
+                    len(old.tokens) == len(entry.tokens) or self.cuttable
+                ):
                     self._entries.move_to_end(key)  # already covered by a longer entry
                     return
-            # An entry that the new one extends is redundant.
-            for key in [
-                k
-                for k, old in self._entries.items()
-                if len(old.tokens) <= len(entry.tokens)
-                and _common_prefix(old.tokens, entry.tokens) == len(old.tokens)
-            ]:
-                self._bytes -= self._entries.pop(key).nbytes
+            if self.cuttable:
+                # An entry that the new one extends is redundant.
+                for key in [
+                    k
+                    for k, old in self._entries.items()
+                    if _common_prefix(old.tokens, entry.tokens) == len(old.tokens)
+                ]:
+                    self._bytes -= self._entries.pop(key).nbytes
             self._entries[self._next_key] = entry
             self._next_key += 1
             self._bytes += nbytes

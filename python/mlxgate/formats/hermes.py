@@ -5,6 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mlxgate.formats.common import json_call_opening
+from mlxgate.formats.common import no_tool_prompt as tool_prompt
+from mlxgate.formats.common import unchanged as prepare
+
+__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call", "tool_prompt"]
+
 NAME = "hermes"
 
 
@@ -18,8 +24,3 @@ def render_call(name: str, arguments: dict[str, Any]) -> str:
 
 def forced_opening(name: str | None) -> str:
     return f"<tool_call>\n{json_call_opening(name)}"
-
-
-def json_call_opening(name: str | None) -> str:
-    """The call object up to its arguments (a named tool), or up to the name (any tool)."""
-    return f'{{"name": {json.dumps(name)}, "arguments": ' if name else '{"name": "'

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxgate.formats.hermes import json_call_opening
+from mlxgate.formats.common import json_call_opening
+from mlxgate.formats.common import no_tool_prompt as tool_prompt
+from mlxgate.formats.common import unchanged as prepare
+
+__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call", "tool_prompt"]
 
 NAME = "mistral"
 

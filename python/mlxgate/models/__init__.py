@@ -8,6 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlxgate.models.adapter import install_kernels
 from mlxgate.models.tokenizer import ChatTokenizer
@@ -22,6 +23,28 @@ class LoadedModel:
     tokenizer: ChatTokenizer
     context_length: int
     source: str
+
+
+def architecture(model: nn.Module) -> str:
+    """The mlx-lm model type, e.g. "qwen3_next"."""
+    model_type = getattr(model, "model_type", None)
+    return model_type if isinstance(model_type, str) else type(model).__module__.rsplit(".")[-1]
+
+
+def precision(model: nn.Module) -> str:
+    """How the weights are stored, e.g. "4-bit affine (group 64)", "bfloat16"."""
+    quantized = {
+        (m.bits, getattr(m, "mode", "affine"), m.group_size)
+        for m in model.modules()
+        if hasattr(m, "bits") and hasattr(m, "group_size")
+    }
+    if quantized:
+        return " + ".join(
+            f"{bits}-bit {mode} (group {group})" for bits, mode, group in sorted(quantized)
+        )
+    parameters: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    dtypes = {array.dtype for _, array in parameters}
+    return "/".join(sorted(str(d).removeprefix("mlx.core.") for d in dtypes))
 
 
 def default_model_path() -> Path:

@@ -8,6 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlxgate.models import cpu_attention, fast_exp
 
@@ -25,8 +26,9 @@ def install_kernels(model: nn.Module) -> None:
 class ModelAdapter:
     """What the engine needs from an mlx-lm model, through the model's own code.
 
-    The prefill runs mlx-lm's backbone as it is: the model without its LM head (`model.model`),
-    or the whole model if it keeps no such part.
+    The prefill runs mlx-lm's backbone as it is: the model without its LM head (the submodule
+    that holds the model's `layers`: `model.model`, `model.backbone`, ...), or the whole model if
+    it keeps no such part.
     It can stop between layers because each decoder layer instance in `backbone.layers` is
     wrapped: while a prefill with a stop check runs, a layer evaluates its output and ends the
     pass if the check says so. A model without a `layers` list is prefilled whole, without that
@@ -35,11 +37,18 @@ class ModelAdapter:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        backbone = getattr(model, "model", None)
-        self.backbone = backbone if isinstance(backbone, nn.Module) else model
+        # Arrays a model builds in its constructor outside its parameters (e.g. rotary
+        # frequencies) are lazy until first used; MLX streams are per thread, so they are
+        # computed here rather than first on the engine's thread, which cannot run them.
+        mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
+        self.backbone = _backbone(model)
         layers = getattr(self.backbone, "layers", None)
         self.layers: list[nn.Module] = list(layers) if isinstance(layers, list) else []
         self._check = _make_stoppable(self.layers)
+
+    def make_cache(self) -> list[Any]:
+        """A fresh single-sequence cache per layer, of the kinds the model asks for."""
+        return make_prompt_cache(self.model)
 
     @property
     def cancellable(self) -> bool:
@@ -73,6 +82,23 @@ class ModelAdapter:
             self._check.should_stop = None
         mx.eval([c.state for c in caches])
         return True
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """The submodule that runs the model's decoder layers and returns hidden states: the
+    shallowest one holding the layers the model lists (`model.model`, `model.backbone`,
+    `model.language_model.model`, ...), else the model itself."""
+    listed = getattr(model, "layers", None)
+    modules = sorted(model.named_modules(), key=lambda named: named[0].count("."))
+    for name, module in modules:
+        layers = getattr(module, "layers", None)
+        if not (name and isinstance(layers, list) and layers):
+            continue
+        if not isinstance(listed, list) or (
+            len(layers) == len(listed) and all(a is b for a, b in zip(layers, listed, strict=True))
+        ):
+            return module
+    return model
 
 
 class _Stopped(Exception):

@@ -57,7 +57,7 @@ def _softmax_numpy(scores: mx.array, mask: mx.array | str | None, n: int, t: int
     batch, kv_heads, rows, _ = scores.shape
     probs = np.array(scores).reshape(batch, kv_heads, rows // n, n, t)
     if mask is not None:
-        array = np.asarray(_grouped_mask(mask, n, t))
+        array = np.asarray(_grouped_mask(mask, kv_heads, n, t))
         probs += (
             np.where(array, np.float32(0.0), np.float32(-np.inf))
             if array.dtype == np.bool_
@@ -115,26 +115,28 @@ def scaled_dot_product_attention(
             scores = _masked(scores, mask, n, t)
         weights, sums = _softmax_mlx(scores)
         out = (weights @ values) / sums
-    return out.reshape(batch, heads, n, head_dim)
+    return out.reshape(batch, heads, n, values.shape[-1])  # MLA values are narrower than keys
 
 
 def _masked(scores: mx.array, mask: mx.array | str, n: int, t: int) -> mx.array:
     """Scores [batch, kv_heads, repeats * n, t] with masked keys at -inf."""
     batch, kv_heads, rows, _ = scores.shape
-    array = _grouped_mask(mask, n, t)
+    array = _grouped_mask(mask, kv_heads, n, t)
     grouped = scores.reshape(batch, kv_heads, rows // n, n, t)
     grouped = mx.where(array, grouped, -mx.inf) if array.dtype == mx.bool_ else grouped + array
     return grouped.reshape(batch, kv_heads, rows, t)
 
 
-def _grouped_mask(mask: mx.array | str, n: int, t: int) -> mx.array:
+def _grouped_mask(mask: mx.array | str, kv_heads: int, n: int, t: int) -> mx.array:
     """The mask (boolean, or additive) shaped to broadcast over scores grouped as
     [batch, kv_heads, repeats, n, t]."""
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unsupported attention mask {mask!r}")
         return base.create_causal_mask(n, offset=t - n)
-    return mask[:, :, None] if mask.ndim == 4 else mask  # [batch, 1, n, t] per query head
+    if mask.ndim == 4 and mask.shape[1] > 1:  # one per query head (MLA's position scores)
+        return mask.reshape(mask.shape[0], kv_heads, -1, n, t)
+    return mask[:, :, None] if mask.ndim == 4 else mask  # [batch, 1, n, t] for every head
 
 
 def installed(model: nn.Module) -> bool:

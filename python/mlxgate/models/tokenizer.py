@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import SandboxedEnvironment
 from tokenizers import Tokenizer
 
 VocabKind = Literal["byte_level", "sentencepiece"]
@@ -42,7 +43,9 @@ class ChatTokenizer:
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # Sandboxed but mutable: templates keep state in lists they build (Kimi K2 appends to
+        # one); the messages they read are rebuilt for every render.
+        env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -102,10 +105,12 @@ class ChatTokenizer:
         eos_ids: set[int] = set()
         if eos_token and (eos_id := tokenizer.token_to_id(eos_token)) is not None:
             eos_ids.add(eos_id)
-        generation = path / "generation_config.json"
-        if generation.exists():
-            eos = json.loads(generation.read_text()).get("eos_token_id")
-            eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        # The model's own end tokens: config.json (as mlx-lm reads them) and
+        # generation_config.json list them, often more than the tokenizer's one eos_token.
+        for name in ("config.json", "generation_config.json"):
+            if (path / name).exists():
+                eos = json.loads((path / name).read_text()).get("eos_token_id")
+                eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         model_type = json.loads(tokenizer.to_str()).get("model", {})
         kind: VocabKind = "sentencepiece" if model_type.get("byte_fallback") else "byte_level"
         special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxgate import chat
 from mlxgate.api.errors import invalid
+from mlxgate.formats.reasoning import FIELD as REASONING
 
 # Claude Code sends a per-session block that would defeat prefix reuse; it carries no instructions.
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
@@ -30,6 +31,7 @@ class ContentBlock(BaseModel):
     content: str | list[ContentBlock] | None = None
     is_error: bool | None = None
     tool_name: str | None = None
+    thinking: str | None = None
 
 
 class InputMessage(_Lenient):
@@ -104,6 +106,7 @@ def _convert_message(index: int, message: InputMessage) -> list[chat.Message]:
         )
     turns: list[chat.Message] = []
     texts: list[str] = []
+    reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
 
     def flush_text() -> None:
@@ -115,8 +118,11 @@ def _convert_message(index: int, message: InputMessage) -> list[chat.Message]:
         where = f"messages.{index}.content.{i}"
         if block.type == "text":
             texts.append(block.text or "")
+        elif block.type == "thinking" and role == "assistant":
+            # Replayed where the model's template reads earlier reasoning (see formats.reasoning).
+            reasoning.append(block.thinking or "")
         elif block.type in ("thinking", "redacted_thinking"):
-            continue  # earlier reasoning is not replayed into the prompt
+            continue  # redacted reasoning has no text a local model wrote
         elif block.type == "tool_use" and role == "assistant":
             arguments = block.input if isinstance(block.input, dict) else {}
             calls.append(
@@ -141,6 +147,8 @@ def _convert_message(index: int, message: InputMessage) -> list[chat.Message]:
             raise invalid(f"{where}: content block type {block.type!r} is not supported here")
     if role == "assistant":
         turn: chat.Message = {"role": "assistant", "content": "\n".join(texts)}
+        if any(reasoning):
+            turn[REASONING] = "\n\n".join(r for r in reasoning if r)
         if calls:
             turn["tool_calls"] = calls
         return [turn]

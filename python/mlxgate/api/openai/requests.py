@@ -13,6 +13,7 @@ from mlxgate._native import ErrorKind
 from mlxgate.api.errors import ApiError, invalid
 from mlxgate.api.shared import sampling
 from mlxgate.engine import SamplingParams
+from mlxgate.formats.reasoning import FIELD as REASONING
 
 
 class _Lenient(BaseModel):
@@ -40,6 +41,9 @@ class ChatMessage(_Lenient):
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # Earlier reasoning as this server (and vLLM, DeepSeek) returns it; `reasoning` as some send it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionSpec(_Lenient):
@@ -149,16 +153,23 @@ def _messages(request: ChatCompletionRequest) -> list[chat.Message]:
             out.append({"role": "system", "content": text})
         elif message.role == "tool":
             out.append({"role": "tool", "tool_call_id": message.tool_call_id, "content": text})
-        elif message.role == "assistant" and message.tool_calls:
-            calls = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.function.name, "arguments": _arguments(call, where)},
-                }
-                for call in message.tool_calls
-            ]
-            out.append({"role": "assistant", "content": text, "tool_calls": calls})
+        elif message.role == "assistant":
+            turn: chat.Message = {"role": "assistant", "content": text}
+            if reasoning := message.reasoning_content or message.reasoning:
+                turn[REASONING] = reasoning
+            if message.tool_calls:
+                turn["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {
+                            "name": call.function.name,
+                            "arguments": _arguments(call, where),
+                        },
+                    }
+                    for call in message.tool_calls
+                ]
+            out.append(turn)
         else:
             out.append({"role": message.role, "content": text})
     return chat.merge_turns(out)

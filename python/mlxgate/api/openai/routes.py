@@ -24,6 +24,7 @@ from mlxgate.api.shared import (
     admit,
     parse,
     render,
+    tool_schemas,
 )
 from mlxgate.engine import GenerationRequest, PromptTooLong
 
@@ -60,7 +61,8 @@ class OpenAIAPI:
         request = parse(ChatCompletionRequest, body)
         request.check()
         self.services.models.check(request.model)
-        prompt = render(self.services.renderer, conversation(request))
+        request_conversation = conversation(request)
+        prompt = render(self.services.renderer, request_conversation)
         await self._generate(
             receive,
             send,
@@ -69,6 +71,7 @@ class OpenAIAPI:
             request.max_completion_tokens or request.max_tokens,
             kind="chat",
             prompt=prompt,
+            tools=tool_schemas(request_conversation),
         )
 
     async def completions(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
@@ -95,6 +98,7 @@ class OpenAIAPI:
         *,
         kind: Literal["chat", "completion"],
         prompt: chat.Prompt | None = None,
+        tools: list[tuple[str, str]] | None = None,
     ) -> None:
         services = self.services
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -109,6 +113,7 @@ class OpenAIAPI:
             markup=prompt.markup if prompt else None,
             prefill=prompt.prefill if prompt else "",
             eos_ids=services.renderer.eos_ids,
+            tools=tools or [],
         )
         generation = GenerationRequest(
             prompt_ids, stream, max_tokens, request.sampling(services.default_sampling)

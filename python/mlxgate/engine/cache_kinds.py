@@ -1,0 +1,302 @@
+"""What the engine does with each kind of layer cache an mlx-lm model makes.
+
+A model says what each layer keeps through `make_cache()`: full attention keys/values
+(`KVCache`), a sliding window of them (`RotatingKVCache`), a recurrent or convolution state
+(`ArraysCache`, for linear-attention and SSM layers), or several of these (`CacheList`). Each
+has a batched form in mlx-lm (`BatchKVCache`, `BatchRotatingKVCache`; `ArraysCache` batches
+itself) with `merge`, `extend`, `filter` and `extract`; the engine uses those, and its own
+faster copies only where it has them (attention keys/values).
+
+What a kind allows:
+- a row can be written into a free slot of the batch: attention and recurrent state, not a
+  rotated window (its rows share one write position);
+- a cached prefix can be cut at any token: attention keys/values only. A window or a state holds
+  exactly the tokens it has seen, so it is reused only whole (a snapshot).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+)
+
+# Single-sequence cache kinds the engine batches, by what their layers do.
+_LAYER_NAMES: dict[type, str] = {
+    KVCache: "attention",
+    RotatingKVCache: "sliding-window attention",
+    ArraysCache: "recurrent",
+}
+
+
+class UnsupportedCache(TypeError):
+    """A model keeps a layer cache the engine cannot batch."""
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The cache kinds of one model's layers, worked out once from `model.make_cache()`."""
+
+    kinds: tuple[str, ...]  # per layer, e.g. "attention", "recurrent", "attention+recurrent"
+    attention_layer: int | None  # a layer with plain attention keys/values, if any
+    cuttable: bool  # a cached prefix can be cut at any token (attention layers only)
+    slots: bool  # rows can be written into free slots of the batch (no sliding windows)
+
+    @classmethod
+    def of(cls, caches: Sequence[Any]) -> CacheLayout:
+        kinds = tuple(_kind(cache) for cache in caches)
+        leaves = [leaf for cache in caches for leaf in _leaves(cache)]
+        attention = [i for i, cache in enumerate(caches) if type(cache) is KVCache]
+        return cls(
+            kinds=kinds,
+            attention_layer=attention[0] if attention else None,
+            cuttable=all(type(leaf) is KVCache for leaf in leaves),
+            slots=not any(isinstance(leaf, RotatingKVCache) for leaf in leaves),
+        )
+
+    @property
+    def all_attention(self) -> bool:
+        return all(kind == "attention" for kind in self.kinds)
+
+    def describe(self) -> str:
+        """e.g. "36 layers: 27 recurrent, 9 attention"."""
+        counts = Counter(self.kinds)
+        if len(counts) == 1:
+            return f"{len(self.kinds)} {self.kinds[0]} layers"
+        parts = ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
+        return f"{len(self.kinds)} layers: {parts}"
+
+    def reuse(self) -> str:
+        """What the prefix cache can reuse for this model, in words."""
+        if self.cuttable:
+            return "any shared prefix"
+        return "whole snapshots (a window or recurrent state cannot be cut)"
+
+
+def _kind(cache: Any) -> str:
+    if type(cache) is CacheList:
+        return "+".join(_kind(sub) for sub in cache.caches)
+    for cls, name in _LAYER_NAMES.items():
+        if type(cache) is cls or (cls is ArraysCache and isinstance(cache, ArraysCache)):
+            return name
+    raise UnsupportedCache(
+        f"the model keeps a {type(cache).__name__} per layer, which mlxgate cannot batch yet "
+        f"(it batches {', '.join(c.__name__ for c in _LAYER_NAMES)} and CacheList of those)"
+    )
+
+
+def _leaves(cache: Any) -> list[Any]:
+    if type(cache) is CacheList:
+        return [leaf for sub in cache.caches for leaf in _leaves(sub)]
+    return [cache]
+
+
+def arrays(cache: Any) -> list[mx.array]:
+    """Every array a (batch or single) cache holds, to evaluate."""
+    leaves: list[tuple[str, Any]] = tree_flatten(cache.state)  # type: ignore[assignment]
+    return [leaf for _, leaf in leaves if isinstance(leaf, mx.array)]
+
+
+def merge(caches: Sequence[Any]) -> Any:
+    """One batch cache over single-sequence `caches` of one layer (mlx-lm's own merge)."""
+    return type(caches[0]).merge(list(caches))
+
+
+def batch_of_one(cache: Any) -> Any:
+    """A single sequence's cache as a one-row batch cache."""
+    if type(cache) is KVCache:
+        return _kv_row(cache)
+    if type(cache) is CacheList:
+        return CacheList(*(batch_of_one(sub) for sub in cache.caches))
+    return merge([cache])
+
+
+def _kv_row(cache: KVCache) -> BatchKVCache:
+    """A one-row batch cache with room for the next tokens (`BatchKVCache.merge` leaves none, so
+    the first decode step would copy it again to grow it: ~0.1 s for a 1,500-token prompt)."""
+    assert cache.keys is not None and cache.values is not None
+    length = cache.offset
+    capacity = -(-(length + 1) // cache.step) * cache.step
+    keys, values = (_with_room(kv[..., :length, :], capacity) for kv in (cache.keys, cache.values))
+    row = BatchKVCache([0])
+    row.state = (keys, values, mx.array([length]), row.left_padding, length)
+    return row
+
+
+def _with_room(kv: mx.array, capacity: int) -> mx.array:
+    batch, heads, columns, dim = kv.shape
+    room = mx.zeros((batch, heads, capacity - columns, dim), dtype=kv.dtype)
+    return mx.concatenate([kv, room], axis=2)
+
+
+def append_rows(mine: Any, theirs: Any, rows: list[int]) -> None:
+    """Grow batch cache `mine` by `rows` of batch cache `theirs` (in place)."""
+    if type(mine) is BatchKVCache:
+        _kv_append(mine, theirs, rows)
+    elif type(mine) is CacheList:
+        for a, b in zip(mine.caches, theirs.caches, strict=True):
+            append_rows(a, b, rows)
+    else:
+        mine.extend(_rows_copy(theirs, rows))
+
+
+def _rows_copy(cache: Any, rows: list[int]) -> Any:
+    """A batch cache holding just `rows` of `cache` (mlx-lm's extend may reorder its argument)."""
+    out = copy.copy(cache)
+    if isinstance(cache, ArraysCache):
+        out.cache = list(cache.cache)
+    out.filter(mx.array(rows, dtype=mx.int32))
+    return out
+
+
+def _kv_append(mine: BatchKVCache, theirs: BatchKVCache, rows: list[int]) -> None:
+    """One new buffer, both parts right-aligned (mlx-lm's `extend` pads both sides and
+    concatenates: three copies)."""
+    assert mine.keys is not None and mine.values is not None
+    assert theirs.keys is not None and theirs.values is not None
+    index = mx.array(rows, dtype=mx.int32)
+    ours, joining = mine.size(), theirs.size()
+    columns = max(ours, joining)
+    capacity = -(-columns // mine.step) * mine.step  # room for the next tokens
+    old = mine.keys.shape[0]
+    grown = []
+    for mine_kv, theirs_kv in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+        _, heads, _, dim = mine_kv.shape
+        both = mx.zeros((old + len(rows), heads, capacity, dim), dtype=mine_kv.dtype)
+        both[:old, :, columns - ours : columns, :] = mine_kv[..., :ours, :]
+        both[old:, :, columns - joining : columns, :] = theirs_kv[index, :, :joining, :]
+        grown.append(both)
+    keys, values = grown
+    left_padding = mx.concatenate(
+        [mine.left_padding + (columns - ours), theirs.left_padding[index] + (columns - joining)]
+    )
+    offset = mx.concatenate([mine.offset, theirs.offset[index]])
+    mine.state = (keys, values, offset, left_padding, columns)
+
+
+def write_slots(
+    mine: Any,
+    theirs: Any,
+    placed: list[tuple[int, int]],
+    lengths: list[int],
+    padding: mx.array,
+    offset: mx.array,
+) -> None:
+    """Copy joining rows of `theirs` into free slots of `mine`: (slot, row) pairs, in place.
+
+    Attention rows are right-aligned with the batch: `lengths[row]` tokens end at its last
+    column, and `padding`/`offset` are the band's per-slot arrays after the write.
+    """
+    if type(mine) is BatchKVCache:
+        assert mine.keys is not None and mine.values is not None
+        assert theirs.keys is not None and theirs.values is not None
+        columns, end = mine.size(), theirs.size()
+        for slot, row in placed:
+            n = lengths[row]
+            mine.keys[slot : slot + 1, :, columns - n : columns, :] = theirs.keys[
+                row : row + 1, :, end - n : end, :
+            ]
+            mine.values[slot : slot + 1, :, columns - n : columns, :] = theirs.values[
+                row : row + 1, :, end - n : end, :
+            ]
+        mine.left_padding, mine.offset = padding, offset
+    elif type(mine) is CacheList:
+        for a, b in zip(mine.caches, theirs.caches, strict=True):
+            write_slots(a, b, placed, lengths, padding, offset)
+    elif isinstance(mine, ArraysCache):
+        for state, joining in zip(mine.cache, theirs.cache, strict=True):
+            assert state is not None and joining is not None
+            for slot, row in placed:
+                state[slot : slot + 1] = joining[row : row + 1]
+    else:
+        raise UnsupportedCache(f"{type(mine).__name__} rows cannot be written into slots")
+
+
+def keep_rows(cache: Any, index: mx.array) -> None:
+    """Keep only the rows `index` of a batch cache (copies them; contiguous buffers)."""
+    cache.filter(index)
+    for leaf in _leaves(cache):
+        if type(leaf) is BatchKVCache:
+            own_buffers(leaf)
+
+
+def own_buffers(cache: BatchKVCache) -> None:
+    """A column slice is a strided view; writing the next token into a view copies the whole
+    array every step, so make the keys/values contiguous once."""
+    assert cache.keys is not None and cache.values is not None
+    cache.keys = mx.contiguous(cache.keys)
+    cache.values = mx.contiguous(cache.values)
+
+
+def drop_columns(cache: Any, unused: int, padding: mx.array) -> None:
+    """Drop the leftmost `unused` columns of attention keys/values (no live row uses them)."""
+    for leaf in _leaves(cache):
+        if type(leaf) is BatchKVCache:
+            keys, values, offset, _, columns = leaf.state
+            assert keys is not None and values is not None
+            leaf.state = (
+                keys[..., unused:, :],
+                values[..., unused:, :],
+                offset,
+                padding,
+                columns - unused,
+            )
+            own_buffers(leaf)
+
+
+def snapshot(cache: Any) -> Any:
+    """A copy of a single-sequence cache that later writes to either side do not reach.
+
+    MLX writes in place into the array object a cache holds (`keys[..., i, :] = k`), so each
+    array gets a new object; the data itself is shared until one side writes.
+    """
+    if type(cache) is CacheList:
+        return CacheList(*(snapshot(sub) for sub in cache.caches))
+    if type(cache) is KVCache:
+        assert cache.keys is not None and cache.values is not None
+        out = KVCache()
+        out.keys = cache.keys[..., : cache.offset, :]
+        out.values = cache.values[..., : cache.offset, :]
+        out.offset = cache.offset
+        return out
+    out = copy.copy(cache)
+    for name, value in vars(cache).items():
+        if isinstance(value, mx.array):
+            setattr(out, name, value[...])
+        elif isinstance(value, list):
+            setattr(out, name, [v[...] if isinstance(v, mx.array) else v for v in value])
+    return out
+
+
+def cut(cache: KVCache, length: int) -> KVCache:
+    """A new single-sequence attention cache holding the first `length` tokens of `cache`."""
+    assert cache.keys is not None and cache.values is not None
+    out = KVCache()
+    out.keys = cache.keys[..., :length, :]
+    out.values = cache.values[..., :length, :]
+    out.offset = length
+    return out
+
+
+def nbytes(cache: Any) -> int:
+    return sum(a.nbytes for a in arrays(cache))
+
+
+def rows(cache: Any) -> int:
+    """The number of rows of a batch cache."""
+    if type(cache) is CacheList:
+        return rows(cache.caches[0])
+    if isinstance(cache, ArraysCache):
+        return int(cache.batch_size)
+    return int(cache.offset.shape[0])
