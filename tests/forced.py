@@ -173,6 +173,11 @@ def bash_call(family: str, command: str) -> str:
     raise ValueError(f"no Bash call written for {family}")
 
 
+def answer(family: str, text: str) -> str:
+    """A plain reply as `family`'s model writes it (gpt-oss: in harmony's final channel)."""
+    return f"<|channel|>final<|message|>{text}<|return|>" if family == "gpt-oss" else text
+
+
 # What each family's template writes before a tool result: a trigger for the script that
 # answers the turn after a tool call.
 TOOL_RESULT = {

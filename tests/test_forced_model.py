@@ -21,7 +21,16 @@ from mlx_lm.generate import generate_step
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from conftest import RunningServer, start_server, stop_server
-from forced import TOOL_RESULT, Script, bash_call, encode, forced_model_dir, serve_args, tokenizer
+from forced import (
+    TOOL_RESULT,
+    Script,
+    answer,
+    bash_call,
+    encode,
+    forced_model_dir,
+    serve_args,
+    tokenizer,
+)
 from mlxgate.models import load
 
 BASH: ToolParam = {
@@ -315,6 +324,51 @@ def test_openai_sdk_streams_the_tool_calls(qwen3_server: RunningServer) -> None:
     assert "tool_call" not in text
 
 
+@pytest.mark.parametrize("family", ["qwen3-coder", "gpt-oss", "deepseek-v3.1"])
+def test_sdks_get_each_familys_tool_call(tmp_path: Path, family: str) -> None:
+    """The family's own call markup, written by the model token by token in its real vocabulary,
+    reaches both SDKs as a tool call, streamed and not."""
+    command = 'echo "a <b>" && ls'
+    model = forced_model_dir(tmp_path, family, script=bash_call(family, command))
+    server = start_server(tmp_path, *serve_args(model))
+    expected = [("Bash", {"command": command})]
+    try:
+        claude = anthropic_client(server)
+        message = claude.messages.create(model="forced", max_tokens=200, messages=RUN, tools=[BASH])
+        assert message.stop_reason == "tool_use"
+        assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == expected
+        assert not [b for b in message.content if b.type == "text" and b.text.strip()]
+        with claude.messages.stream(
+            model="forced", max_tokens=200, messages=RUN, tools=[BASH]
+        ) as stream:
+            final = stream.get_final_message()
+        assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == expected
+        gpt = openai_client(server)
+        completion = gpt.chat.completions.create(
+            model="forced", max_tokens=200, messages=OPENAI_RUN, tools=[OPENAI_BASH]
+        )
+        calls = completion.choices[0].message.tool_calls or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected  # type: ignore[union-attr]
+        assert completion.choices[0].finish_reason == "tool_calls"
+        chunks = gpt.chat.completions.create(
+            model="forced",
+            max_tokens=200,
+            messages=OPENAI_RUN,
+            tools=[OPENAI_BASH],
+            stream=True,
+        )
+        arguments = "".join(
+            call.function.arguments
+            for chunk in chunks
+            if chunk.choices
+            for call in chunk.choices[0].delta.tool_calls or []
+            if call.function and call.function.arguments
+        )
+        assert json.loads(arguments) == {"command": command}
+    finally:
+        stop_server(server)
+
+
 def test_concurrent_requests_each_get_their_own_script(qwen3_server: RunningServer) -> None:
     """Rows of different lengths share the batch (left padding), long prompts are prefilled in
     chunks while others decode, repeats reuse cached prefixes: each row still follows the
@@ -405,8 +459,9 @@ def claude_code_path() -> Path:
     return Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"
 
 
-# The families whose tool calls mlxgate parses; add one here once its format is parsed.
-ROUND_TRIP_FAMILIES = ["qwen3"]
+# Every family with a tokenizer fixture (GLM, Kimi, MiniMax, Seed-OSS and Devstral have none
+# yet: see fixtures/tokenizers/README.md).
+ROUND_TRIP_FAMILIES = ["qwen3", "qwen3-coder", "gpt-oss", "deepseek-v3.1"]
 
 
 @pytest.mark.parametrize("family", ROUND_TRIP_FAMILIES)
@@ -422,7 +477,7 @@ def test_claude_code_runs_the_forced_tool_call_and_gets_the_answer(
         tmp_path,
         family,
         [
-            Script("The nonce is written.", when=TOOL_RESULT[family]),
+            Script(answer(family, "The nonce is written."), when=TOOL_RESULT[family]),
             Script(bash_call(family, f"echo {nonce} > {target}")),
         ],
     )
