@@ -369,6 +369,43 @@ def test_sdks_get_each_familys_tool_call(tmp_path: Path, family: str) -> None:
         stop_server(server)
 
 
+REASONING = {
+    "qwen3": "<think>\nLet me think.\n</think>\n\nThe answer.",
+    "gpt-oss": (
+        "<|channel|>analysis<|message|>Let me think.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>The answer.<|return|>"
+    ),
+    # Its template opens <think> itself when thinking is on (and closes it when off).
+    "deepseek-v3.1": "Let me think.</think>The answer.",
+}
+
+
+@pytest.mark.parametrize("family", list(REASONING))
+def test_reasoning_reaches_the_sdks_as_thinking(tmp_path: Path, family: str) -> None:
+    model = forced_model_dir(tmp_path, family, script=REASONING[family])
+    server = start_server(tmp_path, *serve_args(model))
+    try:
+        message = anthropic_client(server).messages.create(
+            model="forced",
+            max_tokens=200,
+            messages=[{"role": "user", "content": "hi"}],
+            thinking={"type": "enabled", "budget_tokens": 100},
+        )
+        blocks = [(b.type, getattr(b, b.type, None)) for b in message.content]
+        assert blocks == [("thinking", "Let me think."), ("text", "The answer.")]
+        assert message.stop_reason == "end_turn"
+        if family == "deepseek-v3.1":
+            return  # an OpenAI request without reasoning turns its thinking off
+        completion = openai_client(server).chat.completions.create(
+            model="forced", max_tokens=200, messages=[{"role": "user", "content": "hi"}]
+        )
+        reply = completion.choices[0].message
+        assert reply.content == "The answer."
+        assert (reply.model_extra or {}).get("reasoning_content") == "Let me think."
+    finally:
+        stop_server(server)
+
+
 def test_concurrent_requests_each_get_their_own_script(qwen3_server: RunningServer) -> None:
     """Rows of different lengths share the batch (left padding), long prompts are prefilled in
     chunks while others decode, repeats reuse cached prefixes: each row still follows the
