@@ -324,20 +324,43 @@ def test_openai_sdk_streams_the_tool_calls(qwen3_server: RunningServer) -> None:
     assert "tool_call" not in text
 
 
-@pytest.mark.parametrize("family", ["qwen3-coder", "gpt-oss", "deepseek-v3.1"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-coder", "gpt-oss", "deepseek-v3.1"])
 def test_sdks_get_each_familys_tool_call(tmp_path: Path, family: str) -> None:
     """The family's own call markup, written by the model token by token in its real vocabulary,
-    reaches both SDKs as a tool call, streamed and not."""
+    reaches both SDKs as a tool call, streamed and not; the turn that sends its result back
+    reuses the whole first prompt from the prefix cache (its re-rendering is the same tokens)."""
     command = 'echo "a <b>" && ls'
-    model = forced_model_dir(tmp_path, family, script=bash_call(family, command))
+    model = forced_model_dir(
+        tmp_path,
+        family,
+        [
+            Script(answer(family, "Done."), when=TOOL_RESULT[family]),
+            Script(bash_call(family, command)),
+        ],
+    )
     server = start_server(tmp_path, *serve_args(model))
     expected = [("Bash", {"command": command})]
     try:
         claude = anthropic_client(server)
         message = claude.messages.create(model="forced", max_tokens=200, messages=RUN, tools=[BASH])
         assert message.stop_reason == "tool_use"
-        assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == expected
+        calls = [b for b in message.content if b.type == "tool_use"]
+        assert [(b.name, b.input) for b in calls] == expected
         assert not [b for b in message.content if b.type == "text" and b.text.strip()]
+        first_prompt = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+        result: MessageParam = {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": calls[0].id, "content": "a b"}],
+        }
+        reply = claude.messages.create(
+            model="forced",
+            max_tokens=200,
+            messages=[*RUN, {"role": "assistant", "content": message.content}, result],
+            tools=[BASH],
+        )
+        assert [b.text for b in reply.content if b.type == "text"] == ["Done."]
+        # All of it but its last token, which the engine feeds at the first decode step.
+        assert (reply.usage.cache_read_input_tokens or 0) >= first_prompt - 1
         with claude.messages.stream(
             model="forced", max_tokens=200, messages=RUN, tools=[BASH]
         ) as stream:
@@ -347,8 +370,8 @@ def test_sdks_get_each_familys_tool_call(tmp_path: Path, family: str) -> None:
         completion = gpt.chat.completions.create(
             model="forced", max_tokens=200, messages=OPENAI_RUN, tools=[OPENAI_BASH]
         )
-        calls = completion.choices[0].message.tool_calls or []
-        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected  # type: ignore[union-attr]
+        tool_calls = completion.choices[0].message.tool_calls or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls] == expected  # type: ignore[union-attr]
         assert completion.choices[0].finish_reason == "tool_calls"
         chunks = gpt.chat.completions.create(
             model="forced",
