@@ -195,7 +195,7 @@ def build_app(config: Config) -> App:
     from mlxgate import blas, models
 
     started = time.monotonic()
-    loaded = models.load(config.model)
+    loaded = models.load(config.model, trust_remote_code=config.trust_remote_code)
     tokenizer = loaded.tokenizer
     vocab = Vocab.from_token_strings(
         tokenizer.token_strings(), tokenizer.vocab_kind, sorted(tokenizer.special_ids)

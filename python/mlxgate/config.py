@@ -24,6 +24,11 @@ class Config:
         "org/repo id (downloaded by mlx-lm)",
         default_text="the embedded SmolLM2-135M-Instruct",
     )
+    trust_remote_code: bool = setting(
+        False,
+        "let a model directory whose config.json names a `model_file` run that Python file to "
+        "build its architecture (mlx-lm's custom models; only for directories you trust)",
+    )
     # Client-facing name -> the served model (its name, or the `model` value as given).
     model_aliases: dict[str, str] = setting(  # noqa: RUF009 (a default_factory: see setting)
         {},

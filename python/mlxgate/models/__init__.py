@@ -58,10 +58,12 @@ def default_model_path() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _load_directory(path: Path) -> tuple[nn.Module, ChatTokenizer, int]:
+def _load_directory(
+    path: Path, trust_remote_code: bool = False
+) -> tuple[nn.Module, ChatTokenizer, int]:
     from mlx_lm.utils import load_model
 
-    model, config = load_model(path)
+    model, config = load_model(path, trust_remote_code=trust_remote_code)
     context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
         "max_position_embeddings", 4096
     )
@@ -75,14 +77,17 @@ def _download(repo_id: str) -> Path:
     return Path(snapshot_download(repo_id, allow_patterns=patterns))
 
 
-def load(spec: str | None, dtype: mx.Dtype = mx.float32) -> LoadedModel:
-    """Load the model named by `--model`; None means the embedded default."""
-    loaded = _load(spec, dtype)
+def load(
+    spec: str | None, dtype: mx.Dtype = mx.float32, trust_remote_code: bool = False
+) -> LoadedModel:
+    """Load the model named by `--model`; None means the embedded default. `trust_remote_code`
+    lets a model directory's own `model_file` build its architecture (mlx-lm's custom models)."""
+    loaded = _load(spec, dtype, trust_remote_code)
     install_kernels(loaded.model)
     return loaded
 
 
-def _load(spec: str | None, dtype: mx.Dtype) -> LoadedModel:
+def _load(spec: str | None, dtype: mx.Dtype, trust_remote_code: bool) -> LoadedModel:
     if spec is None:
         from mlxgate.models.gguf import load_gguf
 
@@ -101,11 +106,11 @@ def _load(spec: str | None, dtype: mx.Dtype) -> LoadedModel:
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not an mlx-lm model directory (no config.json)")
-        model, tokenizer, context = _load_directory(path)
+        model, tokenizer, context = _load_directory(path, trust_remote_code)
         return LoadedModel(path.name, model, tokenizer, context, str(path))
     if spec.count("/") == 1 and not path.exists():
         local = _download(spec)
-        model, tokenizer, context = _load_directory(local)
+        model, tokenizer, context = _load_directory(local, trust_remote_code)
         return LoadedModel(spec, model, tokenizer, context, f"huggingface:{spec}")
     raise FileNotFoundError(
         f"--model {spec!r}: not a .gguf file, a model directory or an org/repo id"

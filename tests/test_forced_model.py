@@ -1,0 +1,586 @@
+"""The forced-output model on real vocabularies, served by the real server: the official SDKs get
+tool calls a scripted model writes, and Claude Code runs one and answers its result."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import mlx.core as mx
+import openai
+import pytest
+from anthropic.types import MessageParam, ToolParam
+from mlx_lm.generate import generate_step
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+
+from conftest import RunningServer, start_server, stop_server
+from forced import (
+    TOOL_RESULT,
+    Script,
+    answer,
+    bash_call,
+    encode,
+    forced_model_dir,
+    serve_args,
+    tokenizer,
+)
+from mlxgate.models import load
+
+BASH: ToolParam = {
+    "name": "Bash",
+    "description": "Run a shell command",
+    "input_schema": {
+        "type": "object",
+        "properties": {"command": {"type": "string"}},
+        "required": ["command"],
+    },
+}
+OPENAI_BASH: ChatCompletionToolParam = {
+    "type": "function",
+    "function": {
+        "name": "Bash",
+        "description": "Run a shell command",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}},
+            "required": ["command"],
+        },
+    },
+}
+HERMES_CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "echo hi"}}\n</tool_call>'
+# DeepSeek's tags are written with the fullwidth bar.
+DEEPSEEK_CALL_START = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>Bash<｜tool▁sep｜>"  # noqa: RUF001
+DEEPSEEK_END = "<｜end▁of▁sentence｜>"  # noqa: RUF001
+# A trigger is best the start of a user message: it then encodes as it does inside the prompt.
+QWEN3_SCRIPTS = [
+    # Token 0 ("!") is in no prompt here, but it is what a batch's padding columns hold: a row
+    # whose history took in padding would answer this.
+    Script("Padding leaked!", when=[0]),
+    Script("The command printed hi.", when="<tool_response>"),
+    Script(HERMES_CALL, when="Run the tool"),
+    Script("Apples are red, apples are sweet, apples are red.", when="apple"),
+    Script("Bananas are yellow.", when="banana"),
+    Script("Hello from a forced model."),
+]
+
+
+def generate(model_dir: Path, messages: list[dict[str, Any]], max_tokens: int = 80) -> str:
+    """Greedy text from mlx-lm's own generation loop (no mlxgate engine)."""
+    loaded = load(str(model_dir), trust_remote_code=True)
+    chat = loaded.tokenizer
+    out: list[int] = []
+    prompt = mx.array(chat.encode(chat.render(messages)))
+    for token, _ in generate_step(prompt, loaded.model, max_tokens=max_tokens):
+        out.append(int(token))
+        if out[-1] in chat.eos_ids:
+            break
+    return str(chat.tokenizer.decode(out, skip_special_tokens=False))
+
+
+def test_mlx_lm_generates_the_script_picked_by_the_conversation(tmp_path: Path) -> None:
+    model = forced_model_dir(tmp_path, "qwen3", QWEN3_SCRIPTS)
+    assert generate(model, [{"role": "user", "content": "Run the tool now"}]) == (
+        HERMES_CALL + "<|im_end|>"
+    )
+    assert generate(model, [{"role": "user", "content": "apple or pear?"}]) == (
+        "Apples are red, apples are sweet, apples are red.<|im_end|>"
+    )
+    after_tool: list[dict[str, Any]] = [
+        {"role": "user", "content": "Run the tool now"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "Bash", "arguments": {"command": "echo hi"}}}],
+        },
+        {"role": "tool", "content": "hi"},
+    ]
+    assert generate(model, after_tool) == "The command printed hi.<|im_end|>"
+    assert generate(model, [{"role": "user", "content": "hi"}]) == (
+        "Hello from a forced model.<|im_end|>"
+    )
+
+
+@pytest.mark.parametrize("banded", [False, True])
+def test_rows_of_a_padded_batch_each_follow_their_own_history(tmp_path: Path, banded: bool) -> None:
+    """Decoding rows of different lengths together, in one left-padded BatchKVCache or in bands
+    of rows (mlxgate's BandedCache), each row's next token is the one its own tokens give."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlxgate.models.banded_cache import BandedCache
+
+    model_dir = forced_model_dir(tmp_path, "qwen3", QWEN3_SCRIPTS)
+    model = load(str(model_dir), trust_remote_code=True).model
+    chat = tokenizer("qwen3")
+    prompts = [
+        chat.encode(chat.render([{"role": "user", "content": text}]))
+        for text in ("apple", "banana split " * 20, "Run the tool", "hi")
+    ]
+    rows = []
+    for prompt in prompts:
+        caches = model.make_cache()
+        model.model(mx.array(prompt[:-1])[None], cache=caches)
+        rows.append(caches[0])
+    if banded:
+        bands = [[BatchKVCache.merge(rows[:2])], [BatchKVCache.merge(rows[2:])]]  # type: ignore[no-untyped-call]
+        cache: list[Any] = BandedCache.per_layer(bands)
+    else:
+        cache = [BatchKVCache.merge(rows)]  # type: ignore[no-untyped-call]
+    logits = model(mx.array([[p[-1]] for p in prompts]), cache=cache)
+    expected = [model.next_token(p) for p in prompts]
+    assert mx.argmax(logits[:, -1], axis=-1).tolist() == expected
+    assert chat.decode(expected) == chat.decode(
+        [encode("qwen3", text)[0] for text in ("Apples", "Bananas", "<tool_call>", "Hello")]
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-coder", "deepseek-v3.1"])
+def test_bash_call_is_what_the_template_renders_for_a_call(family: str) -> None:
+    """The call `bash_call` scripts, and the tool-result trigger, are the family's own."""
+    chat = tokenizer(family)
+    command = 'echo "a <b>" > out.txt'
+    function = {"name": "Bash", "arguments": {"command": command}}
+    call = {"type": "function", "id": "call_1", "function": function}
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "Bash", "content": "done"},
+    ]
+    tools = [dict(OPENAI_BASH)]
+    rendered = chat.render(messages, tools=tools)
+    assert bash_call(family, command) in rendered
+    result = encode(family, TOOL_RESULT[family])
+    prompt = chat.encode(rendered)
+    assert any(prompt[i : i + len(result)] == result for i in range(len(prompt)))
+    first_turn = chat.encode(chat.render(messages[:1], tools=tools))
+    assert not any(first_turn[i : i + len(result)] == result for i in range(len(first_turn)))
+
+
+def test_vocabularies_are_the_families_own() -> None:
+    qwen3 = tokenizer("qwen3")
+    assert encode("qwen3", "<tool_call><think></think><|im_end|>") == [
+        151657,
+        151667,
+        151668,
+        151645,
+    ]
+    assert qwen3.encode("Hello world") == [9707, 1879]
+    assert qwen3.eos_ids == {151645, 151643}
+    harmony = tokenizer("gpt-oss")
+    assert harmony.encode("<|start|>assistant<|channel|>final<|message|>Hi<|return|>") == [
+        200006,
+        173781,
+        200005,
+        17196,
+        200008,
+        12194,
+        200002,
+    ]
+    assert harmony.eos_ids == {200002, 199999, 200012}
+    assert harmony.vocab_size == 201088
+    deepseek = tokenizer("deepseek-v3.1")
+    calls = deepseek.encode(DEEPSEEK_CALL_START)
+    assert calls[:2] == [128806, 128808]
+    assert calls[-1] == 128814
+    assert deepseek.encode(f"<think></think>{DEEPSEEK_END}") == [128798, 128799, 1]
+    assert deepseek.eos_ids == {1}
+
+
+@pytest.mark.parametrize(
+    ("family", "script", "end"),
+    [
+        ("qwen3-coder", "Plain words.", "<|im_end|>"),
+        ("gpt-oss", "<|channel|>final<|message|>Plain words.<|return|>", "<|return|>"),
+        ("deepseek-v3.1", "Plain words.", DEEPSEEK_END),
+    ],
+)
+def test_each_family_renders_and_writes_its_script(
+    tmp_path: Path, family: str, script: str, end: str
+) -> None:
+    model = forced_model_dir(tmp_path, family, script=script)
+    text = generate(model, [{"role": "user", "content": "hi"}])
+    assert text == (script if script.endswith(end) else script + end)
+
+
+def vocab_cases(name: str) -> list[tuple[str, list[int]]]:
+    """llama.cpp's tokenizer test texts and the ids the model's Hugging Face tokenizer gave."""
+    folder = Path(__file__).parent / "fixtures" / "tokenizers" / "qwen3"
+    texts = (folder / f"{name}.inp").read_text().split("\n__ggml_vocab_test__\n")
+    ids = (folder / f"{name}.out").read_text().split("\n")
+    return [(text, [int(i) for i in line.split()]) for text, line in zip(texts, ids, strict=False)]
+
+
+def test_qwen3_vocabulary_encodes_as_the_reference_tokenizer() -> None:
+    chat = tokenizer("qwen3")
+    cases = vocab_cases("ggml-vocab-qwen2.gguf")
+    assert len(cases) > 40
+    for text, ids in cases:
+        assert chat.encode(text) == ids, text
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    tmp = tmp_path_factory.mktemp("forced-qwen3")
+    model = forced_model_dir(tmp, "qwen3", QWEN3_SCRIPTS)
+    # Small prefill chunks: long prompts are prefilled in several passes beside decoding rows.
+    running = start_server(tmp, *serve_args(model), "--max-prefill-chunk", "64")
+    yield running
+    stop_server(running)
+
+
+def anthropic_client(server: RunningServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="sk-local", max_retries=0)
+
+
+def openai_client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-local", max_retries=0)
+
+
+RUN: list[MessageParam] = [{"role": "user", "content": "Run the tool: say hi"}]
+OPENAI_RUN: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Run the tool: say hi"}]
+
+
+def test_anthropic_sdk_gets_the_tool_use(qwen3_server: RunningServer) -> None:
+    message = anthropic_client(qwen3_server).messages.create(
+        model="forced",
+        max_tokens=200,
+        messages=RUN,
+        tools=[BASH],
+    )
+    assert message.stop_reason == "tool_use"
+    calls = [block for block in message.content if block.type == "tool_use"]
+    assert [(c.name, c.input) for c in calls] == [("Bash", {"command": "echo hi"})]
+    assert not [b for b in message.content if b.type == "text" and "tool_call" in b.text]
+
+
+def test_anthropic_sdk_streams_the_tool_use(qwen3_server: RunningServer) -> None:
+    with anthropic_client(qwen3_server).messages.stream(
+        model="forced",
+        max_tokens=200,
+        messages=RUN,
+        tools=[BASH],
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    calls = [block for block in final.content if block.type == "tool_use"]
+    assert [(c.name, c.input) for c in calls] == [("Bash", {"command": "echo hi"})]
+    fragments = [
+        e.delta.partial_json
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
+    assert json.loads("".join(fragments)) == {"command": "echo hi"}
+
+
+def test_openai_sdk_gets_the_tool_calls(qwen3_server: RunningServer) -> None:
+    completion = openai_client(qwen3_server).chat.completions.create(
+        model="forced",
+        max_tokens=200,
+        messages=OPENAI_RUN,
+        tools=[OPENAI_BASH],
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [  # type: ignore[union-attr]
+        ("Bash", {"command": "echo hi"})
+    ]
+    assert "tool_call" not in (choice.message.content or "")
+
+
+def test_openai_sdk_streams_the_tool_calls(qwen3_server: RunningServer) -> None:
+    stream = openai_client(qwen3_server).chat.completions.create(
+        model="forced",
+        max_tokens=200,
+        messages=OPENAI_RUN,
+        tools=[OPENAI_BASH],
+        stream=True,
+    )
+    names: list[str] = []
+    arguments: list[str] = []
+    finish = None
+    text = ""
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        for call in delta.tool_calls or []:
+            if call.function and call.function.name:
+                names.append(call.function.name)
+            if call.function and call.function.arguments:
+                arguments.append(call.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert names == ["Bash"]
+    assert json.loads("".join(arguments)) == {"command": "echo hi"}
+    assert "tool_call" not in text
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-coder", "gpt-oss", "deepseek-v3.1"])
+def test_sdks_get_each_familys_tool_call(tmp_path: Path, family: str) -> None:
+    """The family's own call markup, written by the model token by token in its real vocabulary,
+    reaches both SDKs as a tool call, streamed and not; the turn that sends its result back
+    reuses the whole first prompt from the prefix cache (its re-rendering is the same tokens)."""
+    command = 'echo "a <b>" && ls'
+    model = forced_model_dir(
+        tmp_path,
+        family,
+        [
+            Script(answer(family, "Done."), when=TOOL_RESULT[family]),
+            Script(bash_call(family, command)),
+        ],
+    )
+    server = start_server(tmp_path, *serve_args(model))
+    expected = [("Bash", {"command": command})]
+    try:
+        claude = anthropic_client(server)
+        message = claude.messages.create(model="forced", max_tokens=200, messages=RUN, tools=[BASH])
+        assert message.stop_reason == "tool_use"
+        calls = [b for b in message.content if b.type == "tool_use"]
+        assert [(b.name, b.input) for b in calls] == expected
+        assert not [b for b in message.content if b.type == "text" and b.text.strip()]
+        first_prompt = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+        result: MessageParam = {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": calls[0].id, "content": "a b"}],
+        }
+        reply = claude.messages.create(
+            model="forced",
+            max_tokens=200,
+            messages=[*RUN, {"role": "assistant", "content": message.content}, result],
+            tools=[BASH],
+        )
+        assert [b.text for b in reply.content if b.type == "text"] == ["Done."]
+        # All of it but its last token, which the engine feeds at the first decode step.
+        assert (reply.usage.cache_read_input_tokens or 0) >= first_prompt - 1
+        with claude.messages.stream(
+            model="forced", max_tokens=200, messages=RUN, tools=[BASH]
+        ) as stream:
+            final = stream.get_final_message()
+        assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == expected
+        gpt = openai_client(server)
+        completion = gpt.chat.completions.create(
+            model="forced", max_tokens=200, messages=OPENAI_RUN, tools=[OPENAI_BASH]
+        )
+        tool_calls = completion.choices[0].message.tool_calls or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls] == expected  # type: ignore[union-attr]
+        assert completion.choices[0].finish_reason == "tool_calls"
+        chunks = gpt.chat.completions.create(
+            model="forced",
+            max_tokens=200,
+            messages=OPENAI_RUN,
+            tools=[OPENAI_BASH],
+            stream=True,
+        )
+        arguments = "".join(
+            call.function.arguments
+            for chunk in chunks
+            if chunk.choices
+            for call in chunk.choices[0].delta.tool_calls or []
+            if call.function and call.function.arguments
+        )
+        assert json.loads(arguments) == {"command": command}
+    finally:
+        stop_server(server)
+
+
+REASONING = {
+    "qwen3": "<think>\nLet me think.\n</think>\n\nThe answer.",
+    "gpt-oss": (
+        "<|channel|>analysis<|message|>Let me think.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>The answer.<|return|>"
+    ),
+    # Its template opens <think> itself when thinking is on (and closes it when off).
+    "deepseek-v3.1": "Let me think.</think>The answer.",
+}
+
+
+@pytest.mark.parametrize("family", list(REASONING))
+def test_reasoning_reaches_the_sdks_as_thinking(tmp_path: Path, family: str) -> None:
+    model = forced_model_dir(tmp_path, family, script=REASONING[family])
+    server = start_server(tmp_path, *serve_args(model))
+    try:
+        message = anthropic_client(server).messages.create(
+            model="forced",
+            max_tokens=200,
+            messages=[{"role": "user", "content": "hi"}],
+            thinking={"type": "enabled", "budget_tokens": 100},
+        )
+        blocks = [(b.type, getattr(b, b.type, None)) for b in message.content]
+        assert blocks == [("thinking", "Let me think."), ("text", "The answer.")]
+        assert message.stop_reason == "end_turn"
+        if family == "deepseek-v3.1":
+            return  # an OpenAI request without reasoning turns its thinking off
+        completion = openai_client(server).chat.completions.create(
+            model="forced", max_tokens=200, messages=[{"role": "user", "content": "hi"}]
+        )
+        reply = completion.choices[0].message
+        assert reply.content == "The answer."
+        assert (reply.model_extra or {}).get("reasoning_content") == "Let me think."
+    finally:
+        stop_server(server)
+
+
+def test_concurrent_requests_each_get_their_own_script(qwen3_server: RunningServer) -> None:
+    """Rows of different lengths share the batch (left padding), long prompts are prefilled in
+    chunks while others decode, repeats reuse cached prefixes: each row still follows the
+    script its own prompt picks, to the token."""
+    filler = " ".join(f"word{i}" for i in range(150))  # several 64-token prefill chunks
+    prompts = {
+        "apple": "Apples are red, apples are sweet, apples are red.",
+        "banana": "Bananas are yellow.",
+        "cherry": "Hello from a forced model.",
+    }
+    jobs = [
+        (start, start + " " + filler * (n % 3) + f" #{n}")
+        for n in range(12)
+        for start in [("apple", "banana", "cherry")[n % 3]]
+    ]
+    jobs += jobs[:3]  # the same prompts again: prefix-cache hits
+    client = anthropic_client(qwen3_server)
+
+    def ask(job: tuple[str, str]) -> tuple[str, str, int]:
+        message = client.messages.create(
+            model="forced", max_tokens=100, messages=[{"role": "user", "content": job[1]}]
+        )
+        text = "".join(b.text for b in message.content if b.type == "text")
+        return job[0], text, message.usage.cache_read_input_tokens or 0
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(ask, jobs))
+    for start, text, _ in answers:
+        assert text == prompts[start], (start, text)
+    assert any(cached > 0 for _, _, cached in answers)
+
+
+def test_a_forced_tool_choice_continues_the_opening_in_the_prompt(tmp_path: Path) -> None:
+    """With tool_choice naming Bash, the prompt already ends with the call's opening
+    (`<tool_call>\\n{"name": "Bash", "arguments": `): the model writes only the rest."""
+    model = forced_model_dir(tmp_path, "qwen3", script='{"command": "echo hi"}}\n</tool_call>')
+    server = start_server(tmp_path, *serve_args(model))
+    try:
+        message = anthropic_client(server).messages.create(
+            model="forced",
+            max_tokens=100,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[BASH],
+            tool_choice={"type": "tool", "name": "Bash"},
+        )
+        calls = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+        assert calls == [("Bash", {"command": "echo hi"})]
+        completion = openai_client(server).chat.completions.create(
+            model="forced",
+            max_tokens=100,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[OPENAI_BASH],
+            tool_choice={"type": "function", "function": {"name": "Bash"}},
+        )
+        tool_calls = completion.choices[0].message.tool_calls or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls] == [  # type: ignore[union-attr]
+            ("Bash", {"command": "echo hi"})
+        ]
+    finally:
+        stop_server(server)
+
+
+def test_gpt_oss_vocabulary_plain_text(tmp_path: Path) -> None:
+    model = forced_model_dir(
+        tmp_path, "gpt-oss", script="<|channel|>final<|message|>Hello from gpt-oss.<|return|>"
+    )
+    server = start_server(tmp_path, *serve_args(model))
+    try:
+        message = anthropic_client(server).messages.create(
+            model="forced", max_tokens=100, messages=[{"role": "user", "content": "hi"}]
+        )
+        text = "".join(b.text for b in message.content if b.type == "text")
+        assert text == "Hello from gpt-oss."  # the final channel's text, no harmony markup
+        assert message.stop_reason == "end_turn"
+        completion = openai_client(server).chat.completions.create(
+            model="forced", max_tokens=100, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert completion.choices[0].message.content == "Hello from gpt-oss."
+        assert completion.choices[0].finish_reason == "stop"
+    finally:
+        stop_server(server)
+
+
+def claude_code_path() -> Path:
+    import claude_agent_sdk
+
+    return Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"
+
+
+# Every family with a tokenizer fixture (GLM, Kimi, MiniMax, Seed-OSS and Devstral have none
+# yet: see fixtures/tokenizers/README.md).
+ROUND_TRIP_FAMILIES = ["qwen3", "qwen3-coder", "gpt-oss", "deepseek-v3.1"]
+
+
+@pytest.mark.parametrize("family", ROUND_TRIP_FAMILIES)
+def test_claude_code_runs_the_forced_tool_call_and_gets_the_answer(
+    tmp_path: Path, family: str
+) -> None:
+    """The model's first turn is a Bash call that writes a nonce; Claude Code really runs it and
+    sends the result; the model's second turn (its prompt holds a tool result) is plain text."""
+    nonce = secrets.token_hex(8)
+    target = tmp_path / "work" / "nonce.txt"
+    target.parent.mkdir()
+    model = forced_model_dir(
+        tmp_path,
+        family,
+        [
+            Script(answer(family, "The nonce is written."), when=TOOL_RESULT[family]),
+            Script(bash_call(family, f"echo {nonce} > {target}")),
+        ],
+    )
+    server = start_server(tmp_path, *serve_args(model))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))},
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": server.url,
+        "ANTHROPIC_API_KEY": "sk-local",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "CLAUDE_CODE_MAX_RETRIES": "0",
+        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
+    }
+    try:
+        run = subprocess.run(
+            [
+                str(claude_code_path()),
+                "--bare",
+                "--system-prompt",
+                "You are a helpful assistant.",
+                "--tools",
+                "Bash",
+                "--allowedTools",
+                "Bash",
+                "-p",
+                "Write the nonce to the file.",
+                "--output-format",
+                "json",
+            ],
+            env=env,
+            cwd=target.parent,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr + server.log()
+        result = json.loads(run.stdout)
+        assert result["is_error"] is False, result
+        assert result["result"].strip() == "The nonce is written."
+        assert result["num_turns"] >= 2
+        assert target.read_text().strip() == nonce
+    finally:
+        stop_server(server)
