@@ -4,7 +4,7 @@
 
 The embedded model (SmolLM2-135M, llama) is loaded once and copied into each precision mlx-lm
 serves: float32, bfloat16, float16, affine 8-bit and 4-bit (group 64, as `mlx_lm.convert -q`),
-mxfp4 (gpt-oss's). Each copy decodes `steps` tokens after a 128-token prompt, at each batch
+mxfp4 (gpt-oss's). Each copy decodes `steps` tokens after a 32-token prompt, at each batch
 size; the copies take turns round after round (the machine's speed drifts), and the report
 gives each one's median step time and its ratio to float32's from the same rounds.
 """
@@ -40,12 +40,12 @@ def variant(name: str) -> Any:
 
 
 def step_seconds(model: Any, rows: int, steps: int) -> float:
-    """Median seconds of one decode step of `rows` sequences after a 128-token prompt."""
+    """Median seconds of one decode step of `rows` sequences after a 32-token prompt."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    prompt = mx.array([[(13 * i) % 4000 + 10 for i in range(128)]] * rows)
+    prompt = mx.array([[(13 * i) % 4000 + 10 for i in range(32)]] * rows)
     token = mx.argmax(model(prompt, cache=cache)[:, -1, :], axis=-1)
     mx.eval(token)
     times = []
@@ -87,7 +87,7 @@ def main() -> None:
         f"# Decode step cost per weight precision ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
         f"`benches/precision.py --rounds {args.rounds} --steps {args.steps} --rows {args.rows}`"
-        f": SmolLM2-135M, 128-token prompt, CPU, BLAS {blas.blas_in_use()}. Median step time "
+        f": SmolLM2-135M, 32-token prompt, CPU, BLAS {blas.blas_in_use()}. Median step time "
         "over the rounds (each the median of its steps); ratio to float32 from the same rounds.",
         "",
         "| precision | stored as | "
