@@ -156,6 +156,15 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "phi3": {},
     "olmo2": {},
     "smollm3": {"no_rope_layer_interval": 2},
+    # Attention and an SSM side by side in every layer: a CacheList per layer.
+    "falcon_h1": {
+        "mamba_d_head": 16,
+        "mamba_d_ssm": 64,
+        "mamba_d_state": 16,
+        "mamba_n_heads": 4,
+        "mamba_chunk_size": 16,
+        "rope_theta": 10000.0,
+    },
     "gemma2": {"query_pre_attn_scalar": 16},
     "hunyuan_v1_dense": {"use_qk_norm": True},
 }
