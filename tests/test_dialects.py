@@ -167,7 +167,9 @@ def test_a_body_over_the_limit_is_413(dialect: Dialect, server: RunningServer) -
 def test_a_full_queue_is_overloaded_with_retry_after(
     dialect: Dialect, strict_server: RunningServer
 ) -> None:
-    long_prompt = [{"role": "user", "content": "word " * 3000}]
+    # Its own words per dialect: the other dialect's run would leave this prompt in the prefix
+    # cache, and a prompt that prefills at once no longer holds the queue.
+    long_prompt = [{"role": "user", "content": f"{dialect.name}: " + "word " * 3000}]
     body = dialect.body(long_prompt, 4, stream=True)
     with httpx.Client(timeout=120) as raw:
         request = raw.build_request(
