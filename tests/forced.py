@@ -65,7 +65,9 @@ FAMILIES = {
     "gpt-oss": Family("gpt-oss", "gpt-oss", 201088, 131072),
     "deepseek-v3.1": Family("deepseek-v3.1", "deepseek-v3.1", 129280, 163840),
     # Their own tokenizers are on the hub only: the Qwen3 vocabulary with the family's real
-    # template, so their tags are plain text, not special tokens (the parser reads text).
+    # template, so their tags are plain text, not special tokens (the parser reads text);
+    # Qwen3.5's tags are Qwen3's tokens.
+    "qwen3.5": Family("qwen3", "qwen3", 151936, 262144, "qwen3_5.jinja"),
     "glm-4.6": Family("glm-4.6", "qwen3", 151936, 202752, "glm_4_6.jinja"),
     "kimi-k2": Family("kimi-k2", "qwen3", 151936, 262144, "kimi_k2_thinking.jinja"),
     "minimax-m2": Family("minimax-m2", "qwen3", 151936, 196608, "minimax_m2.jinja"),
@@ -173,7 +175,7 @@ def call_markup(family: str, name: str, arguments: dict[str, Any]) -> str:
     values = {k: v if isinstance(v, str) else json.dumps(v) for k, v in arguments.items()}
     if family == "qwen3":
         return f'<tool_call>\n{{"name": "{name}", "arguments": {text}}}\n</tool_call>'
-    if family == "qwen3-coder":
+    if family in ("qwen3-coder", "qwen3.5"):
         params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
         return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
     if family == "deepseek-v3.1":
@@ -209,8 +211,9 @@ def call_markup(family: str, name: str, arguments: dict[str, Any]) -> str:
 THOUGHT = "The user wants a command run."
 # What a family's model thinks before a call, as its template renders kept reasoning (these
 # templates keep the reasoning of the turns after the last user message). MiniMax M2's
-# generation prompt opens the block (`<think>\n`), so the model must close it.
+# and Qwen3.5's generation prompts open the block (`<think>\n`): the model closes it.
 LEAD_IN = {
+    "qwen3.5": f"{THOUGHT}\n</think>\n\n",
     "glm-4.6": f"\n<think>{THOUGHT}</think>",
     "kimi-k2": f"<think>{THOUGHT}</think>",
     "minimax-m2": f"{THOUGHT}\n</think>\n\n",
@@ -220,10 +223,10 @@ LEAD_IN = {
 
 def answer(family: str, text: str) -> str:
     """A plain reply as `family`'s model writes it (gpt-oss: in harmony's final channel;
-    MiniMax M2: after closing the reasoning its prompt opened)."""
+    MiniMax M2, Qwen3.5: after closing the reasoning their prompts opened)."""
     if family == "gpt-oss":
         return f"<|channel|>final<|message|>{text}<|return|>"
-    if family == "minimax-m2":
+    if family in ("minimax-m2", "qwen3.5"):
         return f"{THOUGHT}\n</think>\n\n{text}"
     return text
 
@@ -234,6 +237,7 @@ def answer(family: str, text: str) -> str:
 TOOL_RESULT = {
     "qwen3": "<tool_response>",
     "qwen3-coder": "<tool_response>",
+    "qwen3.5": "<tool_response>",
     "deepseek-v3.1": "<\uff5ctool▁output▁begin\uff5c>",
     "gpt-oss": "<|start|>functions",
     "glm-4.6": "<tool_response>",

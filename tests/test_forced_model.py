@@ -518,8 +518,9 @@ def claude_code_system(turn: int) -> list[TextBlockParam]:
 def test_multi_turn_tool_conversation_reuses_the_prompt(family_server: FamilyServer) -> None:
     """A Claude Code-shaped conversation (long system prompt, twenty tools): turn 1 asks, the
     model calls Bash; turn 2 returns the result and the model answers; turn 3 asks again.
-    Turns 2 and 3 read >= 90% of their prompt from the prefix cache: the re-rendered history
-    is what the earlier turns' prompts and replies were, token for token, up to near the end."""
+    Turns 2 and 3 read >= 90% of their prompt from the prefix cache. (The engine caches
+    prompts, not replies: each turn reads the previous turn's prompt but its last token, so the
+    figure needs the re-rendered history to start with the previous prompt, token for token.)"""
     claude = anthropic_client(family_server.server)
     tools = claude_code_tools()
     messages: list[MessageParam] = [{"role": "user", "content": "Write the nonce to the file."}]
