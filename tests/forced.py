@@ -40,20 +40,23 @@ import shutil
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from mlxgate.models.tokenizer import ChatTokenizer
 
 HERE = Path(__file__).resolve().parent
 TOKENIZERS = HERE / "fixtures" / "tokenizers"
+TEMPLATES = HERE / "fixtures" / "templates"
 MODEL_FILE = HERE / "forced_model.py"
 
 
 @dataclass(frozen=True)
 class Family:
-    files: str  # the folder with its chat template, tokenizer_config and generation_config
+    files: str  # the folder with its tokenizer_config, generation_config (and chat template)
     vocab: str  # the folder whose tokenizer.json.xz it uses
     vocab_size: int  # the model's logits width (config.json vocab_size)
     context: int
+    template: str | None = None  # a published template under fixtures/templates, else files'
 
 
 FAMILIES = {
@@ -61,6 +64,14 @@ FAMILIES = {
     "qwen3-coder": Family("qwen3-coder", "qwen3", 151936, 262144),
     "gpt-oss": Family("gpt-oss", "gpt-oss", 201088, 131072),
     "deepseek-v3.1": Family("deepseek-v3.1", "deepseek-v3.1", 129280, 163840),
+    # Their own tokenizers are on the hub only: the Qwen3 vocabulary with the family's real
+    # template, so their tags are plain text, not special tokens (the parser reads text);
+    # Qwen3.5's tags are Qwen3's tokens.
+    "qwen3.5": Family("qwen3", "qwen3", 151936, 262144, "qwen3_5.jinja"),
+    "glm-4.6": Family("glm-4.6", "qwen3", 151936, 202752, "glm_4_6.jinja"),
+    "kimi-k2": Family("kimi-k2", "qwen3", 151936, 262144, "kimi_k2_thinking.jinja"),
+    "minimax-m2": Family("minimax-m2", "qwen3", 151936, 196608, "minimax_m2.jinja"),
+    "seed-oss": Family("seed-oss", "qwen3", 151936, 524288, "seed_oss.jinja"),
 }
 
 
@@ -78,8 +89,10 @@ def write_tokenizer(family: str, dest: Path) -> Path:
     spec = FAMILIES[family]
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "tokenizer.json").write_bytes(_tokenizer_json(spec.vocab))
-    for name in ("tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+    for name in ("tokenizer_config.json", "generation_config.json"):
         shutil.copyfile(TOKENIZERS / spec.files / name, dest / name)
+    own = TOKENIZERS / spec.files / "chat_template.jinja"
+    shutil.copyfile(TEMPLATES / spec.template if spec.template else own, dest / own.name)
     return dest
 
 
@@ -147,44 +160,90 @@ def forced_model_dir(
     return directory
 
 
-def bash_call(family: str, command: str) -> str:
-    """A Bash tool call of `command` as `family`'s model writes it after the generation prompt:
-    its chat template's rendering of an earlier call (checked in test_forced_model.py), or for
+def bash_call(family: str, command: str, **arguments: Any) -> str:
+    """A Bash tool call of `command` (and any other `arguments`) as `family`'s model writes it
+    after the generation prompt: its reasoning lead-in (`LEAD_IN`) and its chat template's
+    rendering of an earlier call (`call_markup`, checked in test_forced_model.py), or for
     gpt-oss harmony's documented reply form (the template renders the recipient elsewhere)."""
-    arguments = json.dumps({"command": command})
+    return LEAD_IN.get(family, "") + call_markup(family, "Bash", {"command": command, **arguments})
+
+
+def call_markup(family: str, name: str, arguments: dict[str, Any]) -> str:
+    """The call alone, as `family`'s template renders an earlier call (the XML formats write
+    strings as they are, other values as JSON)."""
+    text = json.dumps(arguments)
+    values = {k: v if isinstance(v, str) else json.dumps(v) for k, v in arguments.items()}
     if family == "qwen3":
-        return f'<tool_call>\n{{"name": "Bash", "arguments": {arguments}}}\n</tool_call>'
-    if family == "qwen3-coder":
-        return (
-            "<tool_call>\n<function=Bash>\n<parameter=command>\n"
-            f"{command}\n</parameter>\n</function>\n</tool_call>"
-        )
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {text}}}\n</tool_call>'
+    if family in ("qwen3-coder", "qwen3.5"):
+        params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+        return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
     if family == "deepseek-v3.1":
         bar = "\uff5c"  # DeepSeek's tags use the fullwidth bar
         return (
-            f"<{bar}tool▁calls▁begin{bar}><{bar}tool▁call▁begin{bar}>Bash<{bar}tool▁sep{bar}>"
-            f"{arguments}<{bar}tool▁call▁end{bar}><{bar}tool▁calls▁end{bar}>"
+            f"<{bar}tool▁calls▁begin{bar}><{bar}tool▁call▁begin{bar}>{name}<{bar}tool▁sep{bar}>"
+            f"{text}<{bar}tool▁call▁end{bar}><{bar}tool▁calls▁end{bar}>"
         )
     if family == "gpt-oss":
         return (
-            "<|channel|>commentary to=functions.Bash <|constrain|>json<|message|>"
-            f"{arguments}<|call|>"
+            f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{text}<|call|>"
         )
-    raise ValueError(f"no Bash call written for {family}")
+    if family == "glm-4.6":
+        params = "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in values.items()
+        )
+        return f"\n<tool_call>{name}\n{params}</tool_call>"
+    if family == "kimi-k2":
+        return (
+            f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0"
+            f"<|tool_call_argument_begin|>{text}<|tool_call_end|><|tool_calls_section_end|>"
+        )
+    if family == "minimax-m2":
+        params = "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in values.items())
+        invoke = f'<invoke name="{name}">\n{params}</invoke>'
+        return f"\n<minimax:tool_call>\n{invoke}\n</minimax:tool_call>"
+    if family == "seed-oss":
+        params = "".join(f"<parameter={k}>{v}</parameter>\n" for k, v in values.items())
+        return f"<seed:tool_call>\n<function={name}>\n{params}</function>\n</seed:tool_call>"
+    raise ValueError(f"no call written for {family}")
+
+
+THOUGHT = "The user wants a command run."
+# What a family's model thinks before a call, as its template renders kept reasoning (these
+# templates keep the reasoning of the turns after the last user message). MiniMax M2's
+# and Qwen3.5's generation prompts open the block (`<think>\n`): the model closes it.
+LEAD_IN = {
+    "qwen3.5": f"{THOUGHT}\n</think>\n\n",
+    "glm-4.6": f"\n<think>{THOUGHT}</think>",
+    "kimi-k2": f"<think>{THOUGHT}</think>",
+    "minimax-m2": f"{THOUGHT}\n</think>\n\n",
+    "seed-oss": f"<seed:think>{THOUGHT}</seed:think>\n",
+}
 
 
 def answer(family: str, text: str) -> str:
-    """A plain reply as `family`'s model writes it (gpt-oss: in harmony's final channel)."""
-    return f"<|channel|>final<|message|>{text}<|return|>" if family == "gpt-oss" else text
+    """A plain reply as `family`'s model writes it (gpt-oss: in harmony's final channel;
+    MiniMax M2, Qwen3.5: after closing the reasoning their prompts opened)."""
+    if family == "gpt-oss":
+        return f"<|channel|>final<|message|>{text}<|return|>"
+    if family in ("minimax-m2", "qwen3.5"):
+        return f"{THOUGHT}\n</think>\n\n{text}"
+    return text
 
 
 # What each family's template writes before a tool result: a trigger for the script that
-# answers the turn after a tool call.
+# answers the turn after a tool call (on the Qwen3 vocabulary, text that encodes the same at
+# that place in the prompt and occurs in no first turn).
 TOOL_RESULT = {
     "qwen3": "<tool_response>",
     "qwen3-coder": "<tool_response>",
+    "qwen3.5": "<tool_response>",
     "deepseek-v3.1": "<\uff5ctool▁output▁begin\uff5c>",
     "gpt-oss": "<|start|>functions",
+    "glm-4.6": "<tool_response>",
+    "kimi-k2": "## Return of functions",
+    "minimax-m2": "<response",  # its `>` merges with the result's first letter
+    "seed-oss": ":bos>tool",  # after `<seed:eos><`, which BPE merges with `<seed`
 }
 
 

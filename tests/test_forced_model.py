@@ -1,5 +1,6 @@
 """The forced-output model on real vocabularies, served by the real server: the official SDKs get
-tool calls a scripted model writes, and Claude Code runs one and answers its result."""
+tool calls a scripted model writes, Claude Code runs one and answers its result, and a Claude
+Code-shaped conversation reuses its prompt from turn to turn, for every family."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import secrets
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,21 +18,27 @@ import anthropic
 import mlx.core as mx
 import openai
 import pytest
-from anthropic.types import MessageParam, ToolParam
+from anthropic.types import MessageParam, TextBlockParam, ToolParam
 from mlx_lm.generate import generate_step
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from conftest import RunningServer, start_server, stop_server
 from forced import (
+    FAMILIES,
+    LEAD_IN,
+    THOUGHT,
     TOOL_RESULT,
     Script,
     answer,
     bash_call,
+    call_markup,
     encode,
     forced_model_dir,
     serve_args,
     tokenizer,
 )
+from mlxgate import chat
+from mlxgate.api.anthropic.requests import MessagesRequest, conversation
 from mlxgate.models import load
 
 BASH: ToolParam = {
@@ -38,7 +46,7 @@ BASH: ToolParam = {
     "description": "Run a shell command",
     "input_schema": {
         "type": "object",
-        "properties": {"command": {"type": "string"}},
+        "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
         "required": ["command"],
     },
 }
@@ -49,7 +57,7 @@ OPENAI_BASH: ChatCompletionToolParam = {
         "description": "Run a shell command",
         "parameters": {
             "type": "object",
-            "properties": {"command": {"type": "string"}},
+            "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
             "required": ["command"],
         },
     },
@@ -140,25 +148,38 @@ def test_rows_of_a_padded_batch_each_follow_their_own_history(tmp_path: Path, ba
     )
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3-coder", "deepseek-v3.1"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt-oss"])
 def test_bash_call_is_what_the_template_renders_for_a_call(family: str) -> None:
-    """The call `bash_call` scripts, and the tool-result trigger, are the family's own."""
-    chat = tokenizer(family)
+    """The call `bash_call` scripts (its reasoning included, where the template keeps it), and
+    the tool-result trigger, are the family's own."""
+    renderer = chat.Renderer(tokenizer(family))
     command = 'echo "a <b>" > out.txt'
-    function = {"name": "Bash", "arguments": {"command": command}}
-    call = {"type": "function", "id": "call_1", "function": function}
-    messages: list[dict[str, Any]] = [
+    messages: list[MessageParam] = [
         {"role": "user", "content": "go"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "name": "Bash", "content": "done"},
-    ]
-    tools = [dict(OPENAI_BASH)]
-    rendered = chat.render(messages, tools=tools)
-    assert bash_call(family, command) in rendered
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": THOUGHT, "signature": ""},
+                {"type": "tool_use", "id": "call_1", "name": "Bash",
+                 "input": {"command": command, "timeout": 5000}},
+            ],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                      "content": "done"}]},
+    ]  # fmt: skip
+
+    def render(messages: list[MessageParam]) -> str:
+        body = {"model": "m", "max_tokens": 9, "messages": messages, "tools": [BASH]}
+        return renderer.render(conversation(MessagesRequest.model_validate(body))).text
+
+    rendered = render(messages)
+    if family in LEAD_IN:
+        assert bash_call(family, command, timeout=5000) in rendered
+    assert call_markup(family, "Bash", {"command": command, "timeout": 5000}) in rendered
     result = encode(family, TOOL_RESULT[family])
-    prompt = chat.encode(rendered)
+    prompt = encode(family, rendered)
     assert any(prompt[i : i + len(result)] == result for i in range(len(prompt)))
-    first_turn = chat.encode(chat.render(messages[:1], tools=tools))
+    first_turn = encode(family, render(messages[:1]))
     assert not any(first_turn[i : i + len(result)] == result for i in range(len(first_turn)))
 
 
@@ -324,72 +345,220 @@ def test_openai_sdk_streams_the_tool_calls(qwen3_server: RunningServer) -> None:
     assert "tool_call" not in text
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3-coder", "gpt-oss", "deepseek-v3.1"])
-def test_sdks_get_each_familys_tool_call(tmp_path: Path, family: str) -> None:
-    """The family's own call markup, written by the model token by token in its real vocabulary,
-    reaches both SDKs as a tool call, streamed and not; the turn that sends its result back
-    reuses the whole first prompt from the prefix cache (its re-rendering is the same tokens)."""
-    command = 'echo "a <b>" && ls'
+# The nonce Claude Code's Bash call writes (in quotes and brackets: a value with `<` and `"`).
+NONCE = secrets.token_hex(8)
+
+
+@dataclass
+class FamilyServer:
+    family: str
+    server: RunningServer
+    command: str  # the Bash command every first turn calls (timeout 5000, an integer)
+    target: Path  # the file it writes
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FamilyServer]:
+    """One server per family, shared by its SDK, prefix-reuse and Claude Code tests: the model
+    calls Bash, and answers a conversation that holds a tool result."""
+    family = request.param
+    tmp = tmp_path_factory.mktemp(f"family-{family}")
+    target = tmp / "work" / "nonce.txt"
+    target.parent.mkdir()
+    command = f'echo "<{NONCE}>" > {target}'
     model = forced_model_dir(
-        tmp_path,
+        tmp,
         family,
         [
-            Script(answer(family, "Done."), when=TOOL_RESULT[family]),
-            Script(bash_call(family, command)),
+            Script(answer(family, "The nonce is written."), when=TOOL_RESULT[family]),
+            Script(bash_call(family, command, timeout=5000)),
         ],
     )
-    server = start_server(tmp_path, *serve_args(model))
-    expected = [("Bash", {"command": command})]
-    try:
-        claude = anthropic_client(server)
-        message = claude.messages.create(model="forced", max_tokens=200, messages=RUN, tools=[BASH])
-        assert message.stop_reason == "tool_use"
-        calls = [b for b in message.content if b.type == "tool_use"]
-        assert [(b.name, b.input) for b in calls] == expected
-        assert not [b for b in message.content if b.type == "text" and b.text.strip()]
-        first_prompt = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
-        result: MessageParam = {
-            "role": "user",
-            "content": [{"type": "tool_result", "tool_use_id": calls[0].id, "content": "a b"}],
+    running = start_server(tmp, *serve_args(model))
+    yield FamilyServer(family, running, command, target)
+    stop_server(running)
+
+
+def test_sdks_get_each_familys_tool_call(family_server: FamilyServer) -> None:
+    """The family's own call markup, written by the model token by token in its real vocabulary
+    (or, for the families without a published tokenizer, in Qwen3's), reaches both SDKs as a
+    tool call with arguments typed by the schema, streamed and not; the turn that sends its
+    result back reuses the whole first prompt from the prefix cache."""
+    server = family_server.server
+    expected = [("Bash", {"command": family_server.command, "timeout": 5000})]
+    claude = anthropic_client(server)
+    message = claude.messages.create(model="forced", max_tokens=300, messages=RUN, tools=[BASH])
+    assert message.stop_reason == "tool_use"
+    calls = [b for b in message.content if b.type == "tool_use"]
+    assert [(b.name, b.input) for b in calls] == expected
+    assert not [b for b in message.content if b.type == "text" and b.text.strip()]
+    first_prompt = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+    result: MessageParam = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": calls[0].id, "content": "a b"}],
+    }
+    reply = claude.messages.create(
+        model="forced",
+        max_tokens=300,
+        messages=[*RUN, {"role": "assistant", "content": message.content}, result],
+        tools=[BASH],
+    )
+    assert [b.text for b in reply.content if b.type == "text"] == ["The nonce is written."], reply
+    # All of it but its last token, which the engine feeds at the first decode step.
+    assert (reply.usage.cache_read_input_tokens or 0) >= first_prompt - 1
+    with claude.messages.stream(model="forced", max_tokens=300, messages=RUN, tools=[BASH]) as s:
+        events = list(s)
+        final = s.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == expected
+    fragments = [
+        e.delta.partial_json
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
+    assert len(fragments) > 1 and json.loads("".join(fragments)) == expected[0][1]
+    gpt = openai_client(server)
+    completion = gpt.chat.completions.create(
+        model="forced", max_tokens=300, messages=OPENAI_RUN, tools=[OPENAI_BASH]
+    )
+    tool_calls = completion.choices[0].message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls] == expected  # type: ignore[union-attr]
+    assert completion.choices[0].finish_reason == "tool_calls"
+    chunks = gpt.chat.completions.create(
+        model="forced", max_tokens=300, messages=OPENAI_RUN, tools=[OPENAI_BASH], stream=True
+    )
+    names: list[str] = []
+    arguments: list[str] = []
+    finish = None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        for call in chunk.choices[0].delta.tool_calls or []:
+            if call.function and call.function.name:
+                names.append(call.function.name)
+            if call.function and call.function.arguments:
+                arguments.append(call.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    assert names == ["Bash"] and finish == "tool_calls"
+    assert json.loads("".join(arguments)) == expected[0][1]
+
+
+def claude_code_tools() -> list[ToolParam]:
+    """Twenty tools the size Claude Code sends (long descriptions with usage notes, schemas
+    with described properties): the bulk of every turn's prompt."""
+    names = [
+        "Bash", "Read", "Write", "Edit", "MultiEdit", "Glob", "Grep", "LS", "Task", "TodoWrite",
+        "WebFetch", "WebSearch", "NotebookEdit", "BashOutput", "KillShell", "ExitPlanMode",
+        "SlashCommand", "AskUserQuestion", "Skill", "ListMcpResources",
+    ]  # fmt: skip
+    notes = [
+        "Always prefer {n} over improvised shell pipelines when the task is what {n} is for.",
+        "Call {n} with absolute paths; relative paths are resolved against the project root.",
+        "When several {n} calls are independent, send them in one message so they run together.",
+        "Results of {n} longer than 30000 characters are truncated; narrow the request instead.",
+        "Never use {n} to bypass a permission the user has denied; ask them instead.",
+        "Explain briefly why you call {n} when the reason is not obvious from the conversation.",
+        "If {n} fails, read the error, fix the arguments and retry once before asking the user.",
+        "Do not call {n} for information already present in the conversation or in CLAUDE.md.",
+    ]
+    tools: list[ToolParam] = []
+    for name in names:
+        description = f"The {name} tool. Use it when the task needs {name.lower()}.\n\nUsage:\n"
+        description += "\n".join(f"- {note.format(n=name)}" for note in notes)
+        properties: dict[str, Any] = {
+            "command" if name == "Bash" else "path": {
+                "type": "string",
+                "description": f"What {name} acts on, written out in full.",
+            },
+            "timeout": {"type": "integer", "description": "Milliseconds (up to 600000)."},
+            "description": {"type": "string", "description": "Five to ten words on what it does."},
+            "options": {
+                "type": "object",
+                "description": f"Rarely needed switches of {name}.",
+                "properties": {"verbose": {"type": "boolean"}, "limit": {"type": "integer"}},
+            },
         }
+        tools.append(
+            {
+                "name": name,
+                "description": description,
+                "input_schema": {
+                    "type": "object",
+                    "properties": properties,
+                    "required": [next(iter(properties))],
+                    "additionalProperties": False,
+                    "$schema": "http://json-schema.org/draft-07/schema#",
+                },
+            }
+        )
+    return tools
+
+
+def claude_code_system(turn: int) -> list[TextBlockParam]:
+    """A system prompt the length of Claude Code's (its billing header changes every turn and
+    is not rendered)."""
+    topics = ["tone", "proactiveness", "conventions", "code style", "task management",
+              "tool use", "git", "testing", "security", "file references"]  # fmt: skip
+    sections = []
+    for i, topic in enumerate(topics):
+        rules = "\n".join(
+            f"- Rule {i}.{j} on {topic}: keep answers short, check your work against the "
+            f"repository's own conventions, and say what you changed and why (case {j})."
+            for j in range(8)
+        )
+        sections.append(f"# {topic.capitalize()}\n{rules}")
+    return [
+        {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.0.{turn}; cch={turn};"},
+        {"type": "text", "text": "You are Claude Code, an interactive CLI tool.\n\n"
+         + "\n\n".join(sections)},
+    ]  # fmt: skip
+
+
+def test_multi_turn_tool_conversation_reuses_the_prompt(family_server: FamilyServer) -> None:
+    """A Claude Code-shaped conversation (long system prompt, twenty tools): turn 1 asks, the
+    model calls Bash; turn 2 returns the result and the model answers; turn 3 asks again.
+    Turns 2 and 3 read >= 90% of their prompt from the prefix cache. (The engine caches
+    prompts, not replies: each turn reads the previous turn's prompt but its last token, so the
+    figure needs the re-rendered history to start with the previous prompt, token for token.)"""
+    claude = anthropic_client(family_server.server)
+    tools = claude_code_tools()
+    messages: list[MessageParam] = [{"role": "user", "content": "Write the nonce to the file."}]
+    shares = []
+    exact: list[str] = []
+    previous = 0
+    for turn in (1, 2, 3):
         reply = claude.messages.create(
             model="forced",
-            max_tokens=200,
-            messages=[*RUN, {"role": "assistant", "content": message.content}, result],
-            tools=[BASH],
+            max_tokens=300,
+            system=claude_code_system(turn),
+            messages=messages,
+            tools=tools,
         )
-        assert [b.text for b in reply.content if b.type == "text"] == ["Done."]
-        # All of it but its last token, which the engine feeds at the first decode step.
-        assert (reply.usage.cache_read_input_tokens or 0) >= first_prompt - 1
-        with claude.messages.stream(
-            model="forced", max_tokens=200, messages=RUN, tools=[BASH]
-        ) as stream:
-            final = stream.get_final_message()
-        assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == expected
-        gpt = openai_client(server)
-        completion = gpt.chat.completions.create(
-            model="forced", max_tokens=200, messages=OPENAI_RUN, tools=[OPENAI_BASH]
-        )
-        tool_calls = completion.choices[0].message.tool_calls or []
-        assert [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls] == expected  # type: ignore[union-attr]
-        assert completion.choices[0].finish_reason == "tool_calls"
-        chunks = gpt.chat.completions.create(
-            model="forced",
-            max_tokens=200,
-            messages=OPENAI_RUN,
-            tools=[OPENAI_BASH],
-            stream=True,
-        )
-        arguments = "".join(
-            call.function.arguments
-            for chunk in chunks
-            if chunk.choices
-            for call in chunk.choices[0].delta.tool_calls or []
-            if call.function and call.function.arguments
-        )
-        assert json.loads(arguments) == {"command": command}
-    finally:
-        stop_server(server)
+        usage = reply.usage
+        cached = usage.cache_read_input_tokens or 0
+        shares.append(cached / (usage.input_tokens + cached))
+        # How much of the previous turn (its prompt and reply) this one read from the cache.
+        if turn > 1:
+            exact.append(f"{cached}/{previous}")
+        previous = usage.input_tokens + cached + usage.output_tokens
+        messages.append({"role": "assistant", "content": reply.content})
+        if turn == 1:
+            call = next(b for b in reply.content if b.type == "tool_use")
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": call.id, "content": "done\n"}
+                    ],
+                }
+            )
+        else:
+            assert [b.text for b in reply.content if b.type == "text"] == ["The nonce is written."]
+            messages.append({"role": "user", "content": "Thanks. Now list the directory."})
+    size = usage.input_tokens + cached
+    print(f"\nreuse {family_server.family}: {shares[1]:.1%} {shares[2]:.1%} of {size}", *exact)
+    assert shares[1] >= 0.9 and shares[2] >= 0.9, shares
 
 
 REASONING = {
@@ -444,7 +613,6 @@ def test_concurrent_requests_each_get_their_own_script(qwen3_server: RunningServ
         for n in range(12)
         for start in [("apple", "banana", "cherry")[n % 3]]
     ]
-    jobs += jobs[:3]  # the same prompts again: prefix-cache hits
     client = anthropic_client(qwen3_server)
 
     def ask(job: tuple[str, str]) -> tuple[str, str, int]:
@@ -456,6 +624,9 @@ def test_concurrent_requests_each_get_their_own_script(qwen3_server: RunningServ
 
     with ThreadPoolExecutor(len(jobs)) as pool:
         answers = list(pool.map(ask, jobs))
+        # The same prompts again once the first ones are done (submitted with them, whether they
+        # found a cached prefix depended on timing): prefix-cache hits.
+        answers += pool.map(ask, jobs[:3])
     for start, text, _ in answers:
         assert text == prompts[start], (start, text)
     assert any(cached > 0 for _, _, cached in answers)
@@ -518,69 +689,50 @@ def claude_code_path() -> Path:
     return Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"
 
 
-# Every family with a tokenizer fixture (GLM, Kimi, MiniMax, Seed-OSS and Devstral have none
-# yet: see fixtures/tokenizers/README.md).
-ROUND_TRIP_FAMILIES = ["qwen3", "qwen3-coder", "gpt-oss", "deepseek-v3.1"]
-
-
-@pytest.mark.parametrize("family", ROUND_TRIP_FAMILIES)
 def test_claude_code_runs_the_forced_tool_call_and_gets_the_answer(
-    tmp_path: Path, family: str
+    family_server: FamilyServer, tmp_path: Path
 ) -> None:
     """The model's first turn is a Bash call that writes a nonce; Claude Code really runs it and
     sends the result; the model's second turn (its prompt holds a tool result) is plain text."""
-    nonce = secrets.token_hex(8)
-    target = tmp_path / "work" / "nonce.txt"
-    target.parent.mkdir()
-    model = forced_model_dir(
-        tmp_path,
-        family,
-        [
-            Script(answer(family, "The nonce is written."), when=TOOL_RESULT[family]),
-            Script(bash_call(family, f"echo {nonce} > {target}")),
-        ],
-    )
-    server = start_server(tmp_path, *serve_args(model))
+    target = family_server.target
+    target.unlink(missing_ok=True)
     home = tmp_path / "home"
     home.mkdir()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))},
         "HOME": str(home),
-        "ANTHROPIC_BASE_URL": server.url,
+        "ANTHROPIC_BASE_URL": family_server.server.url,
         "ANTHROPIC_API_KEY": "sk-local",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_AUTOUPDATER": "1",
         "CLAUDE_CODE_MAX_RETRIES": "0",
         "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
     }
-    try:
-        run = subprocess.run(
-            [
-                str(claude_code_path()),
-                "--bare",
-                "--system-prompt",
-                "You are a helpful assistant.",
-                "--tools",
-                "Bash",
-                "--allowedTools",
-                "Bash",
-                "-p",
-                "Write the nonce to the file.",
-                "--output-format",
-                "json",
-            ],
-            env=env,
-            cwd=target.parent,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            stdin=subprocess.DEVNULL,
-        )
-        assert run.returncode == 0, run.stdout + run.stderr + server.log()
-        result = json.loads(run.stdout)
-        assert result["is_error"] is False, result
-        assert result["result"].strip() == "The nonce is written."
-        assert result["num_turns"] >= 2
-        assert target.read_text().strip() == nonce
-    finally:
-        stop_server(server)
+    run = subprocess.run(
+        [
+            str(claude_code_path()),
+            "--bare",
+            "--system-prompt",
+            "You are a helpful assistant.",
+            "--tools",
+            "Bash",
+            "--allowedTools",
+            "Bash",
+            "-p",
+            "Write the nonce to the file.",
+            "--output-format",
+            "json",
+        ],
+        env=env,
+        cwd=target.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr + family_server.server.log()
+    result = json.loads(run.stdout)
+    assert result["is_error"] is False, result
+    assert result["result"].strip() == "The nonce is written."
+    assert result["num_turns"] >= 2
+    assert target.read_text().strip() == f"<{NONCE}>"

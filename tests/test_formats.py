@@ -3,15 +3,14 @@ conversation rendered exactly as the template renders it when fed natively, forc
 prefix reuse from one turn to the next (turn 1's prompt plus the reply the model writes must
 open turn 2's prompt, or the prefix cache misses every turn).
 
-The templates are tests/fixtures/templates/*.jinja; MLXGATE_TEMPLATES=DIR runs the same tests
-on the families' published templates in DIR (same file names)."""
+The templates are the families' published chat templates (tests/fixtures/templates/*.jinja, each
+naming its source in its first line)."""
 
 # ruff: noqa: RUF001 (DeepSeek's tags are written with fullwidth bars)
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +24,7 @@ from mlxgate.api.anthropic.requests import MessagesRequest
 from mlxgate.api.anthropic.requests import conversation as anthropic_conversation
 from mlxgate.models.tokenizer import ChatTokenizer
 
-TEMPLATES = Path(
-    os.environ.get("MLXGATE_TEMPLATES") or Path(__file__).parent / "fixtures" / "templates"
-)
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 
 SYSTEM = "You are Claude Code, an interactive CLI tool. Be concise."
 REASONING = "The user wants the files listed; Bash with ls does it."
@@ -212,10 +209,7 @@ def tokenizer(family: Family) -> ChatTokenizer:
 
 @pytest.fixture(params=list(FAMILIES))
 def family(request: pytest.FixtureRequest) -> Family:
-    family = FAMILIES[request.param]
-    if not (TEMPLATES / family.template).exists():
-        pytest.skip(f"no {family.template} in {TEMPLATES}")
-    return family
+    return FAMILIES[request.param]
 
 
 def renderer(family: Family) -> chat.Renderer:
