@@ -299,8 +299,11 @@ impl<W> Router<W> {
 /// A special token renders to nothing, except one whose text is a tag of the stream's markup
 /// (gpt-oss, Kimi, DeepSeek and Mistral write their tool markup as special tokens).
 fn markup_special<'v>(markup: Option<&MarkupParser>, vocab: &'v Vocab, token_id: u32) -> &'v [u8] {
-    match (markup, vocab.special_bytes(token_id)) {
-        (Some(markup), Some(bytes)) if markup.spec().renders_special(bytes) => bytes,
+    let Some(markup) = markup else {
+        return &[]; // no lookup for streams without markup
+    };
+    match vocab.special_bytes(token_id) {
+        Some(bytes) if markup.spec().renders_special(bytes) => bytes,
         _ => &[],
     }
 }

@@ -2,10 +2,9 @@
 
 use std::sync::Arc;
 
-use super::qwen3_coder::{push_capped, unquote};
 use super::schema::ToolSchemas;
-use super::tags::{find_first, prefix, safe_len, ws_len, Prefix};
-use super::xml_params::XmlArgs;
+use super::tags::{find_first, prefix, push_capped, safe_len, unquote, ws_len, Prefix};
+use super::xml_params::{ValueEnd, XmlArgs};
 use super::{Opener, Step, ToolOut, ToolRegion, ToolSyntax};
 
 pub(super) static SYNTAX: ToolSyntax = ToolSyntax {
@@ -50,12 +49,6 @@ impl Glm {
             key: String::new(),
             args: XmlArgs::default(),
         }
-    }
-
-    fn end_call(&mut self, complete: bool, out: &mut ToolOut<'_>) {
-        let complete = complete && !self.args.in_value();
-        self.args.finish(out);
-        out.end(complete);
     }
 }
 
@@ -108,17 +101,13 @@ impl ToolRegion for Glm {
                             self.state = State::Key;
                         }
                         Prefix::Tag(1) => {
-                            self.end_call(true, out);
+                            self.args.end_call(true, out);
                             return Step::End(pos + CLOSE.len());
                         }
                         Prefix::Tag(_) if self.state == State::AfterKey => {
                             pos += VALUE.len();
-                            let types = self
-                                .tools
-                                .tool(&self.name)
-                                .map(|tool| tool.param(unquote(&self.key)))
-                                .unwrap_or_default();
-                            self.args.key(unquote(&self.key), types, out);
+                            let key = unquote(&self.key);
+                            self.args.key(key, self.tools.param(&self.name, key), out);
                             self.state = State::Value;
                         }
                         Prefix::Partial => return Step::More(pos),
@@ -137,29 +126,16 @@ impl ToolRegion for Glm {
                         return Step::More(pos + safe);
                     }
                 },
-                State::Value => {
-                    let ends = [VALUE_END, KEY, CLOSE];
-                    if !rest.contains('<') {
-                        self.args.value(rest, out);
-                        return Step::More(input.len());
-                    }
-                    match find_first(rest, &ends) {
-                        Some((at, index)) => {
-                            self.args.value(&rest[..at], out);
-                            self.args.end_value(out);
-                            pos += at;
-                            if index == 0 {
-                                pos += VALUE_END.len();
-                            }
-                            self.state = State::Body;
+                State::Value => match self.args.value_until(rest, &[VALUE_END, KEY, CLOSE], out) {
+                    ValueEnd::Tag { at, index } => {
+                        pos += at;
+                        if index == 0 {
+                            pos += VALUE_END.len();
                         }
-                        None => {
-                            let safe = safe_len(rest, &ends);
-                            self.args.value(&rest[..safe], out);
-                            return Step::More(pos + safe);
-                        }
+                        self.state = State::Body;
                     }
-                }
+                    ValueEnd::More(taken) => return Step::More(pos + taken),
+                },
             }
         }
     }
@@ -167,8 +143,8 @@ impl ToolRegion for Glm {
     fn finish(&mut self, out: &mut ToolOut<'_>) {
         match self.state {
             State::Name => {}
-            State::Body => self.end_call(true, out),
-            State::Key | State::AfterKey | State::Value => self.end_call(false, out),
+            State::Body => self.args.end_call(true, out),
+            State::Key | State::AfterKey | State::Value => self.args.end_call(false, out),
         }
     }
 }

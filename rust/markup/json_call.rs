@@ -259,30 +259,21 @@ impl CallParser {
 
 #[cfg(test)]
 mod tests {
-    use crate::markup::Pieces;
-
-    use crate::markup::tests::{all_splits, p, run, spec};
+    use crate::markup::tests::{all_splits, p, pieces_by_chunk, run, spec};
     use crate::markup::PieceKind::{ToolArgs, ToolEnd, ToolStart};
 
     #[test]
     fn args_stream_as_tokens_arrive() {
         let mut parser = crate::markup::tests::parser(spec(false, Some("hermes")));
-        let mut seen = Vec::new();
-        for chunk in [
-            "<tool_call>{\"name\":\"f\",",
-            "\"arguments\":{\"a\"",
-            ": [1, 2",
-            "]}}",
-        ] {
-            let mut out = Pieces::default();
-            parser.push(chunk, &mut out);
-            seen.push(
-                out.iter()
-                    .map(|(k, t)| format!("{k:?}:{t}"))
-                    .collect::<Vec<_>>()
-                    .join(" "),
-            );
-        }
+        let seen = pieces_by_chunk(
+            &mut parser,
+            &[
+                "<tool_call>{\"name\":\"f\",",
+                "\"arguments\":{\"a\"",
+                ": [1, 2",
+                "]}}",
+            ],
+        );
         assert_eq!(
             seen,
             [

@@ -1,7 +1,7 @@
 //! Kimi K2 tool calls: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{…}<|tool_call_end|>…<|tool_calls_section_end|>`; the section parser deepseek_v3 shares.
 
 use super::json_args::{ArgsStatus, JsonArgs};
-use super::qwen3_coder::push_capped;
+use super::tags::push_capped;
 use super::tags::{find_first, prefix, safe_len, ws_len, Prefix};
 use super::{Opener, Step, ToolOut, ToolRegion, ToolSyntax};
 

@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use super::json_args::{ArgsStatus, JsonArgs};
-use super::qwen3_coder::push_capped;
 use super::schema::ToolSchemas;
+use super::tags::push_capped;
 use super::tags::{find_first, prefix, ws_len, Prefix};
 use super::{mistral, Opener, Step, ToolOut, ToolRegion, ToolSyntax};
 

@@ -749,6 +749,21 @@ mod tests {
         assert!(args.is_none(), "every call ends: {text:?}");
     }
 
+    /// Feeds `chunks` one at a time; for each, the pieces it gave as `Kind:text`, space-joined.
+    pub(super) fn pieces_by_chunk(parser: &mut MarkupParser, chunks: &[&str]) -> Vec<String> {
+        chunks
+            .iter()
+            .map(|chunk| {
+                let mut out = Pieces::default();
+                parser.push(chunk, &mut out);
+                out.iter()
+                    .map(|(k, t)| format!("{k:?}:{t}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .collect()
+    }
+
     pub(super) fn p(kind: PieceKind, text: &str) -> (PieceKind, String) {
         (kind, text.to_owned())
     }
@@ -937,21 +952,7 @@ mod tests {
                     (pb.tool_calls(), pb.truncated())
                 );
                 calls += pa.tool_calls();
-                let mut args: Option<String> = None;
-                for (kind, piece) in &a {
-                    match kind {
-                        ToolStart => args = Some(String::new()),
-                        ToolArgs => args.as_mut().expect("args inside a call").push_str(piece),
-                        ToolEnd => {
-                            let json = args.take().expect("end inside a call");
-                            let value: serde_json::Value = serde_json::from_str(&json)
-                                .unwrap_or_else(|e| panic!("{text:?}: {json:?}: {e}"));
-                            assert!(value.is_object(), "{text:?}: {json:?}");
-                        }
-                        Text | Thinking => assert!(args.is_none(), "{text:?}"),
-                    }
-                }
-                assert!(args.is_none(), "every call ends: {text:?}");
+                assert_well_formed(&a, &text);
             }
             assert!(calls > 50, "{format:?}: the soup must make calls ({calls})");
         }

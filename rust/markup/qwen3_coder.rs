@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use super::hermes;
 use super::schema::ToolSchemas;
-use super::tags::{find_first, prefix, safe_len, ws_len, Prefix};
-use super::xml_params::XmlArgs;
+use super::tags::{prefix, push_capped, unquote, ws_len, Prefix};
+use super::xml_params::{ValueEnd, XmlArgs};
 use super::{Opener, Step, ToolOut, ToolRegion, ToolSyntax};
 
 pub(super) static SYNTAX: ToolSyntax = ToolSyntax {
@@ -39,10 +39,6 @@ pub(super) struct XmlTags {
     /// both write either after `<tool_call>`).
     pub json_fallback: bool,
 }
-
-/// Names and keys longer than this are cut (the rest is dropped): bounds what a model can make
-/// us buffer.
-const MAX_NAME: usize = 256;
 
 #[derive(Debug)]
 enum State {
@@ -86,28 +82,9 @@ impl FunctionXml {
     }
 
     fn end_call(&mut self, complete: bool, out: &mut ToolOut<'_>) {
-        let complete = complete && !self.args.in_value();
-        self.args.finish(out);
-        out.end(complete);
+        self.args.end_call(complete, out);
         self.state = State::After;
     }
-}
-
-/// Appends `text` to a name or key, cut at [`MAX_NAME`] bytes.
-pub(super) fn push_capped(buf: &mut String, text: &str) {
-    let room = MAX_NAME.saturating_sub(buf.len());
-    let mut end = text.len().min(room);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    buf.push_str(&text[..end]);
-}
-
-/// A name or key without surrounding whitespace and quotes.
-pub(super) fn unquote(text: &str) -> &str {
-    let text = text.trim();
-    let text = text.strip_prefix(['"', '\'']).unwrap_or(text);
-    text.strip_suffix(['"', '\'']).unwrap_or(text).trim()
 }
 
 impl ToolRegion for FunctionXml {
@@ -193,36 +170,21 @@ impl ToolRegion for FunctionXml {
                     push_capped(&mut self.key, &rest[..at]);
                     pos += at + 1;
                     let key = unquote(&self.key);
-                    let types = self
-                        .tools
-                        .tool(&self.name)
-                        .map(|tool| tool.param(key))
-                        .unwrap_or_default();
-                    self.args.key(key, types, out);
+                    self.args.key(key, self.tools.param(&self.name, key), out);
                     self.state = State::Value;
                 }
                 State::Value => {
                     // A missing parameter end tag is ended by the next parameter or the call's end.
                     let ends = [tags.param_end, tags.param, tags.call_end, tags.close];
-                    if !rest.contains('<') {
-                        self.args.value(rest, out);
-                        return Step::More(input.len());
-                    }
-                    match find_first(rest, &ends) {
-                        Some((at, index)) => {
-                            self.args.value(&rest[..at], out);
-                            self.args.end_value(out);
+                    match self.args.value_until(rest, &ends, out) {
+                        ValueEnd::Tag { at, index } => {
                             pos += at;
                             if index == 0 {
                                 pos += tags.param_end.len();
                             }
                             self.state = State::Body;
                         }
-                        None => {
-                            let safe = safe_len(rest, &ends);
-                            self.args.value(&rest[..safe], out);
-                            return Step::More(pos + safe);
-                        }
+                        ValueEnd::More(taken) => return Step::More(pos + taken),
                     }
                 }
                 State::After => {
@@ -260,9 +222,11 @@ mod tests {
     use std::sync::Arc;
 
     use crate::markup::schema::ToolSchemas;
-    use crate::markup::tests::{all_splits, check_splits_and_truncation, p, run, run_with, spec};
+    use crate::markup::tests::{
+        all_splits, check_splits_and_truncation, p, pieces_by_chunk, run, run_with, spec,
+    };
+    use crate::markup::MarkupParser;
     use crate::markup::PieceKind::{Text, Thinking, ToolArgs, ToolEnd, ToolStart};
-    use crate::markup::{MarkupParser, Pieces};
 
     fn tools() -> Arc<ToolSchemas> {
         Arc::new(ToolSchemas::new(&[
@@ -330,24 +294,17 @@ mod tests {
     #[test]
     fn qwen3_coder_string_values_stream_as_written() {
         let mut parser = MarkupParser::new(spec(false, Some("qwen3_coder")), tools());
-        let mut seen = Vec::new();
-        for chunk in [
-            "<tool_call>\n<function=Bash>\n<parameter=command>\n",
-            "echo 1",
-            "\n",
-            "echo 2 <",
-            "/x> </para",
-            "meter>\n</function>",
-        ] {
-            let mut out = Pieces::default();
-            parser.push(chunk, &mut out);
-            seen.push(
-                out.iter()
-                    .map(|(k, t)| format!("{k:?}:{t}"))
-                    .collect::<Vec<_>>()
-                    .join(" "),
-            );
-        }
+        let seen = pieces_by_chunk(
+            &mut parser,
+            &[
+                "<tool_call>\n<function=Bash>\n<parameter=command>\n",
+                "echo 1",
+                "\n",
+                "echo 2 <",
+                "/x> </para",
+                "meter>\n</function>",
+            ],
+        );
         assert_eq!(
             seen,
             [

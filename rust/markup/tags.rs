@@ -1,4 +1,4 @@
-//! Tag matching shared by the formats: a tag at the start of the input, the earliest of several tags in it.
+//! What the formats share to read markup: a tag at the start of the input, the earliest of several tags in it, names and keys between tags.
 
 use super::partial_len;
 
@@ -57,6 +57,27 @@ pub(super) fn safe_len(text: &str, tags: &[&str]) -> usize {
 /// Leading whitespace length.
 pub(super) fn ws_len(text: &str) -> usize {
     text.len() - text.trim_start().len()
+}
+
+/// Names and keys longer than this are cut (the rest is dropped): bounds what a model can make
+/// us buffer.
+const MAX_NAME: usize = 256;
+
+/// Appends `text` to a name or key, cut at [`MAX_NAME`] bytes.
+pub(super) fn push_capped(buf: &mut String, text: &str) {
+    let room = MAX_NAME.saturating_sub(buf.len());
+    let mut end = text.len().min(room);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    buf.push_str(&text[..end]);
+}
+
+/// A name or key without surrounding whitespace and quotes.
+pub(super) fn unquote(text: &str) -> &str {
+    let text = text.trim();
+    let text = text.strip_prefix(['"', '\'']).unwrap_or(text);
+    text.strip_suffix(['"', '\'']).unwrap_or(text).trim()
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! Parameters written as raw text (the XML formats) to arguments JSON, typed by the tool's schema and written as they arrive.
 
 use super::schema::Types;
+use super::tags::{find_first, safe_len};
 use super::ToolOut;
 use crate::jsonscan::{is_valid, minify};
 
@@ -109,6 +110,48 @@ impl XmlArgs {
         out.args(if self.count == 0 { "{}" } else { "}" });
         self.count = 0;
     }
+
+    /// Ends the call: its arguments closed, complete unless a value was cut off or the markup
+    /// said otherwise (`complete`).
+    pub(super) fn end_call(&mut self, complete: bool, out: &mut ToolOut<'_>) {
+        let complete = complete && !self.in_value();
+        self.finish(out);
+        out.end(complete);
+    }
+
+    /// Writes value text from `rest` up to the first of `ends`, the tags that can end a value.
+    pub(super) fn value_until(
+        &mut self,
+        rest: &str,
+        ends: &[&str],
+        out: &mut ToolOut<'_>,
+    ) -> ValueEnd {
+        if !rest.contains('<') {
+            self.value(rest, out);
+            return ValueEnd::More(rest.len());
+        }
+        match find_first(rest, ends) {
+            Some((at, index)) => {
+                self.value(&rest[..at], out);
+                self.end_value(out);
+                ValueEnd::Tag { at, index }
+            }
+            None => {
+                let safe = safe_len(rest, ends);
+                self.value(&rest[..safe], out);
+                ValueEnd::More(safe)
+            }
+        }
+    }
+}
+
+/// Where [`XmlArgs::value_until`] stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ValueEnd {
+    /// The value ended where `ends[index]` begins, at byte `at`.
+    Tag { at: usize, index: usize },
+    /// All but the returned bytes' rest was value text; the rest may begin an end tag.
+    More(usize),
 }
 
 /// Writes `raw` as the JSON value it reads as among `types`, else as a string.
