@@ -8,17 +8,14 @@ then renders it here, so one model gets one rendering whichever dialect asked.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mlxgate import formats
-from mlxgate._native import Markup, NativeError
+from mlxgate._native import Markup
 from mlxgate.formats import ToolFormat
 from mlxgate.formats.reasoning import FIELD as REASONING
 from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
-
-log = logging.getLogger("mlxgate")
 
 Message = dict[str, Any]
 Tool = dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
@@ -62,15 +59,11 @@ class Conversation:
 
 
 def markup(tool_call: str | None, think: tuple[str, str] | None) -> Markup | None:
-    """What the router parses: the one place a `Markup` is built from format names. A format the
-    native parser does not know yet degrades to reasoning only (its calls reach clients as text)."""
+    """What the router parses: the one place a `Markup` is built from format names (every name
+    in `formats.TOOL_FORMATS` has its parser in `rust/markup/`)."""
     if tool_call is None and think is None:
         return None
-    try:
-        return Markup(think=think, tool_call=tool_call)  # type: ignore[arg-type]
-    except NativeError:
-        log.warning("the stream parser does not know tool format %r: calls stay text", tool_call)
-        return Markup(think=think) if think else None
+    return Markup(think=think, tool_call=tool_call)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -126,6 +119,9 @@ class Prompt:
     prefill: str
     # What the router parses in the reply (thinking, tool calls once tools were rendered).
     markup: Markup | None
+    # The rendered tools' names and input schemas (JSON text): the XML tool formats type the
+    # parameters they parse by them (`StreamSpec(tools=...)`).
+    tool_schemas: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _with_tool_prompt(messages: list[Message], tools: list[Tool], fmt: ToolFormat) -> list[Message]:
@@ -321,4 +317,8 @@ class Renderer:
             ids=self.tokenizer.encode(text),
             prefill=prefill + continuation + forced,
             markup=fmt.markup_tools if tools else fmt.markup_text,
+            tool_schemas=[
+                (tool["function"]["name"], json.dumps(tool["function"].get("parameters") or {}))
+                for tool in tools
+            ],
         )

@@ -107,19 +107,6 @@ def render(renderer: chat.Renderer, conversation: chat.Conversation) -> chat.Pro
         raise invalid(str(exc)) from None
 
 
-def tool_schemas(conversation: chat.Conversation) -> list[tuple[str, str]]:
-    """Each declared tool's name and input schema (JSON text), for `StreamSpec(tools=...)`: the
-    XML tool formats type parameters by them."""
-    schemas = []
-    for tool in conversation.tools:
-        function = tool.get("function") or {}
-        name = function.get("name")
-        if isinstance(name, str):
-            schema = function.get("parameters") or {}
-            schemas.append((name, orjson.dumps(schema).decode()))
-    return schemas
-
-
 def admit(engine: Generator, request: GenerationRequest, errors: AdmissionErrors) -> Reader:
     """Hand `request` to the engine; an admission error answers in the dialect's words."""
     try:

@@ -19,7 +19,6 @@ from mlxgate.api.shared import (
     parse,
     render,
     sampling,
-    tool_schemas,
 )
 from mlxgate.engine import GenerationRequest, PromptTooLong
 
@@ -65,8 +64,7 @@ class AnthropicAPI:
                 f"max_tokens: {request.max_tokens} > {limit}, which is the maximum allowed number "
                 "of output tokens for this model"
             )
-        request_conversation = conversation(request)
-        prompt = render(services.renderer, request_conversation)
+        prompt = render(services.renderer, conversation(request))
         stream = StreamSpec.anthropic(
             model=services.models.served,
             message_id=f"msg_{uuid.uuid4().hex[:24]}",
@@ -75,7 +73,7 @@ class AnthropicAPI:
             markup=prompt.markup,
             prefill=prompt.prefill,
             eos_ids=services.renderer.eos_ids,
-            tools=tool_schemas(request_conversation),
+            tools=prompt.tool_schemas,
         )
         generation = GenerationRequest(
             prompt.ids,

@@ -24,7 +24,6 @@ from mlxgate.api.shared import (
     admit,
     parse,
     render,
-    tool_schemas,
 )
 from mlxgate.engine import GenerationRequest, PromptTooLong
 
@@ -61,8 +60,7 @@ class OpenAIAPI:
         request = parse(ChatCompletionRequest, body)
         request.check()
         self.services.models.check(request.model)
-        request_conversation = conversation(request)
-        prompt = render(self.services.renderer, request_conversation)
+        prompt = render(self.services.renderer, conversation(request))
         await self._generate(
             receive,
             send,
@@ -71,7 +69,6 @@ class OpenAIAPI:
             request.max_completion_tokens or request.max_tokens,
             kind="chat",
             prompt=prompt,
-            tools=tool_schemas(request_conversation),
         )
 
     async def completions(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
@@ -98,7 +95,6 @@ class OpenAIAPI:
         *,
         kind: Literal["chat", "completion"],
         prompt: chat.Prompt | None = None,
-        tools: list[tuple[str, str]] | None = None,
     ) -> None:
         services = self.services
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -113,7 +109,7 @@ class OpenAIAPI:
             markup=prompt.markup if prompt else None,
             prefill=prompt.prefill if prompt else "",
             eos_ids=services.renderer.eos_ids,
-            tools=tools or [],
+            tools=prompt.tool_schemas if prompt else [],
         )
         generation = GenerationRequest(
             prompt_ids, stream, max_tokens, request.sampling(services.default_sampling)
