@@ -223,6 +223,27 @@ def test_the_layout_names_each_layer_kind(arch: str, described: str) -> None:
     assert layout.cuttable == (arch == "llama")
 
 
+@pytest.mark.parametrize(
+    ("arch", "prefill", "decode"),
+    [
+        ("llama", None, None),
+        ("gemma2", "broadcast_shapes", "broadcast_shapes"),  # its mask over the wrong axis
+        ("nemotron_h", "differ", None),  # padding in its recurrent state
+    ],
+)
+def test_batches_that_mlx_lm_gets_wrong_are_found_at_start_up(
+    arch: str, prefill: str | None, decode: str | None
+) -> None:
+    from mlxgate.engine import batch_check
+
+    model, _ = twins(arch)
+    adapter = ModelAdapter(model)
+    problems = batch_check.check(adapter, CacheLayout.of(adapter.make_cache()), banded=False)
+    for found, expected in ((problems.prefill, prefill), (problems.decode, decode)):
+        assert (found is None) == (expected is None), found
+        assert expected is None or expected in (found or "")
+
+
 def test_a_model_with_a_cache_the_engine_cannot_batch_fails_at_start_up() -> None:
     from mlx_lm.models.cache import ChunkedKVCache
 

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxgate._native import ErrorKind, FinishReason, Reader, Router
-from mlxgate.engine import cache_kinds
+from mlxgate.engine import batch_check, cache_kinds
 from mlxgate.engine.batch import DecodeBatch
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.contract import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
@@ -38,22 +38,6 @@ log = logging.getLogger("mlxgate.engine")
 PING_INTERVAL_S = 10.0
 # Prompts prefilled in one batched forward pass at most.
 MAX_GROUP_ROWS = 32
-
-
-# Prompts of different lengths (three of them: a batch as large as a model's key/value head
-# count can broadcast a wrong mask without an error).
-_PROBE_PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
-
-
-def _differs(batched: list[mx.array], alone: list[mx.array]) -> str | None:
-    """How batched logits differ from logits computed alone, beyond rounding; None if not."""
-    for row, (a, b) in enumerate(zip(batched, alone, strict=True)):
-        a32, b32 = a.astype(mx.float32), b.astype(mx.float32)
-        ratio = mx.linalg.norm(a32 - b32) / mx.maximum(mx.linalg.norm(b32), 1e-6)
-        error: float = ratio.item()  # type: ignore[assignment]
-        if error > 1e-2:
-            return f"row {row}'s logits differ from its logits alone by {error:.0%}"
-    return None
 
 
 def _ema(previous: float | None, sample: float, weight: float = 0.2) -> float:
@@ -107,18 +91,19 @@ class Engine:
         self.prefix_cache = PrefixCache(
             self.settings.prefix_cache_mb << 20, cuttable=self.layout.cuttable
         )
-        # mlx-lm's code for some models fails on several sequences at once: found out now.
-        self.prefill_problem = self._try_batched_prefill()
-        if self.prefill_problem is not None:
+        # Bands of rows need the attention that attends band by band.
+        self._banded = self._adapter.banded_attention
+        # mlx-lm's code for some models gets batches wrong: found out now, not by a client.
+        self.batch_problems = batch_check.check(self._adapter, self.layout, self._banded)
+        if self.batch_problems.prefill is not None:
             log.warning(
                 "this model cannot prefill several prompts in one pass (%s): one at a time",
-                self.prefill_problem,
+                self.batch_problems.prefill,
             )
-        self.decode_problem = self._try_batched_decode()
-        if self.decode_problem is not None:
+        if self.batch_problems.decode is not None:
             log.warning(
                 "this model cannot decode several sequences in one batch (%s): one at a time",
-                self.decode_problem,
+                self.batch_problems.decode,
             )
             self.settings = dataclasses.replace(self.settings, max_running=1)
         self._gone: set[int] = set()  # cancelled stream ids not yet dropped
@@ -133,59 +118,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         # Engine-thread state.
         self._waiting: deque[_Pending] = deque()
-        # Bands of rows need the attention that attends band by band.
-        self._banded = self._adapter.banded_attention
         self._batch = DecodeBatch(self.layout, self._banded)
-
-    def _try_batched_prefill(self) -> str | None:
-        """Why prompts of different lengths cannot prefill in one right-padded pass, or None.
-
-        The pass is checked by the next decode step, compared with each prompt alone: some
-        models' code broadcasts a batch mask over the wrong axis (mlx-lm's gemma2), or lets the
-        padding into a recurrent state (mlx-lm's nemotron_h), which fails or, worse, runs and
-        computes something else.
-        """
-        prompts = _PROBE_PROMPTS
-        rests = [len(p) - 1 for p in prompts]
-        width = max(rests)
-        caches = [cache_kinds.merge([c] * len(prompts)) for c in self._adapter.make_cache()]
-        tokens = mx.array([p[:-1] + [0] * (width - n) for p, n in zip(prompts, rests, strict=True)])
-        try:
-            for cache in caches:
-                cache.prepare(lengths=rests, right_padding=[width - n for n in rests])
-            self._adapter.prefill(tokens.astype(mx.uint32), caches)
-            for cache in caches:
-                cache.finalize()
-            inputs = mx.array([p[-1] for p in prompts], dtype=mx.uint32)
-            logits = self._adapter.decode(inputs, caches)
-        except Exception as exc:  # any failure means: do not batch this way
-            return f"{type(exc).__name__}: {exc}"
-        return _differs(list(logits), self._one_at_a_time(prompts))
-
-    def _try_batched_decode(self) -> str | None:
-        """Why sequences of different lengths cannot decode in one batch, or None."""
-        prompts = _PROBE_PROMPTS
-        rows = [self._adapter.make_cache() for _ in prompts]
-        try:
-            for caches, prompt in zip(rows, prompts, strict=True):
-                self._adapter.prefill(mx.array([prompt[:-1]], dtype=mx.uint32), caches)
-            batch = [cache_kinds.batch_of_one(c) for c in rows[0]]
-            for row in rows[1:]:
-                for mine, theirs in zip(batch, row, strict=True):
-                    cache_kinds.append_rows(mine, cache_kinds.batch_of_one(theirs), [0])
-            inputs = mx.array([p[-1] for p in prompts], dtype=mx.uint32)
-            logits = self._adapter.decode(inputs, batch)
-        except Exception as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return _differs(list(logits), self._one_at_a_time(prompts))
-
-    def _one_at_a_time(self, prompts: list[list[int]]) -> list[mx.array]:
-        """Each prompt's last logits, computed alone."""
-        out = []
-        for prompt in prompts:
-            caches = self._adapter.make_cache()
-            out.append(self.model(mx.array([prompt], dtype=mx.uint32), cache=caches)[0, -1])
-        return out
 
     def admit(self, request: GenerationRequest) -> Reader:
         """Open the request's stream and queue it, or raise an AdmissionError."""
@@ -397,7 +330,7 @@ class Engine:
             room -= sum(len(g.rows) for g in groups)
             if room <= 0:
                 break
-            group = None if self.prefill_problem else self._whole_prompts(budget, room)
+            group = None if self.batch_problems.prefill else self._whole_prompts(budget, room)
             if group is not None:
                 # Several short prompts that fit this step: one forward pass for all of them.
                 for _ in group.rows:
