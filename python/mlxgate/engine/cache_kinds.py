@@ -87,9 +87,8 @@ class CacheLayout:
 def _kind(cache: Any) -> str:
     if type(cache) is CacheList:
         return "+".join(_kind(sub) for sub in cache.caches)
-    for cls, name in _LAYER_NAMES.items():
-        if type(cache) is cls or (cls is ArraysCache and isinstance(cache, ArraysCache)):
-            return name
+    if (name := _LAYER_NAMES.get(type(cache))) is not None:
+        return name
     raise UnsupportedCache(
         f"the model keeps a {type(cache).__name__} per layer, which mlxgate cannot batch yet "
         f"(it batches {', '.join(c.__name__ for c in _LAYER_NAMES)} and CacheList of those)"
@@ -152,10 +151,9 @@ def append_rows(mine: Any, theirs: Any, rows: list[int]) -> None:
 
 
 def _rows_copy(cache: Any, rows: list[int]) -> Any:
-    """A batch cache holding just `rows` of `cache` (mlx-lm's extend may reorder its argument)."""
+    """A batch cache holding just `rows` of `cache` (mlx-lm's extend may reorder its argument;
+    `filter` rebinds every attribute it changes, so a shallow copy is enough)."""
     out = copy.copy(cache)
-    if isinstance(cache, ArraysCache):
-        out.cache = list(cache.cache)
     out.filter(mx.array(rows, dtype=mx.int32))
     return out
 
@@ -264,12 +262,7 @@ def snapshot(cache: Any) -> Any:
     if type(cache) is CacheList:
         return CacheList(*(snapshot(sub) for sub in cache.caches))
     if type(cache) is KVCache:
-        assert cache.keys is not None and cache.values is not None
-        out = KVCache()
-        out.keys = cache.keys[..., : cache.offset, :]
-        out.values = cache.values[..., : cache.offset, :]
-        out.offset = cache.offset
-        return out
+        return cut(cache, cache.offset)
     out = copy.copy(cache)
     for name, value in vars(cache).items():
         if isinstance(value, mx.array):
