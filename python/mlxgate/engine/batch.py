@@ -11,8 +11,9 @@ ends leaves its slot (still computed, its tokens ignored) until a joining sequen
 into it, and a band is only compacted once more of its slots are free than in use.
 
 Layers keep whatever their kind needs (engine/cache_kinds.py): bands of different widths need
-every layer to be attention, slots need no sliding window; otherwise a batch has one band and
-rows that end are dropped at once.
+every layer to be attention, and a free slot takes a joining row only where no layer is a
+sliding window (whose rows share one write position); there joining rows are appended, and free
+slots wait for the compaction like any others.
 """
 
 from __future__ import annotations
@@ -90,7 +91,6 @@ class DecodeBatch:
     ) -> None:
         """Join rows whose `lengths` tokens `caches` hold (per layer, a batch cache; attention
         rows left-padded to its end)."""
-        lengths = list(lengths)
         bands = list(self.bands)
         widths = [band.columns for band in bands]
         slots = [len(band.stream_ids) for band in bands]
@@ -195,7 +195,7 @@ class _Band:
     def add(
         self,
         caches: Sequence[Any],
-        lengths: list[int],
+        lengths: Sequence[int],
         rows: list[int],
         stream_ids: Sequence[int],
         samplers: Sequence[Sampler],
@@ -236,7 +236,7 @@ class _Band:
         self,
         caches: Sequence[Any],
         placed: list[tuple[int, int]],
-        lengths: list[int],
+        lengths: Sequence[int],
         columns: int,
     ) -> None:
         """Copy joining rows into free slots, attention right-aligned with the batch (in place)."""
@@ -267,7 +267,7 @@ class _Band:
         live = int(np.count_nonzero(self.stream_ids))
         if live == 0:
             self._empty()
-        elif len(self.stream_ids) - live > live or not self.layout.slots:
+        elif len(self.stream_ids) - live > live:
             self._compact()
         else:
             self._trim()
