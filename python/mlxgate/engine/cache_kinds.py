@@ -187,7 +187,7 @@ def write_slots(
     mine: Any,
     theirs: Any,
     placed: list[tuple[int, int]],
-    lengths: list[int],
+    lengths: Sequence[int],
     padding: mx.array,
     offset: mx.array,
 ) -> None:
