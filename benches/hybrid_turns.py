@@ -66,6 +66,8 @@ def hybrid_model(arch: str) -> Any:
 
 def first_token_s(engine: Any, prompt: list[int], steps: int) -> tuple[float, list[int]]:
     """Seconds to the first streamed token, and the generated ids (token i reads `i,`)."""
+    import orjson
+
     from mlxgate._native import StreamSpec
     from mlxgate.engine import GenerationRequest
 
@@ -82,12 +84,13 @@ def first_token_s(engine: Any, prompt: list[int], steps: int) -> tuple[float, li
         if data is None:
             break
         if data:
-            chunk = data.decode()
-            if first is None and "text_delta" in chunk:
-                first = time.perf_counter() - started
-            for line in chunk.splitlines():
-                if '"text_delta"' in line:
-                    text += line.split('"text":"', 1)[1].split('"', 1)[0]
+            for line in data.splitlines():
+                if not line.startswith(b"data: "):
+                    continue
+                delta = orjson.loads(line[len(b"data: ") :]).get("delta", {})
+                if delta.get("type") == "text_delta":
+                    first = first if first is not None else time.perf_counter() - started
+                    text += delta["text"]
             continue
         ready.clear()
         if reader.park(ready, lambda _: ready.set()):
