@@ -60,7 +60,18 @@ def open_from(router: Router, spec: dict[str, Any]) -> Reader:
         "prefill": spec.get("prefill", ""),
         "eos_ids": spec.get("eos_ids", []),
     }
-    if spec.get("dialect", "anthropic") == "openai":
+    dialect = spec.get("dialect", "anthropic")
+    if dialect == "responses":
+        stream_spec = StreamSpec.responses(
+            response_id=spec["response_id"],
+            created_at=spec["created_at"],
+            echo=spec.get("echo", ""),
+            reasoning_summary=spec.get("reasoning_summary", False),
+            encrypted_reasoning=spec.get("encrypted_reasoning", False),
+            namespaced=[tuple(t) for t in spec.get("namespaced", [])],
+            **common,
+        )
+    elif dialect == "openai":
         stream_spec = StreamSpec.openai(
             completion_id=spec["completion_id"],
             created=spec["created"],
@@ -136,15 +147,15 @@ def test_golden_transcript(input_path: Path) -> None:
     assert bytes(out) == golden_path(input_path, fixture).read_bytes()
 
 
-def is_openai(fixture: dict[str, Any]) -> bool:
-    return bool(fixture["open"].get("dialect") == "openai")
+def dialect_of(fixture: dict[str, Any]) -> str:
+    return str(fixture["open"].get("dialect", "anthropic"))
 
 
 def test_goldens_are_valid_anthropic_sse() -> None:
     order = {"message_start": 0, "ping": 1, "content_block_start": 2, "content_block_delta": 3}
     for input_path in INPUTS:
         fixture = json.loads(input_path.read_text(encoding="utf-8"))
-        if is_openai(fixture):
+        if dialect_of(fixture) != "anthropic":
             continue
         golden = golden_path(input_path, fixture).read_text(encoding="utf-8")
         if not fixture["open"].get("stream", True):
@@ -183,7 +194,7 @@ def test_goldens_are_valid_anthropic_sse() -> None:
 def test_goldens_are_valid_openai_sse() -> None:
     for input_path in INPUTS:
         fixture = json.loads(input_path.read_text(encoding="utf-8"))
-        if not is_openai(fixture):
+        if dialect_of(fixture) != "openai":
             continue
         golden = golden_path(input_path, fixture).read_text(encoding="utf-8")
         chat = fixture["open"].get("kind", "chat") == "chat"

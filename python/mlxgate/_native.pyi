@@ -39,6 +39,7 @@ __all__ = [
     "Router",
     "StreamSpec",
     "Vocab",
+    "reasoning_from_encrypted",
 ]
 
 class NativeError(ValueError):
@@ -171,10 +172,12 @@ class Dialect:
     rate_limit_error, 529 (overloaded) and 503 (unavailable) overloaded_error, 500 api_error.
     OpenAI: `{"error":{"message","type","param","code"}}`; client errors (400, 401, 403, 404,
     413) invalid_request_error, 429 rate_limit_error, 503 (overloaded, unavailable) and 500
-    server_error."""
+    server_error. Responses: OpenAI's envelope and statuses; a stream's last frame is an `error`
+    event."""
 
     ANTHROPIC: ClassVar[Dialect]
     OPENAI: ClassVar[Dialect]
+    RESPONSES: ClassVar[Dialect]
     def __int__(self) -> int: ...
     def error_status(self, kind: ErrorKind) -> int: ...
     def error_reply(
@@ -236,6 +239,34 @@ class StreamSpec:
         last chunk with empty choices and the usage. stream=False makes the JSON body readable
         once the stream ends. finish_reason: "stop" (EOS or stop sequence), "length"
         (max_tokens), "tool_calls". Raises NativeError if `kind` is unknown."""
+
+    @staticmethod
+    def responses(
+        *,
+        model: str,
+        response_id: str,
+        created_at: int,
+        echo: str,
+        stream: bool = True,
+        reasoning_summary: bool = False,
+        encrypted_reasoning: bool = False,
+        namespaced: Sequence[tuple[str, str, str]] = ...,
+        stop_sequences: list[str] = ...,
+        markup: Markup | None = None,
+        prefill: str = "",
+        eos_ids: list[int] = ...,
+        tools: Sequence[tuple[str, str]] = ...,
+    ) -> StreamSpec:
+        """An OpenAI Responses stream. Streaming: typed SSE events (`event:` + `data:` with `type`
+        and `sequence_number`): `response.created`, `response.in_progress`, per output item
+        `response.output_item.added`, its parts and deltas (output text, reasoning text or, with
+        reasoning_summary, a reasoning summary; function call arguments) and `.done` events, then
+        `response.completed` (`response.incomplete` at max_output_tokens; `response.failed` on an
+        error), each carrying the Response object. stream=False makes the Response object readable
+        once the stream ends. `echo` is a JSON object of the request's settings every Response
+        object repeats after its own members. encrypted_reasoning adds `encrypted_content` to
+        reasoning items (see `reasoning_from_encrypted`). `namespaced` lists (flat name,
+        namespace, name): a call of the flat name goes out as `name` with `namespace`."""
 
     @property
     def dialect(self) -> Dialect: ...
@@ -323,3 +354,7 @@ class Router:
         """Sorted ids of open streams whose readers hold more than `max_unread_bytes` unread."""
 
     def __len__(self) -> int: ...
+
+def reasoning_from_encrypted(encrypted: str) -> str | None:
+    """The reasoning text inside an `encrypted_content` this server handed out (None for any other
+    string), so a replayed reasoning item renders exactly as the model wrote it."""

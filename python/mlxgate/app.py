@@ -28,6 +28,7 @@ from mlxgate.api.http import (
 )
 from mlxgate.api.models import ModelNames
 from mlxgate.api.openai import OpenAIAPI
+from mlxgate.api.responses import ResponsesAPI
 from mlxgate.api.shared import Route, Services
 from mlxgate.config import Config
 from mlxgate.engine import Engine, Generator, SamplingParams
@@ -36,7 +37,7 @@ from mlxgate.metrics import EngineCollector
 log = logging.getLogger("mlxgate")
 
 # Each dialect's routes; adding a dialect is one line here.
-DIALECTS = (AnthropicAPI, OpenAIAPI)
+DIALECTS = (AnthropicAPI, OpenAIAPI, ResponsesAPI)
 
 
 class App:
@@ -58,6 +59,7 @@ class App:
             renderer=renderer,
             models=self.models,
             default_sampling=SamplingParams(config.temperature, config.top_p, config.top_k),
+            config=config,
             max_output_tokens=config.max_output_tokens,
         )
         self.routes: list[Route] = [
@@ -187,7 +189,7 @@ class App:
 
 def _fallback_dialect(path: str) -> Dialect:
     """The envelope for a path no route has: OpenAI's where the path looks like OpenAI's."""
-    openai = "completions" in path or "embeddings" in path or "/v1/models" in path
+    openai = any(word in path for word in ("completions", "embeddings", "/v1/models", "responses"))
     return Dialect.OPENAI if openai else Dialect.ANTHROPIC
 
 

@@ -85,6 +85,11 @@ class Config:
         default_text="clamp max_tokens to the context",
     )
     max_body_bytes: int = setting(32 << 20, "the largest request body; larger ones get 413")
+    responses_store_mb: int = setting(
+        256,
+        "memory for Responses API responses kept with `store: true` (for previous_response_id "
+        "and GET /v1/responses/ID); the least recently used go first; 0 keeps none",
+    )
     log_level: str = setting("info", "log verbosity", choices=("debug", "info", "warning", "error"))
 
     def to_env(self) -> None:

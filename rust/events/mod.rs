@@ -2,6 +2,7 @@
 
 pub mod anthropic;
 pub mod openai;
+pub mod responses;
 
 use crate::error::CoreError;
 
@@ -98,6 +99,8 @@ impl std::str::FromStr for ErrorKind {
 pub enum Dialect {
     Anthropic,
     OpenAi,
+    /// OpenAI's Responses API: OpenAI's error envelope and statuses, its own events.
+    Responses,
 }
 
 /// An error answer of one dialect: the HTTP status, and the envelope as a body or as the last
@@ -115,7 +118,7 @@ impl Dialect {
     pub fn error_status(self, kind: ErrorKind) -> u16 {
         match self {
             Self::Anthropic => anthropic::error_status(kind),
-            Self::OpenAi => openai::error_status(kind),
+            Self::OpenAi | Self::Responses => openai::error_status(kind),
         }
     }
 
@@ -124,6 +127,7 @@ impl Dialect {
         match self {
             Self::Anthropic => anthropic::write_error(error, stream, out),
             Self::OpenAi => openai::write_error(error, stream, out),
+            Self::Responses => responses::write_error(error, stream, out),
         }
     }
 }
@@ -141,6 +145,7 @@ pub struct PromptUsage {
 pub enum DialectParams {
     Anthropic(anthropic::AnthropicParams),
     OpenAi(openai::OpenAiParams),
+    Responses(responses::ResponsesParams),
 }
 
 impl DialectParams {
@@ -152,6 +157,25 @@ impl DialectParams {
             Self::OpenAi(p) => {
                 Protocol::OpenAi(Box::new(openai::OpenAiStream::new(p.clone(), usage)))
             }
+            Self::Responses(p) => {
+                Protocol::Responses(Box::new(responses::ResponsesStream::new(p.clone(), usage)))
+            }
+        }
+    }
+
+    pub fn stream(&self) -> bool {
+        match self {
+            Self::Anthropic(p) => p.stream,
+            Self::OpenAi(p) => p.stream,
+            Self::Responses(p) => p.stream,
+        }
+    }
+
+    pub fn model(&self) -> &str {
+        match self {
+            Self::Anthropic(p) => &p.model,
+            Self::OpenAi(p) => &p.model,
+            Self::Responses(p) => &p.model,
         }
     }
 
@@ -159,6 +183,7 @@ impl DialectParams {
         match self {
             Self::Anthropic(_) => Dialect::Anthropic,
             Self::OpenAi(_) => Dialect::OpenAi,
+            Self::Responses(_) => Dialect::Responses,
         }
     }
 }
@@ -169,6 +194,7 @@ pub enum Protocol {
     Anthropic(anthropic::AnthropicStream),
     /// Boxed so plain Anthropic streams keep the smaller footprint.
     OpenAi(Box<openai::OpenAiStream>),
+    Responses(Box<responses::ResponsesStream>),
 }
 
 macro_rules! dispatch {
@@ -176,6 +202,7 @@ macro_rules! dispatch {
         match $self {
             Self::Anthropic($s) => $call,
             Self::OpenAi($s) => $call,
+            Self::Responses($s) => $call,
         }
     };
 }
@@ -228,6 +255,10 @@ impl Protocol {
         let (dialect, stream) = match self {
             Self::Anthropic(s) => (Dialect::Anthropic, s.is_streaming()),
             Self::OpenAi(s) => (Dialect::OpenAi, s.is_streaming()),
+            Self::Responses(s) => {
+                s.error(&error, out);
+                return Dialect::Responses.error_status(kind);
+            }
         };
         dialect.write_error(&error, stream, out);
         dialect.error_status(kind)
@@ -236,7 +267,7 @@ impl Protocol {
     /// False for dialects that carry plain text only (legacy completions).
     pub fn supports_markup(&self) -> bool {
         match self {
-            Self::Anthropic(_) => true,
+            Self::Anthropic(_) | Self::Responses(_) => true,
             Self::OpenAi(s) => s.supports_markup(),
         }
     }

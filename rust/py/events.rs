@@ -9,6 +9,7 @@ use pyo3::types::PyBytes;
 use super::markup::PyMarkup;
 use crate::events::anthropic::AnthropicParams;
 use crate::events::openai::{CompletionKind, OpenAiParams};
+use crate::events::responses::{self, NamespacedTool, ResponsesParams};
 use crate::events::{Dialect, DialectParams, ErrorKind, ErrorReply, FinishReason};
 use crate::markup::ToolSchemas;
 use crate::router::StreamSpec;
@@ -91,6 +92,7 @@ impl From<PyErrorKind> for ErrorKind {
 pub enum PyDialect {
     ANTHROPIC,
     OPENAI,
+    RESPONSES,
 }
 
 impl From<PyDialect> for Dialect {
@@ -98,6 +100,7 @@ impl From<PyDialect> for Dialect {
         match dialect {
             PyDialect::ANTHROPIC => Self::Anthropic,
             PyDialect::OPENAI => Self::OpenAi,
+            PyDialect::RESPONSES => Self::Responses,
         }
     }
 }
@@ -107,6 +110,7 @@ impl From<Dialect> for PyDialect {
         match dialect {
             Dialect::Anthropic => Self::ANTHROPIC,
             Dialect::OpenAi => Self::OPENAI,
+            Dialect::Responses => Self::RESPONSES,
         }
     }
 }
@@ -238,6 +242,55 @@ impl PyStreamSpec {
         ))
     }
 
+    #[staticmethod]
+    #[pyo3(signature = (
+        *, model, response_id, created_at, echo, stream = true, reasoning_summary = false,
+        encrypted_reasoning = false, namespaced = Vec::new(), stop_sequences = Vec::new(),
+        markup = None, prefill = "", eos_ids = Vec::new(), tools = Vec::new(),
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn responses(
+        model: String,
+        response_id: String,
+        created_at: u64,
+        echo: String,
+        stream: bool,
+        reasoning_summary: bool,
+        encrypted_reasoning: bool,
+        namespaced: Vec<(String, String, String)>,
+        stop_sequences: Vec<String>,
+        markup: Option<&Bound<'_, PyMarkup>>,
+        prefill: &str,
+        eos_ids: Vec<u32>,
+        tools: Vec<(PyBackedStr, PyBackedStr)>,
+    ) -> PyStreamSpec {
+        let params = ResponsesParams {
+            model,
+            response_id,
+            created_at,
+            stream,
+            echo,
+            reasoning_summary,
+            encrypted_reasoning,
+            namespaced: namespaced
+                .into_iter()
+                .map(|(flat_name, namespace, name)| NamespacedTool {
+                    flat_name,
+                    namespace,
+                    name,
+                })
+                .collect(),
+        };
+        spec(
+            DialectParams::Responses(params),
+            stop_sequences,
+            markup,
+            prefill,
+            eos_ids,
+            tools,
+        )
+    }
+
     #[getter]
     fn dialect(&self) -> PyDialect {
         self.inner.dialect.dialect().into()
@@ -245,18 +298,12 @@ impl PyStreamSpec {
 
     #[getter]
     fn stream(&self) -> bool {
-        match &self.inner.dialect {
-            DialectParams::Anthropic(p) => p.stream,
-            DialectParams::OpenAi(p) => p.stream,
-        }
+        self.inner.dialect.stream()
     }
 
     #[getter]
     fn model(&self) -> &str {
-        match &self.inner.dialect {
-            DialectParams::Anthropic(p) => &p.model,
-            DialectParams::OpenAi(p) => &p.model,
-        }
+        self.inner.dialect.model()
     }
 
     #[getter]
@@ -268,4 +315,10 @@ impl PyStreamSpec {
     fn eos_ids(&self) -> Vec<u32> {
         self.inner.eos_ids.clone()
     }
+}
+
+/// The reasoning text inside an `encrypted_content` this server handed out; None for another's.
+#[pyfunction]
+pub fn reasoning_from_encrypted(encrypted: &str) -> Option<String> {
+    responses::reasoning_from_encrypted(encrypted)
 }

@@ -64,5 +64,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<events::PyDialect>()?;
     m.add_class::<router::PyReader>()?;
     m.add_class::<router::PyRouter>()?;
+    m.add_function(wrap_pyfunction!(events::reasoning_from_encrypted, m)?)?;
     Ok(())
 }

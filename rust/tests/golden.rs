@@ -9,6 +9,7 @@ use std::sync::Arc;
 use mlxgate::channel::Channel;
 use mlxgate::events::anthropic::AnthropicParams;
 use mlxgate::events::openai::OpenAiParams;
+use mlxgate::events::responses::{NamespacedTool, ResponsesParams};
 use mlxgate::events::{DialectParams, ErrorKind, FinishReason, PromptUsage};
 use mlxgate::markup::MarkupSpec;
 use mlxgate::router::{Router, StreamSpec};
@@ -34,7 +35,7 @@ struct VocabSpec {
 #[derive(Deserialize)]
 struct OpenSpec {
     stream_id: u64,
-    /// `anthropic` (the default) or `openai`.
+    /// `anthropic` (the default), `openai` or `responses`.
     #[serde(default)]
     dialect: Option<String>,
     model: String,
@@ -64,6 +65,20 @@ struct OpenSpec {
     markup: Option<MarkupJson>,
     #[serde(default)]
     prefill: String,
+    #[serde(default)]
+    response_id: String,
+    #[serde(default)]
+    created_at: u64,
+    /// The Responses request settings echoed in every Response object (a JSON object, as text).
+    #[serde(default)]
+    echo: String,
+    #[serde(default)]
+    reasoning_summary: bool,
+    #[serde(default)]
+    encrypted_reasoning: bool,
+    /// (flat name, namespace, name) of each namespaced function.
+    #[serde(default)]
+    namespaced: Vec<(String, String, String)>,
 }
 
 #[derive(Deserialize)]
@@ -141,6 +156,24 @@ fn run(fixture: &Fixture) -> Vec<u8> {
             stream: open.stream,
             include_usage: open.include_usage,
             kind: open.kind.as_deref().unwrap_or("chat").parse().unwrap(),
+        }),
+        "responses" => DialectParams::Responses(ResponsesParams {
+            model: open.model.clone(),
+            response_id: open.response_id.clone(),
+            created_at: open.created_at,
+            stream: open.stream,
+            echo: open.echo.clone(),
+            reasoning_summary: open.reasoning_summary,
+            encrypted_reasoning: open.encrypted_reasoning,
+            namespaced: open
+                .namespaced
+                .iter()
+                .map(|(flat_name, namespace, name)| NamespacedTool {
+                    flat_name: flat_name.clone(),
+                    namespace: namespace.clone(),
+                    name: name.clone(),
+                })
+                .collect(),
         }),
         other => panic!("unknown dialect {other:?}"),
     };

@@ -98,7 +98,11 @@ async def _unless_disconnected(receive: Receive, reader: Reader, work: Awaitable
     return task.result() if not task.cancelled() else None
 
 
-async def _stream(send: Send, reader: Reader, dialect: Dialect) -> None:
+# Sees every chunk of a response body as it goes out.
+Tap = Callable[[bytes], object]
+
+
+async def _stream(send: Send, reader: Reader, dialect: Dialect, tap: Tap | None) -> None:
     await send(
         {
             "type": "http.response.start",
@@ -112,6 +116,8 @@ async def _stream(send: Send, reader: Reader, dialect: Dialect) -> None:
     )
     try:
         async for data in chunks(reader):
+            if tap is not None:
+                tap(data)
             await send({"type": "http.response.body", "body": data, "more_body": True})
     except Exception:
         # The status line is out: the client learns of the failure from a last error event.
@@ -125,21 +131,31 @@ async def _stream(send: Send, reader: Reader, dialect: Dialect) -> None:
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def send_event_stream(send: Send, receive: Receive, reader: Reader, dialect: Dialect) -> None:
+async def send_event_stream(
+    send: Send, receive: Receive, reader: Reader, dialect: Dialect, tap: Tap | None = None
+) -> None:
     """Stream SSE frames as the engine produces them; a disconnect cancels the generation."""
-    await _unless_disconnected(receive, reader, _stream(send, reader, dialect))
+    await _unless_disconnected(receive, reader, _stream(send, reader, dialect, tap))
 
 
 async def respond(
-    send: Send, receive: Receive, reader: Reader, dialect: Dialect, *, stream: bool
+    send: Send,
+    receive: Receive,
+    reader: Reader,
+    dialect: Dialect,
+    *,
+    stream: bool,
+    tap: Tap | None = None,
 ) -> None:
     """Answer with the generation: SSE as it happens, or the whole body with the status its end
-    implies (an error's, if the generation failed)."""
+    implies (an error's, if the generation failed). `tap` sees what is sent, chunk by chunk."""
     if stream:
-        await send_event_stream(send, receive, reader, dialect)
+        await send_event_stream(send, receive, reader, dialect, tap)
         return
     body = await collect(receive, reader)
     if body is not None:
+        if tap is not None:
+            tap(body)
         await send_bytes(send, reader.status, body)
 
 

@@ -15,6 +15,7 @@ from mlxgate._native import Dialect, ErrorKind, Reader
 from mlxgate.api.errors import ApiError, invalid
 from mlxgate.api.http import Receive, Scope, Send
 from mlxgate.api.models import ModelNames
+from mlxgate.config import Config
 from mlxgate.engine import (
     AdmissionError,
     EngineStopped,
@@ -54,12 +55,14 @@ class Route:
 
 @dataclass(frozen=True)
 class Services:
-    """What a dialect is built with: the engine, the model's rendering, names and defaults."""
+    """What a dialect is built with: the engine, the model's rendering, names and settings."""
 
     engine: Generator
     renderer: chat.Renderer
     models: ModelNames
     default_sampling: SamplingParams
+    # The server's settings, for the ones only one dialect reads.
+    config: Config
     max_output_tokens: int | None = None
 
 

@@ -1,0 +1,291 @@
+"""OpenAI Responses requests: validation, and conversion of `instructions`, `input` items and
+tools to a dialect-neutral conversation."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mlxgate import chat
+from mlxgate._native import reasoning_from_encrypted
+from mlxgate.api.errors import invalid
+from mlxgate.formats.reasoning import FIELD as REASONING
+
+log = logging.getLogger("mlxgate")
+
+# What a namespaced function is called in the prompt: `namespace` + this + `name`.
+NAMESPACE_SEPARATOR = "__"
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Item(BaseModel):
+    """Any input item; the fields of the types mlxgate understands are typed. Unknown fields are
+    kept, so an item stored for `previous_response_id` replays whole."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str = "message"  # an "easy" input message has no type
+    role: str | None = None
+    content: str | list[dict[str, Any]] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    namespace: str | None = None
+    arguments: str | None = None
+    output: str | list[dict[str, Any]] | None = None
+    summary: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+
+
+class Reasoning(_Lenient):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class TextFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+
+
+class TextSettings(_Lenient):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Lenient):
+    model: str
+    input: str | list[Item]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool = True  # OpenAI's default
+    previous_response_id: str | None = None
+    include: list[str] | None = None
+    reasoning: Reasoning | None = None
+    # Accepted; the reply is not constrained (documented in the README).
+    text: TextSettings | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    truncation: str | None = None
+
+    @property
+    def items(self) -> list[Item]:
+        if isinstance(self.input, str):
+            return [Item(type="message", role="user", content=self.input)]
+        return self.input
+
+    @property
+    def encrypted_reasoning(self) -> bool:
+        return "reasoning.encrypted_content" in (self.include or [])
+
+    @property
+    def reasoning_summary(self) -> bool:
+        summary = self.reasoning.summary if self.reasoning else None
+        return summary not in (None, "none")
+
+    @property
+    def text_format(self) -> str:
+        return self.text.format.type if self.text and self.text.format else "text"
+
+    def echo(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
+        """The settings every Response object repeats, as OpenAI's API returns them."""
+        reasoning = self.reasoning or Reasoning()
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
+            "previous_response_id": self.previous_response_id,
+            "reasoning": {"effort": reasoning.effort, "summary": reasoning.summary},
+            "store": self.store,
+            "temperature": self.temperature,
+            "text": {"format": {"type": self.text_format}},
+            "tool_choice": self.tool_choice or "auto",
+            "tools": tools,
+            "top_p": self.top_p,
+            "truncation": self.truncation or "disabled",
+            "user": self.user,
+            "metadata": self.metadata or {},
+        }
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The request's tools as the prompt shows them: function tools, a namespace's functions
+    under flat names, hosted tools left out."""
+
+    functions: list[chat.Tool]
+    # (flat name, namespace, name) of every function given inside a namespace.
+    namespaced: list[tuple[str, str, str]]
+    # The tools a Response object repeats: those the model was given.
+    served: list[dict[str, Any]]
+
+    def flat_name(self, name: str, namespace: str | None) -> str:
+        return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
+def _function(tool: dict[str, Any], name: str, where: str) -> chat.Tool:
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise invalid(f"{where}.name: a function tool needs a name")
+    parameters = tool.get("parameters") or {"type": "object", "properties": {}}
+    spec = {"name": name, "description": tool.get("description") or "", "parameters": parameters}
+    return {"type": "function", "function": spec}
+
+
+def tools(request: ResponsesRequest) -> Tools:
+    functions: list[chat.Tool] = []
+    namespaced: list[tuple[str, str, str]] = []
+    served: list[dict[str, Any]] = []
+    for i, tool in enumerate(request.tools or []):
+        kind = tool.get("type")
+        where = f"tools.{i}"
+        if kind == "function":
+            functions.append(_function(tool, tool.get("name", ""), where))
+            served.append(tool)
+        elif kind == "namespace":
+            namespace = tool.get("name")
+            if not isinstance(namespace, str) or not namespace:
+                raise invalid(f"{where}.name: a namespace tool needs a name")
+            for j, inner in enumerate(tool.get("tools") or []):
+                if inner.get("type", "function") != "function":
+                    log.info("responses: skipping tool %s of namespace %s", inner, namespace)
+                    continue
+                flat = f"{namespace}{NAMESPACE_SEPARATOR}{inner.get('name')}"
+                functions.append(_function(inner, flat, f"{where}.tools.{j}"))
+                namespaced.append((flat, namespace, inner["name"]))
+            served.append(tool)
+        else:
+            # Hosted tools (web_search, image_generation, local_shell, ...) have no server here.
+            log.info("responses: skipping the hosted tool %r (%s)", kind, tool.get("name", ""))
+    return Tools(functions, namespaced, served)
+
+
+def _tool_choice(request: ResponsesRequest, tools: Tools) -> chat.ToolChoice:
+    choice = request.tool_choice
+    if choice is None or choice == "auto":
+        return chat.ToolChoice()
+    if choice == "none":
+        return chat.ToolChoice("none")
+    if choice == "required":
+        return chat.ToolChoice("any") if tools.functions else chat.ToolChoice()
+    if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name"):
+        return chat.ToolChoice("tool", tools.flat_name(choice["name"], choice.get("namespace")))
+    if isinstance(choice, str):
+        raise invalid(f"tool_choice: {choice!r} is not one of 'auto', 'none', 'required'")
+    return chat.ToolChoice()  # a hosted tool or allowed_tools: the model chooses
+
+
+def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+            parts.append(part.get("text") or "")
+        elif kind == "refusal":
+            parts.append(part.get("refusal") or "")
+        else:
+            raise invalid(f"{where}.content.{i}: content part type {kind!r} is not supported")
+    return "\n".join(parts)
+
+
+def _reasoning(item: Item) -> str:
+    """The reasoning text a replayed item carries: ours exactly as written when it comes back
+    encrypted, else its reasoning text, else its summary."""
+    if item.encrypted_content and (text := reasoning_from_encrypted(item.encrypted_content)):
+        return text
+    if isinstance(item.content, list) and item.content:
+        return _text(item.content, "reasoning")
+    return "\n\n".join(part.get("text") or "" for part in item.summary or [])
+
+
+def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> list[chat.Message]:
+    """`instructions`, then the stored history (`previous_response_id`), then `input`.
+
+    System and developer messages before the first other turn become one system message; a later
+    one becomes a user turn, since templates accept a system message only first. Reasoning,
+    assistant text and function calls in a row are one assistant turn."""
+    out: list[chat.Message] = []
+    system: list[str] = [request.instructions] if request.instructions else []
+    assistant: chat.Message | None = None
+
+    def close_assistant() -> None:
+        nonlocal assistant
+        if assistant is not None:
+            out.append(assistant)
+            assistant = None
+
+    def open_assistant() -> chat.Message:
+        nonlocal assistant
+        if assistant is None:
+            assistant = {"role": "assistant", "content": ""}
+        return assistant
+
+    for i, item in enumerate([*history, *request.items]):
+        where = f"input.{i - len(history)}" if i >= len(history) else "previous_response_id"
+        if item.type == "message":
+            text = _text(item.content, where)
+            if item.role in ("system", "developer"):
+                if not out and assistant is None:
+                    system.append(text)
+                else:
+                    close_assistant()
+                    out.append({"role": "user", "content": text})
+            elif item.role == "assistant":
+                turn = open_assistant()
+                turn["content"] = f"{turn['content']}{text}"
+            elif item.role == "user":
+                close_assistant()
+                out.append({"role": "user", "content": text})
+            else:
+                raise invalid(f"{where}.role: {item.role!r} is not a message role")
+        elif item.type == "reasoning":
+            if assistant is not None and (assistant["content"] or assistant.get("tool_calls")):
+                close_assistant()
+            turn = open_assistant()
+            text = _reasoning(item)
+            turn[REASONING] = f"{turn[REASONING]}\n\n{text}" if turn.get(REASONING) else text
+        elif item.type == "function_call":
+            if not item.name or item.call_id is None:
+                raise invalid(f"{where}: a function_call needs a name and a call_id")
+            try:
+                arguments = json.loads(item.arguments or "{}")
+            except json.JSONDecodeError:
+                raise invalid(f"{where}.arguments: not valid JSON") from None
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {
+                    "name": tools.flat_name(item.name, item.namespace),
+                    "arguments": arguments,
+                },
+            }
+            open_assistant().setdefault("tool_calls", []).append(call)
+        elif item.type == "function_call_output":
+            close_assistant()
+            output = item.output if isinstance(item.output, str) else _text(item.output, where)
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        else:
+            log.info("responses: skipping an input item of type %r", item.type)
+    close_assistant()
+    if system:
+        out.insert(0, {"role": "system", "content": "\n\n".join(system)})
+    return chat.merge_turns(out)
+
+
+def conversation(request: ResponsesRequest, history: list[Item], tools: Tools) -> chat.Conversation:
+    effort = request.reasoning.effort if request.reasoning else None
+    return chat.Conversation(
+        messages(request, history, tools),
+        tools.functions,
+        _tool_choice(request, tools),
+        thinking=False if effort in ("none", "minimal") else None,
+    )

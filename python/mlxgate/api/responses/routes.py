@@ -1,0 +1,133 @@
+"""The OpenAI Responses API: `POST /v1/responses`, stored responses, admission errors."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+from mlxgate._native import Dialect, ErrorKind, StreamSpec
+from mlxgate.api.errors import ApiError
+from mlxgate.api.http import Receive, Scope, Send, respond, send_bytes, send_json
+from mlxgate.api.responses.requests import Item, ResponsesRequest, conversation, tools
+from mlxgate.api.responses.store import ResponseStore, StoredResponse
+from mlxgate.api.shared import (
+    COMMON_ADMISSION_ERRORS,
+    AdmissionErrors,
+    Route,
+    Services,
+    admit,
+    parse,
+    render,
+    sampling,
+)
+from mlxgate.engine import GenerationRequest, PromptTooLong
+
+RESPONSES = Dialect.RESPONSES
+
+ADMISSION_ERRORS: AdmissionErrors = {
+    **COMMON_ADMISSION_ERRORS,
+    # Codex acts on the code (it stops and says the context window is exceeded).
+    PromptTooLong: lambda e: ApiError(
+        ErrorKind.INVALID_REQUEST,
+        f"prompt is too long: {e.prompt_tokens} tokens > {e.context_length} maximum",
+        should_retry=False,
+        code="context_length_exceeded",
+        param="input",
+    ),
+}
+
+_LAST_EVENT = b"\ndata: "
+
+
+def final_response(body: bytes, stream: bool) -> bytes | None:
+    """The Response object a generation ended with: the body, or the last event's `response`."""
+    if not stream:
+        return body if body.startswith(b"{") else None
+    start = body.rfind(_LAST_EVENT)
+    if start < 0:
+        return None
+    event = orjson.loads(body[start + len(_LAST_EVENT) :])
+    response = event.get("response")
+    return orjson.dumps(response) if response is not None else None
+
+
+class ResponsesAPI:
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self.store = ResponseStore(services.config.responses_store_mb << 20)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("POST", "/v1/responses", RESPONSES, self.create),
+            Route("GET", "/v1/responses/", RESPONSES, self.retrieve, prefix=True),
+            Route("DELETE", "/v1/responses/", RESPONSES, self.delete, prefix=True),
+        ]
+
+    async def create(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        services = self.services
+        request = parse(ResponsesRequest, body)
+        services.models.check(request.model)
+        history = []
+        if previous := request.previous_response_id:
+            history = [Item.model_validate(item) for item in self.store.history(previous)]
+        given = tools(request)
+        prompt = render(services.renderer, conversation(request, history, given))
+        response_id = f"resp_{uuid.uuid4().hex}"
+        stream = StreamSpec.responses(
+            model=services.models.served,
+            response_id=response_id,
+            created_at=int(time.time()),
+            echo=orjson.dumps(request.echo(given.served)).decode(),
+            stream=request.stream,
+            reasoning_summary=request.reasoning_summary,
+            encrypted_reasoning=request.encrypted_reasoning,
+            namespaced=given.namespaced,
+            markup=prompt.markup,
+            prefill=prompt.prefill,
+            eos_ids=services.renderer.eos_ids,
+            tools=prompt.tool_schemas,
+        )
+        generation = GenerationRequest(
+            prompt.ids,
+            stream,
+            max_tokens=request.max_output_tokens,
+            sampling=sampling(
+                services.default_sampling,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=None,
+            ),
+        )
+        reader = admit(services.engine, generation, ADMISSION_ERRORS)
+        # The Response object is in the last chunk: the router queues a stream's end at once.
+        last = [b""]
+
+        def keep_last(chunk: bytes) -> None:
+            last[0] = chunk
+
+        await respond(send, receive, reader, RESPONSES, stream=request.stream, tap=keep_last)
+        if request.store and last[0]:
+            response = final_response(last[0], request.stream)
+            if response is not None:
+                inputs = [item.model_dump(exclude_unset=True) for item in request.items]
+                self.store.put(
+                    response_id,
+                    StoredResponse(response, inputs, request.previous_response_id),
+                )
+
+    def _response_id(self, scope: Scope) -> str:
+        return str(scope["path"]).rstrip("/").split("/v1/responses/", 1)[1]
+
+    async def retrieve(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        stored = self.store.get(self._response_id(scope))
+        await send_bytes(send, 200, stored.response)
+
+    async def delete(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        response_id = self._response_id(scope)
+        self.store.get(response_id)  # 404 if unknown
+        self.store.delete(response_id)
+        deleted: dict[str, Any] = {"id": response_id, "object": "response", "deleted": True}
+        await send_json(send, 200, deleted)
