@@ -165,7 +165,12 @@ def bash_call(family: str, command: str, **arguments: Any) -> str:
     after the generation prompt: its reasoning lead-in (`LEAD_IN`) and its chat template's
     rendering of an earlier call (`call_markup`, checked in test_forced_model.py), or for
     gpt-oss harmony's documented reply form (the template renders the recipient elsewhere)."""
-    return LEAD_IN.get(family, "") + call_markup(family, "Bash", {"command": command, **arguments})
+    return tool_call(family, "Bash", {"command": command, **arguments})
+
+
+def tool_call(family: str, name: str, arguments: dict[str, Any]) -> str:
+    """A call of tool `name` as `family`'s model writes it after the generation prompt."""
+    return LEAD_IN.get(family, "") + call_markup(family, name, arguments)
 
 
 def call_markup(family: str, name: str, arguments: dict[str, Any]) -> str:

@@ -39,8 +39,13 @@ class Dialect:
     types: dict[str, str]
     raises: dict[str, type[Exception]]
     overloaded_status: int
+    # How a stream starts, and what only a stream with generated text holds.
+    first_line: str
+    text_marker: str
 
     def body(self, messages: list[dict[str, Any]], max_tokens: int, **extra: Any) -> dict[str, Any]:
+        if self.name == "responses":
+            return {"model": "m", "max_output_tokens": max_tokens, "input": messages, **extra}
         return {"model": "m", "max_tokens": max_tokens, "messages": messages, **extra}
 
     def auth(self, key: str) -> dict[str, str]:
@@ -56,6 +61,10 @@ class Dialect:
         body = {"model": "m", "max_tokens": 4, "messages": QUESTION, **body}
         if self.name == "anthropic":
             return client.messages.create(**body)
+        if self.name == "responses":
+            return client.responses.create(
+                model=body["model"], input=body["messages"], max_output_tokens=body["max_tokens"]
+            )
         return client.chat.completions.create(**body)
 
     def error(self, response: httpx.Response | httpx2.Response, scenario: str) -> dict[str, Any]:
@@ -73,6 +82,15 @@ class Dialect:
 
     def stream_error(self, sse: str, scenario: str) -> None:
         """The stream ends with this dialect's error frames."""
+        if self.name == "responses":
+            event, data = last_frames(sse, 1)[0].split("\n")
+            last = json.loads(data.removeprefix("data: "))
+            assert event == f"event: {last['type']}"
+            # The encoder's own failure event, or (it failed outside the encoder) an error event.
+            failure = last["response"]["error"] if event == "event: response.failed" else last
+            assert event in ("event: response.failed", "event: error")
+            assert failure["code"] == "server_error" and failure["message"]
+            return
         if self.name == "anthropic":
             event, data = last_frames(sse, 1)[0].split("\n")
             assert event == "event: error"
@@ -104,6 +122,8 @@ ANTHROPIC = Dialect(
         "not_found": anthropic.NotFoundError,
     },
     overloaded_status=529,
+    first_line="event: message_start",
+    text_marker="content_block_delta",
 )
 OPENAI = Dialect(
     name="openai",
@@ -126,10 +146,23 @@ OPENAI = Dialect(
         "not_found": openai.NotFoundError,
     },
     overloaded_status=503,
+    first_line="data: {",
+    text_marker='"content":"',
+)
+RESPONSES = Dialect(
+    name="responses",
+    path="/v1/responses",
+    base="/v1",
+    sdk=openai.OpenAI,
+    types=OPENAI.types,
+    raises=OPENAI.raises,
+    overloaded_status=503,
+    first_line="event: response.created",
+    text_marker="response.output_text.delta",
 )
 
 
-@pytest.fixture(params=[ANTHROPIC, OPENAI], ids=lambda d: d.name)
+@pytest.fixture(params=[ANTHROPIC, OPENAI, RESPONSES], ids=lambda d: d.name)
 def dialect(request: pytest.FixtureRequest) -> Dialect:
     return request.param  # type: ignore[no-any-return]
 
@@ -140,7 +173,7 @@ def test_a_wrong_key_is_401_and_not_retried(dialect: Dialect, strict_server: Run
         dialect.create(wrong)
     response = caught.value.response  # type: ignore[attr-defined]
     error = dialect.error(response, "auth")
-    if dialect is OPENAI:
+    if dialect is not ANTHROPIC:
         assert error["code"] == "invalid_api_key"
     assert response.headers["x-should-retry"] == "false"
     listing = httpx.get(f"{strict_server.url}/v1/models", headers=dialect.auth("sk-wrong"))
@@ -215,7 +248,7 @@ def test_a_client_over_its_share_is_rate_limited(
         )
         assert other.status_code == 200
         first = next(other.iter_lines())
-        assert first.startswith("event: message_start" if dialect is ANTHROPIC else "data: {")
+        assert first.startswith(dialect.first_line)
         for response in [*busy, other]:
             response.close()
 
@@ -243,6 +276,10 @@ def test_unknown_routes_are_404_in_the_dialects_envelope(server: RunningServer) 
     openai_404 = httpx.post(f"{server.url}/v1/embeddings", json={})
     assert openai_404.status_code == 404
     OPENAI.error(openai_404, "not_found")
+    for method in ("GET", "DELETE"):
+        unknown = httpx.request(method, f"{server.url}/v1/responses/resp_unknown")
+        assert unknown.status_code == 404
+        assert "resp_unknown" in RESPONSES.error(unknown, "not_found")["message"]
 
 
 async def _post(in_process: InProcessServer, dialect: Dialect, **body: Any) -> httpx2.Response:
@@ -267,7 +304,7 @@ async def test_an_engine_failure_is_500_and_serving_goes_on(
     in_process.router.fail_after(3)
     streamed = await _post(in_process, dialect, stream=True)
     assert streamed.status_code == 200
-    assert ("content_block_delta" if dialect is ANTHROPIC else '"content":"') in streamed.text
+    assert dialect.text_marker in streamed.text
     dialect.stream_error(streamed.text, "internal")
 
     recovered = await _post(in_process, dialect, max_tokens=8)
@@ -288,7 +325,7 @@ async def test_unexpected_errors_before_and_after_headers(
         patch.setattr(http, "chunks", broken_after_first_frames)
         after = await _post(in_process, dialect, max_tokens=8, stream=True)
     assert after.status_code == 200
-    assert after.text.startswith("event: message_start" if dialect is ANTHROPIC else "data: {")
+    assert after.text.startswith(dialect.first_line)
     dialect.stream_error(after.text, "internal")
 
     assert (await _post(in_process, dialect, max_tokens=8)).status_code == 200
