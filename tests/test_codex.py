@@ -1,0 +1,151 @@
+"""The real Codex CLI (PyPI `openai-codex-cli-bin`) against mlxgate's Responses API, offline in a
+throwaway home: a tool round trip with a forced-output model in two families' own formats, and
+a plain answer from the embedded model to Codex's full default first request."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import RunningServer, start_server, stop_server
+from forced import TOOL_RESULT, Script, answer, forced_model_dir, serve_args, tool_call
+
+
+def codex_path() -> Path:
+    from codex_cli_bin import bundled_codex_path
+
+    return bundled_codex_path()
+
+
+@dataclass
+class CodexRun:
+    returncode: int
+    events: list[dict[str, Any]]  # `codex exec --json`'s JSON lines
+    stderr: str
+
+    def message(self) -> str:
+        return "".join(
+            e["item"]["text"]
+            for e in self.events
+            if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"
+        )
+
+    def usage(self) -> dict[str, int]:
+        turns = [e for e in self.events if e["type"] == "turn.completed"]
+        assert len(turns) == 1, self.events
+        usage: dict[str, int] = turns[0]["usage"]
+        return usage
+
+
+def run_codex(server: RunningServer, prompt: str, workdir: Path, *flags: str) -> CodexRun:
+    """`codex exec` as a new user runs it with a custom provider: no network but the server's
+    (plugins and analytics off), commands run without a sandbox, failures not retried."""
+    home = workdir.parent / f"codex-home-{secrets.token_hex(4)}"
+    (home / ".codex").mkdir(parents=True)
+    provider = (
+        f'{{name="mlxgate",base_url="{server.url}/v1",wire_api="responses",'
+        'env_key="OPENAI_API_KEY",stream_max_retries=0,request_max_retries=0}'
+    )
+    run = subprocess.run(
+        [
+            str(codex_path()),
+            "exec",
+            "--json",
+            "--skip-git-repo-check",
+            "--ephemeral",
+            "--disable",
+            "plugins",
+            "-c",
+            "analytics.enabled=false",
+            "--dangerously-bypass-approvals-and-sandbox",
+            "-c",
+            "model_provider=mlxgate",
+            "-c",
+            f"model_providers.mlxgate={provider}",
+            "-m",
+            "local",
+            *flags,
+            prompt,
+        ],
+        env={
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(home),
+            "CODEX_HOME": str(home / ".codex"),
+            "OPENAI_API_KEY": "sk-local",
+        },
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,  # exec reads an open stdin to its end first
+    )
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return CodexRun(run.returncode, events, run.stderr)
+
+
+def engine_counter(server: RunningServer, name: str) -> float:
+    metrics = httpx.get(f"{server.url}/metrics").text
+    line = next(line for line in metrics.splitlines() if line.startswith(f"{name} "))
+    return float(line.split()[1])
+
+
+@dataclass
+class CodexServer:
+    family: str
+    server: RunningServer
+    workdir: Path
+    nonce: str
+
+
+# qwen3.5: reasoning before an XML call, replayed by Codex; gpt-oss: harmony, Codex's own models.
+@pytest.fixture(scope="module", params=["qwen3.5", "gpt-oss"])
+def codex_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CodexServer]:
+    family = request.param
+    tmp = tmp_path_factory.mktemp(f"codex-{family}")
+    workdir = tmp / "work"
+    workdir.mkdir()
+    nonce = secrets.token_hex(8)
+    command = f"echo '<{nonce}>' > nonce.txt"
+    model = forced_model_dir(
+        tmp,
+        family,
+        [
+            Script(answer(family, "The nonce is written."), when=TOOL_RESULT[family]),
+            Script(tool_call(family, "exec_command", {"cmd": command})),
+        ],
+    )
+    running = start_server(tmp, *serve_args(model))
+    yield CodexServer(family, running, workdir, nonce)
+    stop_server(running)
+
+
+def test_codex_runs_the_models_exec_command_and_gets_the_answer(codex_server: CodexServer) -> None:
+    """Turn 1 calls exec_command (a namespaced tool and web_search are in the request too);
+    Codex runs it and sends the output as a function_call_output; turn 2 answers. Codex resends
+    turn 1's items byte for byte, reasoning included, so the second prompt reuses the first's KV."""
+    server = codex_server.server
+    run = run_codex(server, "Write the nonce to the file.", codex_server.workdir)
+    assert run.returncode == 0, run.stderr + server.log()
+    assert run.message() == "The nonce is written."
+    assert (codex_server.workdir / "nonce.txt").read_text().strip() == f"<{codex_server.nonce}>"
+    completed = [e["item"] for e in run.events if e["type"] == "item.completed"]
+    commands = [item for item in completed if item["type"] == "command_execution"]
+    assert [command["exit_code"] for command in commands] == [0]
+    if codex_server.family == "qwen3.5":
+        reasoning = [item["text"] for item in completed if item["type"] == "reasoning"]
+        assert reasoning and all(text.strip() for text in reasoning)
+    # Turn 1 prefilled its whole prompt; turn 2 reused nearly all of it from the prefix cache.
+    reused = engine_counter(server, "mlxgate_engine_cache_hit_tokens_total")
+    computed = engine_counter(server, "mlxgate_engine_prefill_tokens_total")
+    usage = run.usage()
+    assert usage["cached_input_tokens"] == reused >= 0.95 * computed
