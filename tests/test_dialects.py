@@ -113,6 +113,7 @@ ANTHROPIC = Dialect(
         "rate_limited": "rate_limit_error",
         "not_found": "not_found_error",
         "internal": "api_error",
+        "invalid": "invalid_request_error",
     },
     raises={
         "auth": anthropic.AuthenticationError,
@@ -137,6 +138,7 @@ OPENAI = Dialect(
         "rate_limited": "rate_limit_error",
         "not_found": "invalid_request_error",
         "internal": "server_error",
+        "invalid": "invalid_request_error",
     },
     raises={
         "auth": openai.AuthenticationError,
@@ -186,6 +188,23 @@ def test_a_wrong_key_is_401_and_not_retried(dialect: Dialect, strict_server: Run
             timeout=60,
         )
         assert right.status_code == 200, "either header carries the key"
+
+
+def test_more_output_than_the_servers_limit_is_400(
+    dialect: Dialect, strict_server: RunningServer
+) -> None:
+    """`--max-output-tokens 4096`, in every dialect's own field name, with the wording Claude
+    Code parses (it retries with the limit)."""
+    response = httpx.post(
+        strict_server.url + dialect.path,
+        json=dialect.body(QUESTION, 5000),
+        headers=dialect.auth("sk-right"),
+        timeout=60,
+    )
+    assert response.status_code == 400
+    field = "max_output_tokens" if dialect is RESPONSES else "max_tokens"
+    message = dialect.error(response, "invalid")["message"]
+    assert message.startswith(f"{field}: 5000 > 4096, which is the maximum allowed number")
 
 
 def test_a_body_over_the_limit_is_413(dialect: Dialect, server: RunningServer) -> None:

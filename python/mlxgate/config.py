@@ -80,9 +80,10 @@ class Config:
     )
     max_output_tokens: int | None = setting(
         None,
-        "refuse larger max_tokens with Anthropic's 'max_tokens: N > M' 400 (Claude Code "
-        "retries with M)",
-        default_text="clamp max_tokens to the context",
+        "the most tokens one reply may have: a request asking for more gets a 400 saying "
+        "'max_tokens: N > M' (Claude Code retries with M); one that sets no limit (OpenAI, "
+        "Responses) gets M",
+        default_text="the context's room after the prompt",
     )
     max_body_bytes: int = setting(32 << 20, "the largest request body; larger ones get 413")
     responses_store_mb: int = setting(

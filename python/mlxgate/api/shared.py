@@ -103,6 +103,21 @@ def sampling(
     )
 
 
+def output_limit(services: Services, requested: int | None, param: str) -> int | None:
+    """The request's output limit under the server's (`--max-output-tokens`): a larger one is a
+    400 in the wording Claude Code parses (it retries with the limit); none gets the limit."""
+    limit = services.max_output_tokens
+    if limit is None or requested is None:
+        return requested if limit is None else limit
+    if requested > limit:
+        raise invalid(
+            f"{param}: {requested} > {limit}, which is the maximum allowed number of output "
+            "tokens for this model",
+            param=param,
+        )
+    return requested
+
+
 def render(renderer: chat.Renderer, conversation: chat.Conversation) -> chat.Prompt:
     try:
         return renderer.render(conversation)

@@ -16,6 +16,7 @@ from mlxgate.api.shared import (
     Route,
     Services,
     admit,
+    output_limit,
     parse,
     render,
     sampling,
@@ -57,13 +58,7 @@ class AnthropicAPI:
         services = self.services
         request = parse(MessagesRequest, body)
         services.models.check(request.model)
-        limit = services.max_output_tokens
-        if limit is not None and request.max_tokens > limit:
-            # Exact wording: Claude Code parses the limit and retries with it.
-            raise invalid(
-                f"max_tokens: {request.max_tokens} > {limit}, which is the maximum allowed number "
-                "of output tokens for this model"
-            )
+        max_tokens = output_limit(services, request.max_tokens, "max_tokens")
         prompt = render(services.renderer, conversation(request))
         stream = StreamSpec.anthropic(
             model=services.models.served,
@@ -78,7 +73,7 @@ class AnthropicAPI:
         generation = GenerationRequest(
             prompt.ids,
             stream,
-            max_tokens=request.max_tokens,
+            max_tokens=max_tokens,
             sampling=sampling(
                 services.default_sampling,
                 temperature=request.temperature,

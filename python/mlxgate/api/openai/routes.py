@@ -22,6 +22,7 @@ from mlxgate.api.shared import (
     Route,
     Services,
     admit,
+    output_limit,
     parse,
     render,
 )
@@ -61,12 +62,13 @@ class OpenAIAPI:
         request.check()
         self.services.models.check(request.model)
         prompt = render(self.services.renderer, conversation(request))
+        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         await self._generate(
             receive,
             send,
             request,
             prompt.ids,
-            request.max_completion_tokens or request.max_tokens,
+            output_limit(self.services, request.max_completion_tokens or request.max_tokens, param),
             kind="chat",
             prompt=prompt,
         )
@@ -83,7 +85,8 @@ class OpenAIAPI:
         ids = self.services.renderer.encode(prompts[0])
         if not ids:
             raise invalid("prompt: must not be empty")
-        await self._generate(receive, send, request, ids, request.max_tokens, kind="completion")
+        max_tokens = output_limit(self.services, request.max_tokens, "max_tokens")
+        await self._generate(receive, send, request, ids, max_tokens, kind="completion")
 
     async def _generate(
         self,

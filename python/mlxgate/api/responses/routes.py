@@ -19,6 +19,7 @@ from mlxgate.api.shared import (
     Route,
     Services,
     admit,
+    output_limit,
     parse,
     render,
     sampling,
@@ -93,7 +94,7 @@ class ResponsesAPI:
         generation = GenerationRequest(
             prompt.ids,
             stream,
-            max_tokens=request.max_output_tokens,
+            max_tokens=output_limit(services, request.max_output_tokens, "max_output_tokens"),
             sampling=sampling(
                 services.default_sampling,
                 temperature=request.temperature,
