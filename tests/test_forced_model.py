@@ -594,8 +594,32 @@ def test_reasoning_reaches_the_sdks_as_thinking(tmp_path: Path, family: str) -> 
         reply = completion.choices[0].message
         assert reply.content == "The answer."
         assert (reply.model_extra or {}).get("reasoning_content") == "Let me think."
+        check_responses_reasoning(openai_client(server))
     finally:
         stop_server(server)
+
+
+def check_responses_reasoning(client: openai.OpenAI) -> None:
+    """Responses: a reasoning item, raw text or (when asked) a summary, whose encrypted_content
+    is opaque (tests/test_codex.py replays it; test_responses_api.py decodes it)."""
+    first = client.responses.create(
+        model="forced", input="hi", include=["reasoning.encrypted_content"], store=False
+    )
+    reasoning, message = first.output
+    assert reasoning.type == "reasoning" and message.type == "message"
+    assert [part.text for part in reasoning.content or []] == ["Let me think."]
+    assert reasoning.encrypted_content and "Let me think" not in reasoning.encrypted_content
+    assert first.output_text == "The answer."
+
+    with client.responses.stream(
+        model="forced", input="hi", reasoning={"summary": "auto"}
+    ) as stream:
+        summary = "".join(
+            e.delta for e in stream if e.type == "response.reasoning_summary_text.delta"
+        )
+        final = stream.get_final_response()
+    assert summary == "Let me think."
+    assert final.output[0].summary[0].text == summary  # type: ignore[union-attr]
 
 
 def test_concurrent_requests_each_get_their_own_script(qwen3_server: RunningServer) -> None:
