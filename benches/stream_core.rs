@@ -7,6 +7,8 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughpu
 use mlxgate::channel::Channel;
 use mlxgate::detok::Detok;
 use mlxgate::events::anthropic::AnthropicParams;
+use mlxgate::events::openai::{CompletionKind, OpenAiParams};
+use mlxgate::events::responses::ResponsesParams;
 use mlxgate::events::{DialectParams, FinishReason, PromptUsage};
 use mlxgate::markup::MarkupSpec;
 use mlxgate::router::{Router, StreamSpec};
@@ -29,14 +31,55 @@ fn vocab() -> Arc<Vocab> {
     Arc::new(Vocab::from_token_bytes(&tokens, &[0]).unwrap())
 }
 
+/// The wire dialect a benchmark's streams answer in.
+#[derive(Clone, Copy)]
+enum Wire {
+    Anthropic,
+    OpenAi,
+    Responses,
+}
+
+fn dialect(wire: Wire, stream: bool) -> DialectParams {
+    let model = "smollm2-135m-instruct".to_owned();
+    match wire {
+        Wire::Anthropic => DialectParams::Anthropic(AnthropicParams {
+            model,
+            message_id: "msg_01XFDUDYJgAACzvnptvVoYEL".into(),
+            stream,
+        }),
+        Wire::OpenAi => DialectParams::OpenAi(OpenAiParams {
+            model,
+            completion_id: "chatcmpl-9fQ2xXkRr1uZb3Lw7Ytn0AaE".into(),
+            created: 1_763_762_400,
+            stream,
+            include_usage: true,
+            kind: CompletionKind::Chat,
+        }),
+        Wire::Responses => DialectParams::Responses(ResponsesParams {
+            model,
+            response_id: "resp_7Hq2Lk9Xw3Rt5Yb8Nc1Vm4Za".into(),
+            created_at: 1_763_762_500,
+            stream,
+            echo: r#"{"instructions":null,"store":false,"tools":[]}"#.into(),
+            reasoning_summary: false,
+            encrypted_reasoning: true,
+            namespaced: Vec::new(),
+        }),
+    }
+}
+
 fn spec(stream: bool, stops: &[&str], markup: Option<Arc<MarkupSpec>>) -> StreamSpec {
-    let params = AnthropicParams {
-        model: "smollm2-135m-instruct".into(),
-        message_id: "msg_01XFDUDYJgAACzvnptvVoYEL".into(),
-        stream,
-    };
+    spec_in(Wire::Anthropic, stream, stops, markup)
+}
+
+fn spec_in(
+    wire: Wire,
+    stream: bool,
+    stops: &[&str],
+    markup: Option<Arc<MarkupSpec>>,
+) -> StreamSpec {
     StreamSpec {
-        dialect: DialectParams::Anthropic(params),
+        dialect: dialect(wire, stream),
         stop_sequences: stops.iter().map(|s| s.to_string()).collect(),
         markup,
         prefill: String::new(),
@@ -58,10 +101,6 @@ struct Batch {
     step: usize,
 }
 
-fn batch(stops: &[&str], stream: bool) -> Batch {
-    batch_with(stops, stream, None)
-}
-
 /// Thinking + Hermes tool-call markup, as for a Qwen3 model (the text itself has no tags).
 fn qwen3_markup() -> Arc<MarkupSpec> {
     let think = Some(("<think>".to_owned(), "</think>".to_owned()));
@@ -69,10 +108,14 @@ fn qwen3_markup() -> Arc<MarkupSpec> {
 }
 
 fn batch_with(stops: &[&str], stream: bool, markup: Option<Arc<MarkupSpec>>) -> Batch {
+    batch_in(Wire::Anthropic, stops, stream, markup)
+}
+
+fn batch_in(wire: Wire, stops: &[&str], stream: bool, markup: Option<Arc<MarkupSpec>>) -> Batch {
     let vocab = vocab();
     let n = vocab.len() as u32;
     let mut router = Router::new(vocab, 1 << 20);
-    let spec = spec(stream, stops, markup);
+    let spec = spec_in(wire, stream, stops, markup);
     let readers = (0..STREAMS as u64)
         .map(|id| router.open(id, &spec, USAGE, u64::MAX).unwrap())
         .collect();
@@ -116,12 +159,19 @@ impl Batch {
 fn bench_step(c: &mut Criterion) {
     let mut group = c.benchmark_group("router_step_256");
     group.throughput(Throughput::Elements(STREAMS as u64));
-    for (name, stops, stream) in [
-        ("stream", &[][..], true),
-        ("stream_2_stops", &["</answer>", "\n\nHuman:"][..], true),
-        ("nonstream", &[][..], false),
+    for (name, wire, stops, stream) in [
+        ("stream", Wire::Anthropic, &[][..], true),
+        ("stream_openai", Wire::OpenAi, &[][..], true),
+        ("stream_responses", Wire::Responses, &[][..], true),
+        (
+            "stream_2_stops",
+            Wire::Anthropic,
+            &["</answer>", "\n\nHuman:"][..],
+            true,
+        ),
+        ("nonstream", Wire::Anthropic, &[][..], false),
     ] {
-        let mut b = batch(stops, stream);
+        let mut b = batch_in(wire, stops, stream, None);
         let (mut dropped, mut wake) = (Vec::new(), Vec::new());
         group.bench_function(name, |bench| {
             bench.iter(|| black_box(b.run(&mut dropped, &mut wake)));
