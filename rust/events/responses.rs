@@ -7,7 +7,7 @@ use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
 use super::{openai, tool_call_id, ErrorKind, ErrorReply, Finish, PromptUsage};
-use crate::sse::write_json;
+use crate::sse::{write_comment, write_json};
 
 /// What a Responses stream is opened with.
 #[derive(Debug, Clone)]
@@ -119,7 +119,7 @@ impl ResponsesStream {
     /// An SSE comment: clients skip it, proxies and idle timers see bytes.
     pub fn ping(&mut self, out: &mut Vec<u8>) {
         if self.params.stream {
-            out.extend_from_slice(b": keep-alive\n\n");
+            write_comment(out, "keep-alive");
         }
     }
 
@@ -331,17 +331,7 @@ impl ResponsesStream {
             ItemBody::FunctionCall { .. } => None,
         };
         if let Some((part, kind)) = part {
-            self.event(out, kind, |this, out| {
-                this.part_location(out, index, part);
-                out.extend_from_slice(b",\"part\":");
-                write_json(
-                    out,
-                    &Part {
-                        kind: part,
-                        text: "",
-                    },
-                );
-            });
+            self.part_event(out, kind, index, part, false);
         }
         index
     }
@@ -400,30 +390,40 @@ impl ResponsesStream {
                 return;
             }
         };
-        let text = match &self.output[index].body {
-            ItemBody::Message { text } | ItemBody::Reasoning { text } => text.clone(),
-            ItemBody::FunctionCall { .. } => unreachable!("handled above"),
-        };
         self.event(out, text_done, |this, out| {
             this.part_location(out, index, part);
             out.extend_from_slice(b",\"text\":");
-            write_json(out, &text);
+            write_json(out, this.text_of(index));
             if part == PartKind::OutputText {
                 out.extend_from_slice(b",\"logprobs\":[]");
             }
         });
-        self.event(out, part_done, |this, out| {
+        self.part_event(out, part_done, index, part, true);
+        self.item_done(out, index);
+    }
+
+    /// A part opens (empty) or is done (with the item's text).
+    fn part_event(
+        &mut self,
+        out: &mut Vec<u8>,
+        kind: &str,
+        index: usize,
+        part: PartKind,
+        done: bool,
+    ) {
+        self.event(out, kind, |this, out| {
             this.part_location(out, index, part);
             out.extend_from_slice(b",\"part\":");
-            write_json(
-                out,
-                &Part {
-                    kind: part,
-                    text: &text,
-                },
-            );
+            let text = if done { this.text_of(index) } else { "" };
+            write_json(out, &Part { kind: part, text });
         });
-        self.item_done(out, index);
+    }
+
+    fn text_of(&self, index: usize) -> &str {
+        match &self.output[index].body {
+            ItemBody::Message { text } | ItemBody::Reasoning { text } => text,
+            ItemBody::FunctionCall { arguments, .. } => arguments,
+        }
     }
 
     fn item_done(&mut self, out: &mut Vec<u8>, index: usize) {
@@ -454,11 +454,7 @@ impl ResponsesStream {
 
     /// One event: `event: KIND` and `{"type":KIND,` + `fields` + `,"sequence_number":N}`.
     fn event(&mut self, out: &mut Vec<u8>, kind: &str, fields: impl FnOnce(&Self, &mut Vec<u8>)) {
-        out.extend_from_slice(b"event: ");
-        out.extend_from_slice(kind.as_bytes());
-        out.extend_from_slice(b"\ndata: {\"type\":\"");
-        out.extend_from_slice(kind.as_bytes());
-        out.push(b'"');
+        begin_event(out, kind);
         fields(self, out);
         self.end_event(out);
     }
@@ -466,11 +462,7 @@ impl ResponsesStream {
     /// The per-token frame, written by hand so only the text goes through JSON escaping.
     #[inline]
     fn delta(&mut self, out: &mut Vec<u8>, kind: &str, index: usize, part: &[u8], text: &str) {
-        out.extend_from_slice(b"event: ");
-        out.extend_from_slice(kind.as_bytes());
-        out.extend_from_slice(b"\ndata: {\"type\":\"");
-        out.extend_from_slice(kind.as_bytes());
-        out.push(b'"');
+        begin_event(out, kind);
         self.item_location(out, index);
         out.extend_from_slice(part);
         out.extend_from_slice(b",\"delta\":");
@@ -551,6 +543,15 @@ impl ResponsesStream {
             out.push(b'}');
         }
     }
+}
+
+/// `event: KIND` and the start of its data: `{"type":"KIND"`.
+fn begin_event(out: &mut Vec<u8>, kind: &str) {
+    out.extend_from_slice(b"event: ");
+    out.extend_from_slice(kind.as_bytes());
+    out.extend_from_slice(b"\ndata: {\"type\":\"");
+    out.extend_from_slice(kind.as_bytes());
+    out.push(b'"');
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -21,6 +21,7 @@ from mlxgate.engine import (
     EngineStopped,
     GenerationRequest,
     Generator,
+    PromptTooLong,
     QueueFull,
     SamplingParams,
 )
@@ -40,6 +41,20 @@ COMMON_ADMISSION_ERRORS: AdmissionErrors = {
     ),
     EngineStopped: lambda e: ApiError(ErrorKind.UNAVAILABLE, str(e)),
 }
+
+
+def prompt_too_long(
+    error: PromptTooLong, *, code: str | None = None, param: str | None = None
+) -> ApiError:
+    """A prompt over the context, in the words Claude Code and OpenAI's clients both parse (Claude
+    Code reads the two numbers to decide whether to compact; Codex acts on the OpenAI code)."""
+    return ApiError(
+        ErrorKind.INVALID_REQUEST,
+        f"prompt is too long: {error.prompt_tokens} tokens > {error.context_length} maximum",
+        should_retry=False,
+        code=code,
+        param=param,
+    )
 
 
 @dataclass(frozen=True)

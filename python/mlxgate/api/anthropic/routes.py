@@ -8,7 +8,6 @@ from typing import Any
 
 from mlxgate._native import Dialect, StreamSpec
 from mlxgate.api.anthropic.requests import CountTokensRequest, MessagesRequest, conversation
-from mlxgate.api.errors import invalid
 from mlxgate.api.http import Receive, Scope, Send, respond, send_json
 from mlxgate.api.shared import (
     COMMON_ADMISSION_ERRORS,
@@ -18,6 +17,7 @@ from mlxgate.api.shared import (
     admit,
     output_limit,
     parse,
+    prompt_too_long,
     render,
     sampling,
 )
@@ -27,10 +27,7 @@ ANTHROPIC = Dialect.ANTHROPIC
 
 ADMISSION_ERRORS: AdmissionErrors = {
     **COMMON_ADMISSION_ERRORS,
-    # Exact wording: Claude Code parses the two numbers to decide whether to compact.
-    PromptTooLong: lambda e: invalid(
-        f"prompt is too long: {e.prompt_tokens} tokens > {e.context_length} maximum"
-    ),
+    PromptTooLong: prompt_too_long,
 }
 
 

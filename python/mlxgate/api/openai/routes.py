@@ -24,6 +24,7 @@ from mlxgate.api.shared import (
     admit,
     output_limit,
     parse,
+    prompt_too_long,
     render,
 )
 from mlxgate.engine import GenerationRequest, PromptTooLong
@@ -32,14 +33,7 @@ OPENAI = Dialect.OPENAI
 
 ADMISSION_ERRORS: AdmissionErrors = {
     **COMMON_ADMISSION_ERRORS,
-    # Claude Code and OpenAI's clients both recognise this wording; Codex acts on the code.
-    PromptTooLong: lambda e: ApiError(
-        ErrorKind.INVALID_REQUEST,
-        f"prompt is too long: {e.prompt_tokens} tokens > {e.context_length} maximum",
-        should_retry=False,
-        code="context_length_exceeded",
-        param="messages",
-    ),
+    PromptTooLong: lambda e: prompt_too_long(e, code="context_length_exceeded", param="messages"),
 }
 
 

@@ -8,8 +8,7 @@ from typing import Any
 
 import orjson
 
-from mlxgate._native import Dialect, ErrorKind, StreamSpec
-from mlxgate.api.errors import ApiError
+from mlxgate._native import Dialect, StreamSpec
 from mlxgate.api.http import Receive, Scope, Send, respond, send_bytes, send_json
 from mlxgate.api.responses.requests import Item, ResponsesRequest, conversation, tools
 from mlxgate.api.responses.store import ResponseStore, StoredResponse
@@ -21,6 +20,7 @@ from mlxgate.api.shared import (
     admit,
     output_limit,
     parse,
+    prompt_too_long,
     render,
     sampling,
 )
@@ -30,14 +30,7 @@ RESPONSES = Dialect.RESPONSES
 
 ADMISSION_ERRORS: AdmissionErrors = {
     **COMMON_ADMISSION_ERRORS,
-    # Codex acts on the code (it stops and says the context window is exceeded).
-    PromptTooLong: lambda e: ApiError(
-        ErrorKind.INVALID_REQUEST,
-        f"prompt is too long: {e.prompt_tokens} tokens > {e.context_length} maximum",
-        should_retry=False,
-        code="context_length_exceeded",
-        param="input",
-    ),
+    PromptTooLong: lambda e: prompt_too_long(e, code="context_length_exceeded", param="input"),
 }
 
 _LAST_EVENT = b"\ndata: "
