@@ -148,4 +148,5 @@ def test_codex_runs_the_models_exec_command_and_gets_the_answer(codex_server: Co
     reused = engine_counter(server, "mlxgate_engine_cache_hit_tokens_total")
     computed = engine_counter(server, "mlxgate_engine_prefill_tokens_total")
     usage = run.usage()
+    print(f"\ncodex {codex_server.family}: turn 2 reused {reused:.0f} of {computed:.0f} tokens")
     assert usage["cached_input_tokens"] == reused >= 0.95 * computed
