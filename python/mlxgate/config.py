@@ -30,7 +30,7 @@ class Config:
         "scales the model's rotary position embedding by N / its own (--rope-scaling), or stops "
         "the server at start-up if its architecture or config cannot take that",
         metavar="N",
-        default_text="the model's own",
+        default_text="the model's own; the embedded model: 32768, YaRN x4 over its 8192",
     )
     rope_scaling: str = setting(
         "yarn",

@@ -16,6 +16,9 @@ from mlxgate.models.context import ServedContext
 from mlxgate.models.tokenizer import ChatTokenizer
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Its own 8,192 tokens hold neither Claude Code's first request (~12.8k tokens) nor Codex's
+# (~10k): YaRN x4.
+DEFAULT_MODEL_CONTEXT = 32768
 
 
 @dataclass
@@ -96,8 +99,10 @@ def load(
 ) -> LoadedModel:
     """Load the model named by `--model`; None means the embedded default. `trust_remote_code`
     lets a model directory's own `model_file` build its architecture (mlx-lm's custom models).
-    `context_length` (None: the model's own) past the model's own context is reached by
-    `rope_scaling` ("yarn" or "linear")."""
+    `context_length` (None: the model's own; the embedded default's is DEFAULT_MODEL_CONTEXT)
+    past the model's own context is reached by `rope_scaling` ("yarn" or "linear")."""
+    if spec is None and context_length is None:
+        context_length = DEFAULT_MODEL_CONTEXT
     loaded = _load(spec, dtype, trust_remote_code, context_length, rope_scaling)
     install_kernels(loaded.model)
     return loaded
