@@ -24,6 +24,8 @@ CHANGED = Config(
     host="0.0.0.0",
     port=9001,
     model="models/tiny.gguf",
+    context_length=16384,
+    rope_scaling="linear",
     trust_remote_code=True,
     model_aliases={"claude-local": "tiny", "gpt-local": "tiny"},
     strict_models=True,
@@ -53,6 +55,8 @@ CHANGED_ARGV = [
     "--host", "0.0.0.0",
     "--port", "9001",
     "--model", "models/tiny.gguf",
+    "--context-length", "16384",
+    "--rope-scaling", "linear",
     "--trust-remote-code",
     "--model-alias", "claude-local=tiny",
     "--model-alias", "gpt-local=tiny",
@@ -127,6 +131,8 @@ def test_every_flag_round_trips() -> None:
         ["--log-level", "loud"],
         ["--max-queued", "many"],
         ["--tool-format", "json"],
+        ["--rope-scaling", "ntk"],
+        ["--context-length", "32k"],
     ],
 )
 def test_bad_command_lines_are_usage_errors(

@@ -23,7 +23,8 @@ def test_openblas_is_in_use() -> None:
 
 def test_metadata(smollm: LoadedModel) -> None:
     assert smollm.name == "SmolLM2-135M-Instruct"
-    assert smollm.context_length == 8192
+    assert smollm.context_length == 32768
+    assert smollm.describe_context() == "32768 (YaRN x4 over 8192)"
     assert smollm.tokenizer.vocab_size == 49152
     assert smollm.tokenizer.eos_ids == {2}  # <|im_end|>
 

@@ -197,7 +197,12 @@ def build_app(config: Config) -> App:
     from mlxgate import blas, models
 
     started = time.monotonic()
-    loaded = models.load(config.model, trust_remote_code=config.trust_remote_code)
+    loaded = models.load(
+        config.model,
+        trust_remote_code=config.trust_remote_code,
+        context_length=config.context_length,
+        rope_scaling=config.rope_scaling,
+    )
     tokenizer = loaded.tokenizer
     vocab = Vocab.from_token_strings(
         tokenizer.token_strings(), tokenizer.vocab_kind, sorted(tokenizer.special_ids)
@@ -210,12 +215,12 @@ def build_app(config: Config) -> App:
     engine = Engine(loaded, Router(vocab), config.engine)
     layout = engine.layout
     log.info(
-        "model %s: %s, %s, %s, context %d; the prefix cache reuses %s",
+        "model %s: %s, %s, %s, context %s; the prefix cache reuses %s",
         loaded.name,
         models.architecture(loaded.model),
         layout.describe(),
         models.precision(loaded.model),
-        loaded.context_length,
+        loaded.describe_context(),
         layout.reuse(),
     )
     engine.start()
@@ -223,11 +228,11 @@ def build_app(config: Config) -> App:
     import mlx.core as mx
 
     log.info(
-        "mlxgate ready: model %s (context %d, %s), tool calls %s, reasoning %s, device %s, "
+        "mlxgate ready: model %s (context %s, %s), tool calls %s, reasoning %s, device %s, "
         "BLAS %s, loaded in %.1fs. "
         "Point clients at http://%s:%d (ANTHROPIC_BASE_URL, or OPENAI_BASE_URL=.../v1)",
         loaded.name,
-        loaded.context_length,
+        loaded.describe_context(),
         loaded.source,
         _chosen(renderer.format.tool_format.NAME, config.tool_format),
         _chosen(renderer.format.reasoning.name, config.reasoning_format),

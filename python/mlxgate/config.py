@@ -24,6 +24,21 @@ class Config:
         "org/repo id (downloaded by mlx-lm)",
         default_text="the embedded SmolLM2-135M-Instruct",
     )
+    context_length: int | None = setting(
+        None,
+        "tokens of context to serve. Fewer than the model's own caps prompts there; more "
+        "scales the model's rotary position embedding by N / its own (--rope-scaling), or stops "
+        "the server at start-up if its architecture or config cannot take that",
+        metavar="N",
+        default_text="the model's own; the embedded model: 32768, YaRN x4 over its 8192",
+    )
+    rope_scaling: str = setting(
+        "yarn",
+        "how --context-length stretches the rotary embedding past the model's own context: "
+        "yarn (YaRN: interpolates the slow-turning dimensions only) or linear (every position "
+        "divided by the factor)",
+        choices=("yarn", "linear"),
+    )
     trust_remote_code: bool = setting(
         False,
         "let a model directory whose config.json names a `model_file` run that Python file to "

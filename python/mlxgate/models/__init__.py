@@ -10,10 +10,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxgate.models import context
 from mlxgate.models.adapter import install_kernels
+from mlxgate.models.context import ServedContext
 from mlxgate.models.tokenizer import ChatTokenizer
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Its own 8,192 tokens hold neither Claude Code's first request (~12.8k tokens) nor Codex's
+# (~10k): YaRN x4.
+DEFAULT_MODEL_CONTEXT = 32768
 
 
 @dataclass
@@ -23,6 +28,10 @@ class LoadedModel:
     tokenizer: ChatTokenizer
     context_length: int
     source: str
+    context: ServedContext | None = None  # how context_length relates to the model's own
+
+    def describe_context(self) -> str:
+        return self.context.describe() if self.context else str(self.context_length)
 
 
 def architecture(model: nn.Module) -> str:
@@ -59,15 +68,19 @@ def default_model_path() -> Path:
 
 
 def _load_directory(
-    path: Path, trust_remote_code: bool = False
-) -> tuple[nn.Module, ChatTokenizer, int]:
-    from mlx_lm.utils import load_model
+    path: Path, context_length: int | None, rope_scaling: str, trust_remote_code: bool
+) -> tuple[nn.Module, ChatTokenizer, ServedContext]:
+    from mlx_lm.utils import load_config, load_model
 
-    model, config = load_model(path, trust_remote_code=trust_remote_code)
-    context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
-        "max_position_embeddings", 4096
+    config = load_config(path)
+    served, overrides = context.for_config(config, context_length, rope_scaling)
+    # Lazy: the rope is checked before the weights are read.
+    model, _ = load_model(
+        path, lazy=True, model_config=overrides, trust_remote_code=trust_remote_code
     )
-    return model, ChatTokenizer.from_pretrained_dir(path), int(context)
+    context.check_scaled(model, config, served)
+    mx.eval(model.parameters())
+    return model, ChatTokenizer.from_pretrained_dir(path), served
 
 
 def _download(repo_id: str) -> Path:
@@ -78,22 +91,36 @@ def _download(repo_id: str) -> Path:
 
 
 def load(
-    spec: str | None, dtype: mx.Dtype = mx.float32, trust_remote_code: bool = False
+    spec: str | None,
+    dtype: mx.Dtype = mx.float32,
+    trust_remote_code: bool = False,
+    context_length: int | None = None,
+    rope_scaling: str = "yarn",
 ) -> LoadedModel:
     """Load the model named by `--model`; None means the embedded default. `trust_remote_code`
-    lets a model directory's own `model_file` build its architecture (mlx-lm's custom models)."""
-    loaded = _load(spec, dtype, trust_remote_code)
+    lets a model directory's own `model_file` build its architecture (mlx-lm's custom models).
+    `context_length` (None: the model's own; the embedded default's is DEFAULT_MODEL_CONTEXT)
+    past the model's own context is reached by `rope_scaling` ("yarn" or "linear")."""
+    if spec is None and context_length is None:
+        context_length = DEFAULT_MODEL_CONTEXT
+    loaded = _load(spec, dtype, trust_remote_code, context_length, rope_scaling)
     install_kernels(loaded.model)
     return loaded
 
 
-def _load(spec: str | None, dtype: mx.Dtype, trust_remote_code: bool) -> LoadedModel:
+def _load(
+    spec: str | None,
+    dtype: mx.Dtype,
+    trust_remote_code: bool,
+    context_length: int | None,
+    rope_scaling: str,
+) -> LoadedModel:
     if spec is None:
         from mlxgate.models.gguf import load_gguf
 
         path = default_model_path()
-        model, tokenizer, context = load_gguf(path, dtype)
-        return LoadedModel(DEFAULT_MODEL, model, tokenizer, context, str(path))
+        model, tokenizer, served = load_gguf(path, dtype, context_length, rope_scaling)
+        return _loaded(DEFAULT_MODEL, model, tokenizer, served, str(path))
 
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
@@ -101,17 +128,27 @@ def _load(spec: str | None, dtype: mx.Dtype, trust_remote_code: bool) -> LoadedM
 
         if not path.is_file():
             raise FileNotFoundError(f"no such GGUF file: {path}")
-        model, tokenizer, context = load_gguf(path, dtype)
-        return LoadedModel(path.stem, model, tokenizer, context, str(path))
+        model, tokenizer, served = load_gguf(path, dtype, context_length, rope_scaling)
+        return _loaded(path.stem, model, tokenizer, served, str(path))
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not an mlx-lm model directory (no config.json)")
-        model, tokenizer, context = _load_directory(path, trust_remote_code)
-        return LoadedModel(path.name, model, tokenizer, context, str(path))
+        model, tokenizer, served = _load_directory(
+            path, context_length, rope_scaling, trust_remote_code
+        )
+        return _loaded(path.name, model, tokenizer, served, str(path))
     if spec.count("/") == 1 and not path.exists():
         local = _download(spec)
-        model, tokenizer, context = _load_directory(local, trust_remote_code)
-        return LoadedModel(spec, model, tokenizer, context, f"huggingface:{spec}")
+        model, tokenizer, served = _load_directory(
+            local, context_length, rope_scaling, trust_remote_code
+        )
+        return _loaded(spec, model, tokenizer, served, f"huggingface:{spec}")
     raise FileNotFoundError(
         f"--model {spec!r}: not a .gguf file, a model directory or an org/repo id"
     )
+
+
+def _loaded(
+    name: str, model: nn.Module, tokenizer: ChatTokenizer, served: ServedContext, source: str
+) -> LoadedModel:
+    return LoadedModel(name, model, tokenizer, served.length, source, served)

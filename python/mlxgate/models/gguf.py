@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ from mlx_lm.models import llama
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from tqdm import tqdm
 
+from mlxgate.models import context
+from mlxgate.models.context import ServedContext
 from mlxgate.models.tokenizer import DEFAULT_CHATML_TEMPLATE, ChatTokenizer, VocabKind
 
 # GGUF tensor name -> mlx-lm llama parameter name (per block, then global).
@@ -136,8 +139,14 @@ def _tokenizer(meta: dict[str, Any]) -> ChatTokenizer:
     )
 
 
-def load_gguf(path: Path, dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, ChatTokenizer, int]:
-    """Return (model, tokenizer, context length) for a llama-architecture GGUF file."""
+def load_gguf(
+    path: Path,
+    dtype: mx.Dtype = mx.float32,
+    context_length: int | None = None,
+    rope_scaling: str = "yarn",
+) -> tuple[nn.Module, ChatTokenizer, ServedContext]:
+    """Return (model, tokenizer, served context) for a llama-architecture GGUF file;
+    `context_length` (None: the file's own) past the file's own is reached by `rope_scaling`."""
     loaded: Any = mx.load(str(path), return_metadata=True)
     weights: dict[str, mx.array] = loaded[0]
     meta: dict[str, Any] = loaded[1]
@@ -148,6 +157,10 @@ def load_gguf(path: Path, dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, Chat
     def hp(key: str, default: Any = None) -> Any:
         return _scalar(meta, f"llama.{key}", default)
 
+    theirs = _their_rope_scaling(path, hp)
+    native = context.covered(int(hp("context_length", 2048)), theirs)
+    their_text = context.describe_scaling(theirs) if theirs else None
+    served = context.choose("llama", native, context_length, rope_scaling, their_text)
     heads = hp("attention.head_count")
     args = llama.ModelArgs(
         model_type="llama",
@@ -161,10 +174,27 @@ def load_gguf(path: Path, dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, Chat
         rope_theta=hp("rope.freq_base", 10000.0),
         # llama.cpp's converter permutes q/k rows for interleaved (GPT-J style) rotary.
         rope_traditional=True,
+        rope_scaling=served.rope_scaling() or theirs,
         tie_word_embeddings="output.weight" not in weights,
         max_position_embeddings=hp("context_length"),
     )
     model = llama.Model(args)
+    context.check_scaled(model, {"model_type": "llama"}, served)
     model.load_weights(list(_dequantized(weights, dtype).items()), strict=True)
     model.eval()
-    return model, _tokenizer(meta), int(hp("context_length", 2048))
+    return model, _tokenizer(meta), served
+
+
+def _their_rope_scaling(path: Path, hp: Callable[[str], Any]) -> dict[str, Any] | None:
+    """The rope scaling a GGUF file declares (llama.cpp's `rope.scaling.*` keys)."""
+    kind = hp("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"{path.name}: rope scaling {kind!r} is not supported (linear, yarn)")
+    original = hp("rope.scaling.original_context_length") or hp("context_length")
+    return {
+        "type": kind,
+        "factor": float(hp("rope.scaling.factor")),
+        "original_max_position_embeddings": int(original),
+    }
