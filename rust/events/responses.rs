@@ -7,7 +7,7 @@ use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
 use super::{openai, tool_call_id, ErrorKind, ErrorReply, Finish, PromptUsage};
-use crate::sse::{write_comment, write_json};
+use crate::sse::write_json;
 
 /// What a Responses stream is opened with.
 #[derive(Debug, Clone)]
@@ -105,22 +105,25 @@ impl ResponsesStream {
     }
 
     pub fn start(&mut self, out: &mut Vec<u8>) {
-        if !self.params.stream {
-            return;
-        }
-        for kind in ["response.created", "response.in_progress"] {
-            self.event(out, kind, |this, out| {
-                out.extend_from_slice(b",\"response\":");
-                this.write_response(out, "in_progress", None, None);
-            });
+        if self.params.stream {
+            self.in_progress(out, "response.created");
+            self.in_progress(out, "response.in_progress");
         }
     }
 
-    /// An SSE comment: clients skip it, proxies and idle timers see bytes.
+    /// While the prompt waits or prefills: `response.in_progress` again. An SSE comment would
+    /// not do: Codex's idle timer (300 s) counts events, and a long prompt on a CPU takes more.
     pub fn ping(&mut self, out: &mut Vec<u8>) {
         if self.params.stream {
-            write_comment(out, "keep-alive");
+            self.in_progress(out, "response.in_progress");
         }
+    }
+
+    fn in_progress(&mut self, out: &mut Vec<u8>, kind: &str) {
+        self.event(out, kind, |this, out| {
+            out.extend_from_slice(b",\"response\":");
+            this.write_response(out, "in_progress", None, None);
+        });
     }
 
     pub fn text(&mut self, text: &str, out: &mut Vec<u8>) {
@@ -820,6 +823,7 @@ mod tests {
         let mut s = stream(true, Vec::new());
         let mut out = Vec::new();
         s.start(&mut out);
+        s.ping(&mut out);
         s.text("Let me look.", &mut out);
         s.tool_start("ls", &mut out);
         s.tool_end(&mut out);
@@ -830,6 +834,7 @@ mod tests {
         for (i, event) in events.iter().enumerate() {
             assert_eq!(event["sequence_number"], i);
         }
+        assert_eq!(events[2]["type"], "response.in_progress", "a ping");
         let response = &events.last().unwrap()["response"];
         let kinds: Vec<&str> = response["output"]
             .as_array()
