@@ -38,6 +38,11 @@ class CodexRun:
             if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"
         )
 
+    def failure(self) -> str:
+        failed = [e["error"]["message"] for e in self.events if e["type"] == "turn.failed"]
+        assert len(failed) == 1, self.events
+        return str(failed[0])
+
     def usage(self) -> dict[str, int]:
         turns = [e for e in self.events if e["type"] == "turn.completed"]
         assert len(turns) == 1, self.events
@@ -45,14 +50,18 @@ class CodexRun:
         return usage
 
 
-def run_codex(server: RunningServer, prompt: str, workdir: Path, *flags: str) -> CodexRun:
+def run_codex(
+    server: RunningServer, prompt: str, workdir: Path, *flags: str, retries: bool = False
+) -> CodexRun:
     """`codex exec` as a new user runs it with a custom provider: no network but the server's
-    (plugins and analytics off), commands run without a sandbox, failures not retried."""
+    (plugins and analytics off), commands run without a sandbox; failures are not retried
+    unless `retries` (Codex's own default: 5)."""
     home = workdir.parent / f"codex-home-{secrets.token_hex(4)}"
     (home / ".codex").mkdir(parents=True)
+    no_retries = "" if retries else ",stream_max_retries=0,request_max_retries=0"
     provider = (
         f'{{name="mlxgate",base_url="{server.url}/v1",wire_api="responses",'
-        'env_key="OPENAI_API_KEY",stream_max_retries=0,request_max_retries=0}'
+        f'env_key="OPENAI_API_KEY"{no_retries}}}'
     )
     run = subprocess.run(
         [
@@ -150,3 +159,43 @@ def test_codex_runs_the_models_exec_command_and_gets_the_answer(codex_server: Co
     usage = run.usage()
     print(f"\ncodex {codex_server.family}: turn 2 reused {reused:.0f} of {computed:.0f} tokens")
     assert usage["cached_input_tokens"] == reused >= 0.95 * computed
+
+
+def test_codex_stops_at_once_on_a_prompt_over_the_context(tmp_path: Path) -> None:
+    """A 400 with `context_length_exceeded`: Codex (with its retries on) sends it once, stops
+    and shows the message."""
+    model = forced_model_dir(tmp_path, "qwen3", script="Hello.")
+    server = start_server(tmp_path, *serve_args(model), "--context-length", "4096")
+    try:
+        workdir = tmp_path / "work"
+        workdir.mkdir()
+        run = run_codex(server, "Say hello.", workdir, retries=True)
+        assert run.returncode == 1
+        failure = run.failure()
+        assert "prompt is too long: " in failure and "> 4096 maximum" in failure, failure
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'mlxgate_http_requests_total{route="/v1/responses",status="400"} 1.0' in metrics
+    finally:
+        stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def embedded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """The embedded model as `make serve` serves it: a 32k context (YaRN)."""
+    running = start_server(tmp_path_factory.mktemp("codex-embedded"))
+    yield running
+    stop_server(running)
+
+
+def test_codex_default_first_request_fits_the_embedded_model(
+    embedded_server: RunningServer, tmp_path: Path
+) -> None:
+    """Codex's default first request (~10k tokens: its system prompt and tools) fits the
+    embedded model's default context and is answered; while the prompt prefills, the stream's
+    keep-alive events hold Codex's idle timer off."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    run = run_codex(embedded_server, "Say hello.", workdir)
+    assert run.returncode == 0, run.stderr + embedded_server.log()
+    assert run.message().strip()
+    assert run.usage()["input_tokens"] > 8192  # more than the model's own context
