@@ -10,6 +10,7 @@ import anthropic
 import httpx
 import pytest
 
+from agents import claude_code_path
 from conftest import (
     RunningServer,
     start_server,
@@ -268,12 +269,6 @@ def test_model_alias_must_name_the_served_model(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError) as caught:
         start_server(tmp_path, "--model-alias", "claude-local=Qwen3-4B")
     assert "this server serves one model, 'SmolLM2-135M-Instruct'" in str(caught.value)
-
-
-def claude_code_path() -> Path:
-    import claude_agent_sdk
-
-    return Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"
 
 
 @pytest.fixture

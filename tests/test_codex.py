@@ -1,103 +1,21 @@
 """The real Codex CLI (PyPI `openai-codex-cli-bin`) against mlxgate's Responses API, offline in a
-throwaway home: a tool round trip with a forced-output model in two families' own formats, and
-a plain answer from the embedded model to Codex's full default first request."""
+throwaway home: a tool round trip with a forced-output model in two families' own formats, and a
+prompt over the context (test_agent_defaults.py runs Codex's default request on the embedded
+model)."""
 
 from __future__ import annotations
 
-import json
 import secrets
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
+from agents import run_codex
 from conftest import RunningServer, start_server, stop_server
 from forced import TOOL_RESULT, Script, answer, forced_model_dir, serve_args, tool_call
-
-
-def codex_path() -> Path:
-    from codex_cli_bin import bundled_codex_path
-
-    return bundled_codex_path()
-
-
-@dataclass
-class CodexRun:
-    returncode: int
-    events: list[dict[str, Any]]  # `codex exec --json`'s JSON lines
-    stderr: str
-
-    def message(self) -> str:
-        return "".join(
-            e["item"]["text"]
-            for e in self.events
-            if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"
-        )
-
-    def failure(self) -> str:
-        failed = [e["error"]["message"] for e in self.events if e["type"] == "turn.failed"]
-        assert len(failed) == 1, self.events
-        return str(failed[0])
-
-    def usage(self) -> dict[str, int]:
-        turns = [e for e in self.events if e["type"] == "turn.completed"]
-        assert len(turns) == 1, self.events
-        usage: dict[str, int] = turns[0]["usage"]
-        return usage
-
-
-def run_codex(
-    server: RunningServer, prompt: str, workdir: Path, *flags: str, retries: bool = False
-) -> CodexRun:
-    """`codex exec` as a new user runs it with a custom provider: no network but the server's
-    (plugins and analytics off), commands run without a sandbox; failures are not retried
-    unless `retries` (Codex's own default: 5)."""
-    home = workdir.parent / f"codex-home-{secrets.token_hex(4)}"
-    (home / ".codex").mkdir(parents=True)
-    no_retries = "" if retries else ",stream_max_retries=0,request_max_retries=0"
-    provider = (
-        f'{{name="mlxgate",base_url="{server.url}/v1",wire_api="responses",'
-        f'env_key="OPENAI_API_KEY"{no_retries}}}'
-    )
-    run = subprocess.run(
-        [
-            str(codex_path()),
-            "exec",
-            "--json",
-            "--skip-git-repo-check",
-            "--ephemeral",
-            "--disable",
-            "plugins",
-            "-c",
-            "analytics.enabled=false",
-            "--dangerously-bypass-approvals-and-sandbox",
-            "-c",
-            "model_provider=mlxgate",
-            "-c",
-            f"model_providers.mlxgate={provider}",
-            "-m",
-            "local",
-            *flags,
-            prompt,
-        ],
-        env={
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(home),
-            "CODEX_HOME": str(home / ".codex"),
-            "OPENAI_API_KEY": "sk-local",
-        },
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,  # exec reads an open stdin to its end first
-    )
-    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    return CodexRun(run.returncode, events, run.stderr)
 
 
 def engine_counter(server: RunningServer, name: str) -> float:
@@ -177,25 +95,3 @@ def test_codex_stops_at_once_on_a_prompt_over_the_context(tmp_path: Path) -> Non
         assert 'mlxgate_http_requests_total{route="/v1/responses",status="400"} 1.0' in metrics
     finally:
         stop_server(server)
-
-
-@pytest.fixture(scope="module")
-def embedded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """The embedded model as `make serve` serves it: a 32k context (YaRN)."""
-    running = start_server(tmp_path_factory.mktemp("codex-embedded"))
-    yield running
-    stop_server(running)
-
-
-def test_codex_default_first_request_fits_the_embedded_model(
-    embedded_server: RunningServer, tmp_path: Path
-) -> None:
-    """Codex's default first request (~10k tokens: its system prompt and tools) fits the
-    embedded model's default context and is answered; while the prompt prefills, the stream's
-    keep-alive events hold Codex's idle timer off."""
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    run = run_codex(embedded_server, "Say hello.", workdir)
-    assert run.returncode == 0, run.stderr + embedded_server.log()
-    assert run.message().strip()
-    assert run.usage()["input_tokens"] > 8192  # more than the model's own context

@@ -22,6 +22,7 @@ from anthropic.types import MessageParam, TextBlockParam, ToolParam
 from mlx_lm.generate import generate_step
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
+from agents import claude_code_path
 from conftest import RunningServer, start_server, stop_server
 from forced import (
     FAMILIES,
@@ -705,12 +706,6 @@ def test_gpt_oss_vocabulary_plain_text(tmp_path: Path) -> None:
         assert completion.choices[0].finish_reason == "stop"
     finally:
         stop_server(server)
-
-
-def claude_code_path() -> Path:
-    import claude_agent_sdk
-
-    return Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"
 
 
 def test_claude_code_runs_the_forced_tool_call_and_gets_the_answer(

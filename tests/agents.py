@@ -1,0 +1,101 @@
+"""The real coding agents the tests drive: Claude Code (bundled in the PyPI wheel
+`claude-agent-sdk`) and Codex (PyPI `openai-codex-cli-bin`), each run as a new user runs it,
+offline, in a throwaway home."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from conftest import RunningServer
+
+
+def claude_code_path() -> Path:
+    import claude_agent_sdk
+
+    return Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"
+
+
+def codex_path() -> Path:
+    from codex_cli_bin import bundled_codex_path
+
+    return bundled_codex_path()
+
+
+@dataclass
+class CodexRun:
+    returncode: int
+    events: list[dict[str, Any]]  # `codex exec --json`'s JSON lines
+    stderr: str
+
+    def message(self) -> str:
+        return "".join(
+            e["item"]["text"]
+            for e in self.events
+            if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"
+        )
+
+    def failure(self) -> str:
+        failed = [e["error"]["message"] for e in self.events if e["type"] == "turn.failed"]
+        assert len(failed) == 1, self.events
+        return str(failed[0])
+
+    def usage(self) -> dict[str, int]:
+        turns = [e for e in self.events if e["type"] == "turn.completed"]
+        assert len(turns) == 1, self.events
+        usage: dict[str, int] = turns[0]["usage"]
+        return usage
+
+
+def run_codex(
+    server: RunningServer, prompt: str, workdir: Path, *flags: str, retries: bool = False
+) -> CodexRun:
+    """`codex exec` as a new user runs it with a custom provider: no network but the server's
+    (plugins and analytics off), commands run without a sandbox; failures are not retried
+    unless `retries` (Codex's own default: 5)."""
+    home = workdir.parent / f"codex-home-{secrets.token_hex(4)}"
+    (home / ".codex").mkdir(parents=True)
+    no_retries = "" if retries else ",stream_max_retries=0,request_max_retries=0"
+    provider = (
+        f'{{name="mlxgate",base_url="{server.url}/v1",wire_api="responses",'
+        f'env_key="OPENAI_API_KEY"{no_retries}}}'
+    )
+    run = subprocess.run(
+        [
+            str(codex_path()),
+            "exec",
+            "--json",
+            "--skip-git-repo-check",
+            "--ephemeral",
+            "--disable",
+            "plugins",
+            "-c",
+            "analytics.enabled=false",
+            "--dangerously-bypass-approvals-and-sandbox",
+            "-c",
+            "model_provider=mlxgate",
+            "-c",
+            f"model_providers.mlxgate={provider}",
+            "-m",
+            "local",
+            *flags,
+            prompt,
+        ],
+        env={
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(home),
+            "CODEX_HOME": str(home / ".codex"),
+            "OPENAI_API_KEY": "sk-local",
+        },
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,  # exec reads an open stdin to its end first
+    )
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return CodexRun(run.returncode, events, run.stderr)
