@@ -262,11 +262,12 @@ class StreamSpec:
         `response.output_item.added`, its parts and deltas (output text, reasoning text or, with
         reasoning_summary, a reasoning summary; function call arguments) and `.done` events, then
         `response.completed` (`response.incomplete` at max_output_tokens; `response.failed` on an
-        error), each carrying the Response object; a keep-alive is `response.in_progress` again. stream=False makes the Response object readable
-        once the stream ends. `echo` is a JSON object of the request's settings every Response
-        object repeats after its own members. encrypted_reasoning adds `encrypted_content` to
-        reasoning items (see `reasoning_from_encrypted`). `namespaced` lists (flat name,
-        namespace, name): a call of the flat name goes out as `name` with `namespace`."""
+        error), each carrying the Response object; a keep-alive is `response.in_progress` again.
+        stream=False makes the Response object readable once the stream ends. `echo` is a JSON
+        object of the request's settings every Response object repeats after its own members.
+        encrypted_reasoning adds `encrypted_content` to reasoning items (see
+        `reasoning_from_encrypted`). `namespaced` lists (flat name, namespace, name): a call of
+        the flat name goes out as `name` with `namespace`."""
 
     @property
     def dialect(self) -> Dialect: ...
