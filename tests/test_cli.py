@@ -49,6 +49,7 @@ CHANGED = Config(
     max_per_client=2,
     max_output_tokens=4096,
     max_body_bytes=1 << 20,
+    responses_store_mb=16,
     log_level="debug",
 )
 CHANGED_ARGV = [
@@ -79,6 +80,7 @@ CHANGED_ARGV = [
     "--max-per-client", "2",
     "--max-output-tokens", "4096",
     "--max-body-bytes", "1048576",
+    "--responses-store-mb", "16",
     "--log-level", "debug",
 ]  # fmt: skip
 

@@ -5,6 +5,7 @@ official SDK maps to the right exception."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -222,6 +223,12 @@ def test_a_full_queue_is_overloaded_with_retry_after(
     # Its own words per dialect: the other dialect's run would leave this prompt in the prefix
     # cache, and a prompt that prefills at once no longer holds the queue.
     long_prompt = [{"role": "user", "content": f"{dialect.name}: " + "word " * 3000}]
+    # The previous dialect's held request may still be in the one-request queue.
+    for _ in range(240):
+        metrics = httpx.get(f"{strict_server.url}/metrics", headers=dialect.auth("sk-right")).text
+        if "mlxgate_engine_queue_depth 0.0" in metrics and "mlxgate_engine_running 0.0" in metrics:
+            break
+        time.sleep(0.5)
     body = dialect.body(long_prompt, 4, stream=True)
     with httpx.Client(timeout=120) as raw:
         request = raw.build_request(
