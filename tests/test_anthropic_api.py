@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import anthropic
 import httpx
 import pytest
 
-from agents import claude_code_path
+from agents import run_claude_code
 from conftest import (
     RunningServer,
     start_server,
@@ -231,20 +233,6 @@ def test_images_get_a_clear_400(client: anthropic.Anthropic) -> None:
     assert "not supported" in str(caught.value)
 
 
-def test_max_output_tokens_refusal_has_the_wording_claude_code_parses(
-    strict_server: RunningServer,
-) -> None:
-    right = anthropic.Anthropic(base_url=strict_server.url, api_key="sk-right", max_retries=0)
-    with pytest.raises(anthropic.BadRequestError) as too_many:
-        right.messages.create(
-            model="m", max_tokens=128000, messages=[{"role": "user", "content": "hi"}], stream=True
-        )
-    assert too_many.value.body["error"]["message"] == (  # type: ignore[index]
-        "max_tokens: 128000 > 4096, which is the maximum allowed number of output tokens "
-        "for this model"
-    )
-
-
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -272,42 +260,16 @@ def test_model_alias_must_name_the_served_model(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def claude(server: RunningServer, tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-type]
-    import os
-    import subprocess
-
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))},
-        "HOME": str(home),
-        "ANTHROPIC_BASE_URL": server.url,
-        "ANTHROPIC_API_KEY": "sk-local",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "CLAUDE_CODE_MAX_RETRIES": "0",
-        # A stream the CLI could not use would otherwise be retried without streaming.
-        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
-    }
-
-    def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(claude_code_path()), *args],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-        )
-
-    yield run
+def claude(server: RunningServer, tmp_path: Path) -> Callable[..., CompletedProcess[str]]:
+    return partial(run_claude_code, server, tmp_path)
 
 
 BARE = ["--bare", "--system-prompt", "You are a helpful assistant.", "--tools", "Bash"]
 
 
-def test_claude_code_bare_prompt_and_continue(claude, server: RunningServer) -> None:  # type: ignore[no-untyped-def]
+def test_claude_code_bare_prompt_and_continue(
+    claude: Callable[..., CompletedProcess[str]],
+) -> None:
     first = claude(*BARE, "-p", "What is the capital of France?", "--output-format", "json")
     assert first.returncode == 0, first.stdout + first.stderr
     result = json.loads(first.stdout)
@@ -321,7 +283,9 @@ def test_claude_code_bare_prompt_and_continue(claude, server: RunningServer) -> 
     assert again["usage"]["cache_read_input_tokens"] > 0
 
 
-def test_claude_code_default_request_is_too_long_for_8k(claude) -> None:  # type: ignore[no-untyped-def]
+def test_claude_code_default_request_is_too_long_for_8k(
+    claude: Callable[..., CompletedProcess[str]],
+) -> None:
     run = claude("-p", "say hi", timeout=120)
     assert run.returncode == 1
     assert "Prompt is too long" in run.stdout and "limit 8192" in run.stdout

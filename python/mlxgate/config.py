@@ -95,9 +95,7 @@ class Config:
     )
     max_output_tokens: int | None = setting(
         None,
-        "the most tokens one reply may have: a request asking for more gets a 400 saying "
-        "'max_tokens: N > M' (Claude Code retries with M); one that sets no limit (OpenAI, "
-        "Responses) gets M",
+        "the most tokens one reply may have: a request asking for more, or for no limit, gets M",
         default_text="the context's room after the prompt",
     )
     max_body_bytes: int = setting(32 << 20, "the largest request body; larger ones get 413")

@@ -118,19 +118,14 @@ def sampling(
     )
 
 
-def output_limit(services: Services, requested: int | None, param: str) -> int | None:
-    """The request's output limit under the server's (`--max-output-tokens`): a larger one is a
-    400 in the wording Claude Code parses (it retries with the limit); none gets the limit."""
+def output_limit(services: Services, requested: int | None) -> int | None:
+    """The request's output limit under the server's (`--max-output-tokens`): the smaller of
+    the two. Clamped, not refused: Claude Code asks for 32k-128k tokens and retries a refusal
+    only when the limit is at least a few thousand tokens."""
     limit = services.max_output_tokens
     if limit is None or requested is None:
         return requested if limit is None else limit
-    if requested > limit:
-        raise invalid(
-            f"{param}: {requested} > {limit}, which is the maximum allowed number of output "
-            "tokens for this model",
-            param=param,
-        )
-    return requested
+    return min(requested, limit)
 
 
 def render(renderer: chat.Renderer, conversation: chat.Conversation) -> chat.Prompt:

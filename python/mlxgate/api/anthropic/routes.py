@@ -55,7 +55,7 @@ class AnthropicAPI:
         services = self.services
         request = parse(MessagesRequest, body)
         services.models.check(request.model)
-        max_tokens = output_limit(services, request.max_tokens, "max_tokens")
+        max_tokens = output_limit(services, request.max_tokens)
         prompt = render(services.renderer, conversation(request))
         stream = StreamSpec.anthropic(
             model=services.models.served,

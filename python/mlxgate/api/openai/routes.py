@@ -56,13 +56,12 @@ class OpenAIAPI:
         request.check()
         self.services.models.check(request.model)
         prompt = render(self.services.renderer, conversation(request))
-        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         await self._generate(
             receive,
             send,
             request,
             prompt.ids,
-            output_limit(self.services, request.max_completion_tokens or request.max_tokens, param),
+            output_limit(self.services, request.max_completion_tokens or request.max_tokens),
             kind="chat",
             prompt=prompt,
         )
@@ -79,7 +78,7 @@ class OpenAIAPI:
         ids = self.services.renderer.encode(prompts[0])
         if not ids:
             raise invalid("prompt: must not be empty")
-        max_tokens = output_limit(self.services, request.max_tokens, "max_tokens")
+        max_tokens = output_limit(self.services, request.max_tokens)
         await self._generate(receive, send, request, ids, max_tokens, kind="completion")
 
     async def _generate(

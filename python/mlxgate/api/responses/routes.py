@@ -87,7 +87,7 @@ class ResponsesAPI:
         generation = GenerationRequest(
             prompt.ids,
             stream,
-            max_tokens=output_limit(services, request.max_output_tokens, "max_output_tokens"),
+            max_tokens=output_limit(services, request.max_output_tokens),
             sampling=sampling(
                 services.default_sampling,
                 temperature=request.temperature,
