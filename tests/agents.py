@@ -5,6 +5,7 @@ offline, in a throwaway home."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 from dataclasses import dataclass
@@ -24,6 +25,35 @@ def codex_path() -> Path:
     from codex_cli_bin import bundled_codex_path
 
     return bundled_codex_path()
+
+
+def run_claude_code(
+    server: RunningServer, workdir: Path, *args: str, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """The `claude` CLI as a new user runs it against a local server: no traffic but the
+    server's, failures not retried (nor retried without streaming). Its home is beside
+    `workdir`, shared by every run in it, so `-c` finds the previous session."""
+    home = workdir.parent / f"claude-home-{workdir.name}"
+    home.mkdir(exist_ok=True)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))},
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": server.url,
+        "ANTHROPIC_API_KEY": "sk-local",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "CLAUDE_CODE_MAX_RETRIES": "0",
+        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
+    }
+    return subprocess.run(
+        [str(claude_code_path()), *args],
+        env=env,
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @dataclass

@@ -1,7 +1,12 @@
-"""A real agent with its default settings against the embedded model as `make serve` serves it
-(32k tokens of context, YaRN over SmolLM2's 8k): Codex's default first request (~10k tokens)
-fits and is answered. The server caps replies (`--max-output-tokens`): Codex asks for no limit
-and gets the cap."""
+"""The real agents with their default settings against the embedded model as `make serve` serves
+it (32k tokens of context, YaRN over SmolLM2's 8k): Codex's default first request (~10k tokens)
+and Claude Code's (~12.8k) fit and are answered, and Claude Code's next turn (`-c`) reuses the
+cached prefix. The server caps replies (`--max-output-tokens`): Codex asks for no limit,
+Claude Code for 128,000; both get the cap.
+
+A 135M model at 1.5-4x its own context often repeats itself until that cap: Codex then reports
+the response incomplete, Claude Code asks it to go on three times and gives up. Facts about
+the model, not the server; the tests accept them, and check that the reply reached the agent."""
 
 from __future__ import annotations
 
@@ -9,10 +14,11 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import pytest
 
-from agents import run_codex
+from agents import run_claude_code, run_codex
 from conftest import RunningServer, start_server, stop_server
 
 REPLY_LIMIT = 64
@@ -25,6 +31,18 @@ def embedded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runnin
     )
     yield running
     stop_server(running)
+
+
+def test_a_reply_longer_than_the_cap_is_clamped(embedded_server: RunningServer) -> None:
+    client = anthropic.Anthropic(base_url=embedded_server.url, api_key="sk-local", max_retries=0)
+    with client.messages.stream(
+        model="claude-opus-5-5",
+        max_tokens=128_000,
+        messages=[{"role": "user", "content": "Count from 1 to 500, one number per line."}],
+    ) as stream:
+        message = stream.get_final_message()
+    assert message.stop_reason == "max_tokens"
+    assert message.usage.output_tokens == REPLY_LIMIT
 
 
 def test_codex_default_first_request_is_answered(
@@ -47,3 +65,24 @@ def test_codex_default_first_request_is_answered(
         if line.startswith("mlxgate_engine_prefill_tokens_total ")
     )
     assert prefilled > 8192  # more than the model's own context
+
+
+def test_claude_code_default_request_is_answered_and_continued(
+    embedded_server: RunningServer, tmp_path: Path
+) -> None:
+    first = run_claude_code(embedded_server, tmp_path, "-p", "say hi", "--output-format", "json")
+    result = json.loads(first.stdout)
+    usage = result["usage"]
+    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+    assert prompt > 12_000, usage  # Claude Code's own system prompt and tools, prefilled
+    if first.returncode != 0:  # the model never ended its reply; each go-on request hit the cache
+        assert result["result"].startswith("API Error: Claude's response exceeded the"), result
+        assert usage["output_tokens"] == 4 * REPLY_LIMIT
+        assert usage["cache_read_input_tokens"] > 3 * 12_000, usage
+
+    again = run_claude_code(
+        embedded_server, tmp_path, "-c", "-p", "Thanks.", "--output-format", "json"
+    )
+    continued = json.loads(again.stdout)
+    cached, computed = (continued["usage"][k] for k in ("cache_read_input_tokens", "input_tokens"))
+    assert cached > 12_000 and computed < cached / 10, continued["usage"]

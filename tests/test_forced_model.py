@@ -5,9 +5,7 @@ Code-shaped conversation reuses its prompt from turn to turn, for every family."
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +20,7 @@ from anthropic.types import MessageParam, TextBlockParam, ToolParam
 from mlx_lm.generate import generate_step
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from agents import claude_code_path
+from agents import run_claude_code
 from conftest import RunningServer, start_server, stop_server
 from forced import (
     FAMILIES,
@@ -715,39 +713,20 @@ def test_claude_code_runs_the_forced_tool_call_and_gets_the_answer(
     sends the result; the model's second turn (its prompt holds a tool result) is plain text."""
     target = family_server.target
     target.unlink(missing_ok=True)
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))},
-        "HOME": str(home),
-        "ANTHROPIC_BASE_URL": family_server.server.url,
-        "ANTHROPIC_API_KEY": "sk-local",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "CLAUDE_CODE_MAX_RETRIES": "0",
-        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
-    }
-    run = subprocess.run(
-        [
-            str(claude_code_path()),
-            "--bare",
-            "--system-prompt",
-            "You are a helpful assistant.",
-            "--tools",
-            "Bash",
-            "--allowedTools",
-            "Bash",
-            "-p",
-            "Write the nonce to the file.",
-            "--output-format",
-            "json",
-        ],
-        env=env,
-        cwd=target.parent,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
+    run = run_claude_code(
+        family_server.server,
+        target.parent,
+        "--bare",
+        "--system-prompt",
+        "You are a helpful assistant.",
+        "--tools",
+        "Bash",
+        "--allowedTools",
+        "Bash",
+        "-p",
+        "Write the nonce to the file.",
+        "--output-format",
+        "json",
     )
     assert run.returncode == 0, run.stdout + run.stderr + family_server.server.log()
     result = json.loads(run.stdout)
@@ -755,3 +734,39 @@ def test_claude_code_runs_the_forced_tool_call_and_gets_the_answer(
     assert result["result"].strip() == "The nonce is written."
     assert result["num_turns"] >= 2
     assert target.read_text().strip() == f"<{NONCE}>"
+
+
+def test_claude_code_with_its_default_settings_runs_the_call_and_continues(
+    family_server: FamilyServer,
+) -> None:
+    """No `--bare`: Claude Code's own ~12k-token system prompt and tools (deferred ones too).
+    The tool round trip ends with exit 0, and `-c` sends the whole session again, which the
+    server finds in its prefix cache."""
+    target = family_server.target
+    target.unlink(missing_ok=True)
+    first = run_claude_code(
+        family_server.server,
+        target.parent,
+        "--allowedTools",
+        "Bash",
+        "-p",
+        "Write the nonce to the file.",
+        "--output-format",
+        "json",
+    )
+    assert first.returncode == 0, first.stdout + first.stderr + family_server.server.log()
+    result = json.loads(first.stdout)
+    assert result["result"].strip() == "The nonce is written."
+    assert target.read_text().strip() == f"<{NONCE}>"
+    usage = result["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] > 2 * 9_000  # two requests
+
+    again = run_claude_code(
+        family_server.server, target.parent, "-c", "-p", "Thanks.", "--output-format", "json"
+    )
+    assert again.returncode == 0, again.stdout + again.stderr
+    continued = json.loads(again.stdout)
+    assert continued["result"].strip() == "The nonce is written."
+    assert continued["num_turns"] == 1
+    cached, computed = (continued["usage"][k] for k in ("cache_read_input_tokens", "input_tokens"))
+    assert cached > 9_000 and computed < 200, continued["usage"]  # the new message, little else
