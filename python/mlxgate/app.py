@@ -212,7 +212,7 @@ def build_app(config: Config) -> App:
         tool_format=None if config.tool_format == "auto" else config.tool_format,
         reasoning_format=None if config.reasoning_format == "auto" else config.reasoning_format,
     )
-    engine = Engine(loaded, Router(vocab), config.engine)
+    engine = Engine(loaded, Router(vocab), config.engine, end_ids=renderer.eos_ids)
     layout = engine.layout
     log.info(
         "model %s: %s, %s, %s, context %s; the prefix cache reuses %s",

@@ -56,6 +56,8 @@ class Conversation:
     tools: list[Tool] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     thinking: bool | None = None
+    # The reply is held to a grammar from its first token (constrained decoding): no reasoning.
+    structured: bool = False
 
 
 def markup(tool_call: str | None, think: tuple[str, str] | None) -> Markup | None:
@@ -290,9 +292,14 @@ class Renderer:
         if not any(turn["role"] == "user" for turn in turns):
             raise ConversationError("messages: at least one user message is required")
 
+        if conversation.structured and fmt.reasoning.name == "harmony":
+            raise ConversationError(
+                "structured output is not supported for harmony (gpt-oss) models yet"
+            )
         extra: dict[str, Any] = {}
-        if conversation.thinking is not None and fmt.think is not None:
-            extra["enable_thinking"] = conversation.thinking
+        thinking = False if conversation.structured else conversation.thinking
+        if thinking is not None and fmt.think is not None:
+            extra["enable_thinking"] = thinking
         try:
             text = self.tokenizer.render(
                 turns, tools=template_tools, add_generation_prompt=True, **extra
@@ -308,9 +315,9 @@ class Renderer:
         forced = ""
         if tools and choice.mode in ("any", "tool"):
             forced = fmt.tool_format.forced_opening(choice.name if choice.mode == "tool" else None)
-            if prefill and fmt.think is not None:
-                # A forced call does not reason: close the reasoning the template opened.
-                text, prefill = f"{text.rstrip()}\n\n{fmt.think[1]}\n\n", ""
+        if (forced or conversation.structured) and prefill and fmt.think is not None:
+            # A forced call or a structured reply does not reason: close what the template opened.
+            text, prefill = f"{text.rstrip()}\n\n{fmt.think[1]}\n\n", ""
         text += continuation + forced
         return Prompt(
             text=text,

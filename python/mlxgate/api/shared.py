@@ -21,6 +21,8 @@ from mlxgate.engine import (
     EngineStopped,
     GenerationRequest,
     Generator,
+    Grammar,
+    GrammarError,
     PromptTooLong,
     QueueFull,
     SamplingParams,
@@ -126,6 +128,20 @@ def output_limit(services: Services, requested: int | None) -> int | None:
     if limit is None or requested is None:
         return requested if limit is None else limit
     return min(requested, limit)
+
+
+def reply_grammar(kind: str, schema: dict[str, Any] | None, param: str) -> Grammar | None:
+    """What a reply in `kind` ("text", "json_object", "json_schema") must match: any JSON object,
+    the schema's JSON (`strict` or not: enforced either way), or nothing; a schema the engine
+    cannot enforce is a 400 naming what in it."""
+    if kind == "text":
+        return None
+    if kind == "json_schema" and schema is None:
+        raise invalid(f"{param}: a json_schema format needs its schema", param=param)
+    try:
+        return Grammar.json_schema(schema)
+    except GrammarError as exc:
+        raise invalid(f"{param}: {exc}", param=param) from None
 
 
 def render(renderer: chat.Renderer, conversation: chat.Conversation) -> chat.Prompt:

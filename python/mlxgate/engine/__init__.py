@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
+from mlxgate.engine.constraints import Grammar, GrammarError
 from mlxgate.engine.contract import (
     AdmissionError,
     EngineStopped,
@@ -33,6 +34,8 @@ __all__ = [
     "EngineStopped",
     "GenerationRequest",
     "Generator",
+    "Grammar",
+    "GrammarError",
     "PromptTooLong",
     "QueueFull",
     "SamplingParams",

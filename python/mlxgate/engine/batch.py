@@ -27,6 +27,7 @@ import numpy as np
 
 from mlxgate.engine import cache_kinds
 from mlxgate.engine.cache_kinds import CacheLayout
+from mlxgate.engine.constraints import Vocabulary
 from mlxgate.engine.contract import SamplingParams
 from mlxgate.engine.sampling import Sampler
 from mlxgate.models.banded_cache import BandedCache
@@ -146,9 +147,14 @@ class DecodeBatch:
         live = stream_ids != FREE
         return stream_ids[live], token_ids[live]
 
-    def sample(self, logits: mx.array) -> mx.array:
-        """Next token per row: one argmax for greedy rows, per-row samplers for the others."""
-        samplers = list(itertools.chain.from_iterable(band.samplers for band in self.bands))
+    def sample(self, logits: mx.array, vocabulary: Vocabulary | None = None) -> mx.array:
+        """Next token per row: one argmax for greedy rows, per-row samplers for the others;
+        rows with a grammar choose among the tokens it allows."""
+        samplers = self.samplers
+        constrained = [i for i, s in enumerate(samplers) if s.grammar is not None]
+        if constrained:
+            assert vocabulary is not None, "a grammar needs the engine's vocabulary"
+            logits = _masked(logits, [samplers[i] for i in constrained], constrained, vocabulary)
         if all(s.params.greedy for s in samplers):
             return mx.argmax(logits, axis=-1).astype(mx.uint32)
         greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
@@ -157,6 +163,30 @@ class DecodeBatch:
             for i, s in enumerate(samplers)
         ]
         return mx.concatenate(picks)
+
+    def accept(self, tokens: np.ndarray) -> None:
+        """Advance the grammars of constrained rows by the tokens they sampled (every slot's)."""
+        for sampler, token in zip(self.samplers, tokens.tolist(), strict=True):
+            if sampler.matcher is not None:
+                sampler.matcher.consume_token(token)
+
+    @property
+    def samplers(self) -> list[Sampler]:
+        """Per slot, in band order."""
+        return list(itertools.chain.from_iterable(band.samplers for band in self.bands))
+
+
+def _masked(
+    logits: mx.array, samplers: list[Sampler], rows: list[int], vocabulary: Vocabulary
+) -> mx.array:
+    """`logits` with the tokens each constrained row's grammar forbids at -inf."""
+    width = logits.shape[-1]
+    for sampler in samplers:
+        if sampler.matcher is None:
+            sampler.matcher = vocabulary.matcher(sampler.grammar, width)  # type: ignore[arg-type]
+    allowed = np.ones(logits.shape, dtype=np.bool_)
+    allowed[rows] = vocabulary.allowed([s.matcher for s in samplers])
+    return mx.where(mx.array(allowed), logits, -mx.inf)
 
 
 class _Band:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from mlxgate._native import Reader, StreamSpec
+from mlxgate.engine.constraints import Grammar
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class GenerationRequest:
     # None: as many tokens as the context holds after the prompt; more is clamped to that.
     max_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    grammar: Grammar | None = None  # what the reply must match (constrained decoding)
 
 
 class AdmissionError(Exception):

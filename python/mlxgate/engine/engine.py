@@ -25,6 +25,7 @@ from mlxgate._native import ErrorKind, FinishReason, Reader, Router
 from mlxgate.engine import batch_check, cache_kinds
 from mlxgate.engine.batch import DecodeBatch
 from mlxgate.engine.cache_kinds import CacheLayout
+from mlxgate.engine.constraints import Vocabulary
 from mlxgate.engine.contract import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.prefix_cache import PrefixCache, PrefixMatch
@@ -78,14 +79,23 @@ class Engine:
     it reports."""
 
     def __init__(
-        self, loaded: LoadedModel, router: Router, settings: EngineSettings | None = None
+        self,
+        loaded: LoadedModel,
+        router: Router,
+        settings: EngineSettings | None = None,
+        end_ids: list[int] | None = None,
     ) -> None:
+        """`end_ids`: the tokens that end a reply (the tokenizer's end-of-sequence ids unless
+        given): where a grammar lets a constrained reply end."""
         self.loaded = loaded
         self.model = loaded.model
         self.router = router
         self.settings = settings or EngineSettings()
         self.metrics = EngineMetrics()
         self._adapter = ModelAdapter(self.model)
+        self.vocabulary = Vocabulary(
+            loaded.tokenizer.tokenizer, end_ids or sorted(loaded.tokenizer.eos_ids)
+        )
         # Raises UnsupportedCache for a layer cache the engine cannot batch: at start-up.
         self.layout = CacheLayout.of(self._adapter.make_cache())
         self.prefix_cache = PrefixCache(
@@ -301,8 +311,9 @@ class Engine:
     def _decode(self) -> None:
         batch = self._batch
         logits = self._adapter.decode(batch.inputs, batch.caches)
-        tokens = batch.sample(logits)
+        tokens = batch.sample(logits, self.vocabulary)
         mx.eval(tokens)
+        batch.accept(np.array(tokens, copy=False))
         # Free slots were computed too: their tokens go nowhere.
         stream_ids, token_ids = batch.advance(tokens)
         ended = self.router.step(stream_ids, token_ids)
@@ -465,7 +476,7 @@ class Engine:
             caches,
             [len(p.request.prompt_ids) - 1 for p in joining],
             [p.stream_id for p in joining],
-            [Sampler(p.request.sampling) for p in joining],
+            [Sampler(p.request.sampling, p.request.grammar) for p in joining],
             [p.request.prompt_ids[-1] for p in joining],
         )
 

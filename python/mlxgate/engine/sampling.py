@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
+from mlxgate.engine.constraints import Grammar
 from mlxgate.engine.contract import SamplingParams
 
 
 class Sampler:
-    """Samples one sequence's next token; holds its own PRNG key so seeds are per request."""
+    """Samples one sequence's next token; holds its own PRNG key so seeds are per request, and
+    the matcher of its grammar, if it has one (made on its first step: engine/constraints.py)."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, grammar: Grammar | None = None) -> None:
         self.params = params
+        self.grammar = grammar
+        self.matcher: Any = None
         self._key = mx.random.key(params.seed) if params.seed is not None else None
 
     def __call__(self, logits: mx.array) -> mx.array:

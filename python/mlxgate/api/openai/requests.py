@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxgate import chat
 from mlxgate._native import ErrorKind
 from mlxgate.api.errors import ApiError, invalid
-from mlxgate.api.shared import sampling
-from mlxgate.engine import SamplingParams
+from mlxgate.api.shared import reply_grammar, sampling
+from mlxgate.engine import Grammar, SamplingParams
 from mlxgate.formats.reasoning import FIELD as REASONING
 
 
@@ -66,8 +66,19 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> Grammar | None:
+        schema = self.json_schema.schema_ if self.json_schema else None
+        return reply_grammar(self.type, schema, "response_format")
 
 
 class _Sampling(_Lenient):
@@ -111,8 +122,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    # Accepted; the reply is not constrained (documented in the README).
     response_format: ResponseFormat | None = None
+
+    def grammar(self) -> Grammar | None:
+        return self.response_format.grammar() if self.response_format else None
 
 
 class CompletionRequest(_Sampling):
@@ -189,4 +202,9 @@ def _tool_choice(request: ChatCompletionRequest) -> chat.ToolChoice:
 
 def conversation(request: ChatCompletionRequest) -> chat.Conversation:
     tools = [{"type": "function", "function": t.function.model_dump()} for t in request.tools or []]
-    return chat.Conversation(_messages(request), tools, _tool_choice(request))
+    return chat.Conversation(
+        _messages(request),
+        tools,
+        _tool_choice(request),
+        structured=request.response_format is not None and request.response_format.type != "text",
+    )

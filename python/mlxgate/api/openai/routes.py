@@ -27,7 +27,7 @@ from mlxgate.api.shared import (
     prompt_too_long,
     render,
 )
-from mlxgate.engine import GenerationRequest, PromptTooLong
+from mlxgate.engine import GenerationRequest, Grammar, PromptTooLong
 
 OPENAI = Dialect.OPENAI
 
@@ -55,6 +55,7 @@ class OpenAIAPI:
         request = parse(ChatCompletionRequest, body)
         request.check()
         self.services.models.check(request.model)
+        grammar = request.grammar()
         prompt = render(self.services.renderer, conversation(request))
         await self._generate(
             receive,
@@ -64,6 +65,7 @@ class OpenAIAPI:
             output_limit(self.services, request.max_completion_tokens or request.max_tokens),
             kind="chat",
             prompt=prompt,
+            grammar=grammar,
         )
 
     async def completions(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
@@ -91,6 +93,7 @@ class OpenAIAPI:
         *,
         kind: Literal["chat", "completion"],
         prompt: chat.Prompt | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         services = self.services
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -108,7 +111,7 @@ class OpenAIAPI:
             tools=prompt.tool_schemas if prompt else [],
         )
         generation = GenerationRequest(
-            prompt_ids, stream, max_tokens, request.sampling(services.default_sampling)
+            prompt_ids, stream, max_tokens, request.sampling(services.default_sampling), grammar
         )
         reader = admit(services.engine, generation, ADMISSION_ERRORS)
         await respond(send, receive, reader, OPENAI, stream=request.stream)

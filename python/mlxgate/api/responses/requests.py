@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxgate import chat
 from mlxgate._native import reasoning_from_encrypted
 from mlxgate.api.errors import invalid
+from mlxgate.api.shared import reply_grammar
+from mlxgate.engine import Grammar
 from mlxgate.formats.reasoning import FIELD as REASONING
 
 log = logging.getLogger("mlxgate")
@@ -49,6 +51,9 @@ class Reasoning(_Lenient):
 
 class TextFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
 
 class TextSettings(_Lenient):
@@ -70,7 +75,6 @@ class ResponsesRequest(_Lenient):
     previous_response_id: str | None = None
     include: list[str] | None = None
     reasoning: Reasoning | None = None
-    # Accepted; the reply is not constrained (documented in the README).
     text: TextSettings | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -94,6 +98,10 @@ class ResponsesRequest(_Lenient):
     @property
     def text_format(self) -> str:
         return self.text.format.type if self.text and self.text.format else "text"
+
+    def grammar(self) -> Grammar | None:
+        schema = self.text.format.schema_ if self.text and self.text.format else None
+        return reply_grammar(self.text_format, schema, "text.format")
 
     def echo(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
         """The settings every Response object repeats, as OpenAI's API returns them."""
@@ -288,4 +296,5 @@ def conversation(request: ResponsesRequest, history: list[Item], tools: Tools) -
         tools.functions,
         _tool_choice(request, tools),
         thinking=False if effort in ("none", "minimal") else None,
+        structured=request.text_format != "text",
     )

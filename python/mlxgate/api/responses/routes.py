@@ -68,6 +68,7 @@ class ResponsesAPI:
         if previous := request.previous_response_id:
             history = [Item.model_validate(item) for item in self.store.history(previous)]
         given = tools(request)
+        grammar = request.grammar()
         prompt = render(services.renderer, conversation(request, history, given))
         response_id = f"resp_{uuid.uuid4().hex}"
         stream = StreamSpec.responses(
@@ -94,6 +95,7 @@ class ResponsesAPI:
                 top_p=request.top_p,
                 top_k=None,
             ),
+            grammar=grammar,
         )
         reader = admit(services.engine, generation, ADMISSION_ERRORS)
         # The Response object is in the last chunk: the router queues a stream's end at once.
