@@ -93,8 +93,12 @@ class Engine:
         self.settings = settings or EngineSettings()
         self.metrics = EngineMetrics()
         self._adapter = ModelAdapter(self.model)
-        self.vocabulary = Vocabulary(
-            loaded.tokenizer.tokenizer, end_ids or sorted(loaded.tokenizer.eos_ids)
+        # An engine around a bare model (tests, benchmarks) has no tokenizer, and no grammars.
+        tokenizer = loaded.tokenizer
+        self.vocabulary = (
+            Vocabulary(tokenizer.tokenizer, end_ids or sorted(tokenizer.eos_ids))
+            if tokenizer is not None
+            else None
         )
         # Raises UnsupportedCache for a layer cache the engine cannot batch: at start-up.
         self.layout = CacheLayout.of(self._adapter.make_cache())
