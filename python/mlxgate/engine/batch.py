@@ -22,6 +22,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import llguidance
 import mlx.core as mx
 import numpy as np
 
@@ -51,6 +52,8 @@ class DecodeBatch:
         self.layout = layout
         self.max_bands = MAX_BANDS if banded and layout.all_attention else 1
         self.bands: list[_Band] = []
+        # (slot, matcher) of the rows the last `sample` held to a grammar: `advance` moves them on.
+        self._matchers: list[tuple[int, llguidance.LLMatcher]] = []
 
     def __len__(self) -> int:
         """Live rows (sequences decoding)."""
@@ -132,8 +135,11 @@ class DecodeBatch:
         self.bands = [band for band in self.bands if len(band)]
 
     def advance(self, tokens: mx.array) -> tuple[np.ndarray, np.ndarray]:
-        """Feed each slot its sampled token next; return the live rows' stream ids and tokens."""
+        """Feed each slot its sampled token next (and its grammar, if it has one); return the live
+        rows' stream ids and tokens."""
         token_ids = np.array(tokens, copy=False)
+        for slot, matcher in self._matchers:
+            matcher.consume_token(int(token_ids[slot]))
         if len(self.bands) == 1:
             band = self.bands[0]
             band.inputs = tokens
@@ -150,11 +156,15 @@ class DecodeBatch:
     def sample(self, logits: mx.array, vocabulary: Vocabulary | None = None) -> mx.array:
         """Next token per row: one argmax for greedy rows, per-row samplers for the others;
         rows with a grammar choose among the tokens it allows."""
-        samplers = self.samplers
-        constrained = [i for i, s in enumerate(samplers) if s.grammar is not None]
-        if constrained:
-            assert vocabulary is not None, "a grammar needs the engine's vocabulary"
-            logits = _masked(logits, [samplers[i] for i in constrained], constrained, vocabulary)
+        samplers = list(itertools.chain.from_iterable(band.samplers for band in self.bands))
+        self._matchers = [
+            (i, s.matcher_in(vocabulary, logits.shape[-1]))
+            for i, s in enumerate(samplers)
+            if s.grammar is not None
+        ]
+        if self._matchers:
+            assert vocabulary is not None  # (matcher_in has made sure)
+            logits = _masked(logits, self._matchers, vocabulary)
         if all(s.params.greedy for s in samplers):
             return mx.argmax(logits, axis=-1).astype(mx.uint32)
         greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
@@ -164,28 +174,15 @@ class DecodeBatch:
         ]
         return mx.concatenate(picks)
 
-    def accept(self, tokens: np.ndarray) -> None:
-        """Advance the grammars of constrained rows by the tokens they sampled (every slot's)."""
-        for sampler, token in zip(self.samplers, tokens.tolist(), strict=True):
-            if sampler.matcher is not None:
-                sampler.matcher.consume_token(token)
-
-    @property
-    def samplers(self) -> list[Sampler]:
-        """Per slot, in band order."""
-        return list(itertools.chain.from_iterable(band.samplers for band in self.bands))
-
 
 def _masked(
-    logits: mx.array, samplers: list[Sampler], rows: list[int], vocabulary: Vocabulary
+    logits: mx.array, matchers: list[tuple[int, llguidance.LLMatcher]], vocabulary: Vocabulary
 ) -> mx.array:
-    """`logits` with the tokens each constrained row's grammar forbids at -inf."""
-    width = logits.shape[-1]
-    for sampler in samplers:
-        if sampler.matcher is None:
-            sampler.matcher = vocabulary.matcher(sampler.grammar, width)  # type: ignore[arg-type]
+    """`logits` with the tokens each constrained row's grammar forbids at -inf. One `where`
+    over the whole batch: at 32 rows MLX's CPU scatter of just the constrained rows took 5x as
+    long (10 ms against 2 ms)."""
     allowed = np.ones(logits.shape, dtype=np.bool_)
-    allowed[rows] = vocabulary.allowed([s.matcher for s in samplers])
+    allowed[[slot for slot, _ in matchers]] = vocabulary.allowed([m for _, m in matchers])
     return mx.where(mx.array(allowed), logits, -mx.inf)
 
 

@@ -317,7 +317,6 @@ class Engine:
         logits = self._adapter.decode(batch.inputs, batch.caches)
         tokens = batch.sample(logits, self.vocabulary)
         mx.eval(tokens)
-        batch.accept(np.array(tokens, copy=False))
         # Free slots were computed too: their tokens go nowhere.
         stream_ids, token_ids = batch.advance(tokens)
         ended = self.router.step(stream_ids, token_ids)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+import llguidance
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from mlxgate.engine.constraints import Grammar
+from mlxgate.engine.constraints import Grammar, Vocabulary
 from mlxgate.engine.contract import SamplingParams
 
 
@@ -18,8 +17,15 @@ class Sampler:
     def __init__(self, params: SamplingParams, grammar: Grammar | None = None) -> None:
         self.params = params
         self.grammar = grammar
-        self.matcher: Any = None
+        self.matcher: llguidance.LLMatcher | None = None
         self._key = mx.random.key(params.seed) if params.seed is not None else None
+
+    def matcher_in(self, vocabulary: Vocabulary | None, width: int) -> llguidance.LLMatcher:
+        """The matcher of this sequence's grammar (which it must have), made on first use."""
+        if self.matcher is None:
+            assert self.grammar is not None and vocabulary is not None, "no grammar to match"
+            self.matcher = vocabulary.matcher(self.grammar, width)
+        return self.matcher
 
     def __call__(self, logits: mx.array) -> mx.array:
         p = self.params
