@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from report import publish
+
 FACT = (
     "Before the documentation starts, one note for the reader: the door code of the archive "
     "room is 4817."
@@ -293,12 +295,7 @@ def main() -> None:
             f"| {tokens:,} | {label} | {found} | {shown} | {' | '.join(perplexities)} | "
             f"{reading.seconds:.0f} s |"
         )
-    report = "\n".join(lines) + "\n"
-    print(report)
-    args.out.mkdir(exist_ok=True)
-    path = args.out / f"context-cost-{time.strftime('%Y%m%d-%H%M%S')}.md"
-    path.write_text(report)
-    print(f"wrote {path}")
+    publish(lines, args.out, "context-cost")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from report import publish
+
 VOCAB = 4096
 
 
@@ -151,12 +153,7 @@ def main() -> None:
         t1 = statistics.median(r[0] for r in runs)
         t2 = statistics.median(r[1] for r in runs)
         lines.append(f"| {cache} | {t1 * 1e3:.0f} ms | {t2 * 1e3:.0f} ms | {t2 / t1:.3f}x |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    args.out.mkdir(exist_ok=True)
-    path = args.out / f"hybrid-turns-{time.strftime('%Y%m%d-%H%M%S')}.md"
-    path.write_text(report)
-    print(f"wrote {path}")
+    publish(lines, args.out, "hybrid-turns")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from report import publish
+
 PRECISIONS = ["float32", "bfloat16", "float16", "8-bit", "4-bit", "mxfp4"]
 
 
@@ -102,12 +104,7 @@ def main() -> None:
             base = statistics.median(samples[("float32", rows)]) * 1e3
             cells.append(f"{ms:.1f} ms, {ms / base:.2f}x")
         lines.append(f"| {name} | {precision(model)} | " + " | ".join(cells) + " |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    args.out.mkdir(exist_ok=True)
-    path = args.out / f"precision-{time.strftime('%Y%m%d-%H%M%S')}.md"
-    path.write_text(report)
-    print(f"wrote {path}")
+    publish(lines, args.out, "precision")
 
 
 if __name__ == "__main__":

@@ -706,6 +706,12 @@ def test_gpt_oss_vocabulary_plain_text(tmp_path: Path) -> None:
         stop_server(server)
 
 
+# Claude Code's arguments for the family server's round trip: Bash allowed, a JSON result.
+WRITE_THE_NONCE = (
+    "--allowedTools", "Bash", "-p", "Write the nonce to the file.", "--output-format", "json"
+)  # fmt: skip
+
+
 def test_claude_code_runs_the_forced_tool_call_and_gets_the_answer(
     family_server: FamilyServer, tmp_path: Path
 ) -> None:
@@ -721,12 +727,7 @@ def test_claude_code_runs_the_forced_tool_call_and_gets_the_answer(
         "You are a helpful assistant.",
         "--tools",
         "Bash",
-        "--allowedTools",
-        "Bash",
-        "-p",
-        "Write the nonce to the file.",
-        "--output-format",
-        "json",
+        *WRITE_THE_NONCE,
     )
     assert run.returncode == 0, run.stdout + run.stderr + family_server.server.log()
     result = json.loads(run.stdout)
@@ -744,16 +745,7 @@ def test_claude_code_with_its_default_settings_runs_the_call_and_continues(
     server finds in its prefix cache."""
     target = family_server.target
     target.unlink(missing_ok=True)
-    first = run_claude_code(
-        family_server.server,
-        target.parent,
-        "--allowedTools",
-        "Bash",
-        "-p",
-        "Write the nonce to the file.",
-        "--output-format",
-        "json",
-    )
+    first = run_claude_code(family_server.server, target.parent, *WRITE_THE_NONCE)
     assert first.returncode == 0, first.stdout + first.stderr + family_server.server.log()
     result = json.loads(first.stdout)
     assert result["result"].strip() == "The nonce is written."
