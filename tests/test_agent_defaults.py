@@ -70,7 +70,10 @@ def test_codex_default_first_request_is_answered(
 def test_claude_code_default_request_is_answered_and_continued(
     embedded_server: RunningServer, tmp_path: Path
 ) -> None:
-    first = run_claude_code(embedded_server, tmp_path, "-p", "say hi", "--output-format", "json")
+    # A 13k-token prefill and three go-on requests: minutes on two shared cores.
+    first = run_claude_code(
+        embedded_server, tmp_path, "-p", "say hi", "--output-format", "json", timeout=900
+    )
     result = json.loads(first.stdout)
     usage = result["usage"]
     prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
@@ -81,7 +84,7 @@ def test_claude_code_default_request_is_answered_and_continued(
         assert usage["cache_read_input_tokens"] > 3 * 12_000, usage
 
     again = run_claude_code(
-        embedded_server, tmp_path, "-c", "-p", "Thanks.", "--output-format", "json"
+        embedded_server, tmp_path, "-c", "-p", "Thanks.", "--output-format", "json", timeout=900
     )
     continued = json.loads(again.stdout)
     cached, computed = (continued["usage"][k] for k in ("cache_read_input_tokens", "input_tokens"))
