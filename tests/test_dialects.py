@@ -292,6 +292,29 @@ def test_strict_model_names(dialect: Dialect, aliased_server: RunningServer) -> 
         client.models.retrieve("claude-opus-5-5")
 
 
+def test_openai_clients_may_leave_out_the_model_and_the_v1(aliased_server: RunningServer) -> None:
+    """As llama-server, Ollama and vLLM answer: no `model` is the served model (even with
+    `--strict-models`), and every route answers without its `/v1` too."""
+    url = aliased_server.url
+    for dialect in (OPENAI, RESPONSES):
+        body = dialect.body(QUESTION, 2)
+        del body["model"]
+        for path in (dialect.path, dialect.path.removeprefix("/v1")):
+            reply = httpx.post(url + path, json=body, timeout=60)
+            assert reply.status_code == 200, (path, reply.text)
+            assert reply.json()["model"] == SERVED
+    anthropic_body = {**ANTHROPIC.body(QUESTION, 2), "model": SERVED}
+    bare = httpx.post(url + "/messages", json=anthropic_body, timeout=60)
+    assert bare.status_code == 200 and bare.json()["type"] == "message"
+    assert httpx.get(url + "/models").json()["data"][0]["id"] == SERVED
+    assert httpx.get(f"{url}/models/gpt-local").json()["id"] == "gpt-local"
+    completion = httpx.post(
+        url + "/completions", json={"prompt": "Hi there", "max_tokens": 2}, timeout=60
+    )
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
+    assert httpx.post(f"{url}/embeddings", json={}).status_code == 404
+
+
 def test_unknown_routes_are_404_in_the_dialects_envelope(server: RunningServer) -> None:
     anthropic_404 = httpx.post(f"{server.url}/v1/no-such-route", json={})
     assert anthropic_404.status_code == 404

@@ -13,7 +13,14 @@ import pytest
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlxgate._native import Dialect, Reader, Router, StreamSpec, Vocab
 from mlxgate.api.anthropic.routes import ADMISSION_ERRORS as ANTHROPIC_ADMISSION_ERRORS
-from mlxgate.engine import Engine, EngineSettings, GenerationRequest, PromptTooLong, QueueFull
+from mlxgate.engine import (
+    Engine,
+    EngineSettings,
+    GenerationRequest,
+    PromptTooLong,
+    QueueFull,
+    cache_kinds,
+)
 from mlxgate.models import LoadedModel, load
 
 QUESTIONS = [
@@ -243,6 +250,23 @@ def test_cancel_while_queued(engine: Engine) -> None:
         reader.cancel()
     wait_until(lambda: idle(engine), 5.0)
     assert queued.take() is None
+
+
+def test_a_fault_while_joining_the_batch_fails_that_stream_and_the_engine_goes_on(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream the prefill took off the queue but had not yet put in the batch is failed, not
+    left waiting forever."""
+
+    def injected_fault(cache: Any) -> Any:
+        raise RuntimeError("injected fault")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(cache_kinds, "batch_of_one", injected_fault)
+        failed = body(submit(engine, prompt_ids(engine, QUESTIONS[0]), 8), timeout_s=30)
+    assert failed["error"]["message"] == "generation failed: injected fault"
+    wait_until(lambda: idle(engine), 10.0)
+    assert "Paris" in text(body(submit(engine, prompt_ids(engine, QUESTIONS[0]), 16)))
 
 
 def test_prompt_too_long(engine: Engine) -> None:

@@ -147,6 +147,11 @@ def test_completions_endpoint(client: openai.OpenAI) -> None:
         if c.choices
     )
     assert streamed
+    with pytest.raises(openai.BadRequestError) as one_token:
+        client.completions.create(model="local", prompt="Hi", max_tokens=2)
+    assert one_token.value.param == "prompt" and "at least 2 tokens" in one_token.value.message
+    again = client.completions.create(model="local", prompt="Hi there", max_tokens=2)
+    assert again.choices[0].text
 
 
 def test_models(client: openai.OpenAI) -> None:

@@ -132,7 +132,7 @@ class App:
         for route in self.routes:
             if route.method != method or (route.header and header(scope, route.header) is None):
                 continue
-            if path.endswith(route.path) or (route.prefix and route.path in path):
+            if route.matches(path):
                 return route
         return None
 

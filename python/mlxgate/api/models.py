@@ -34,9 +34,10 @@ class ModelNames:
         self.strict = strict
         self.created = int(time.time())
 
-    def check(self, requested: str) -> None:
-        """Refuse a model name the server does not answer to (only with `strict`)."""
-        if self.strict and requested not in self.names:
+    def check(self, requested: str | None) -> None:
+        """Refuse a model name the server does not answer to (only with `strict`); no name is
+        the served model."""
+        if self.strict and requested is not None and requested not in self.names:
             raise ApiError(
                 ErrorKind.NOT_FOUND,
                 f"model: {requested!r} is not served here; this server answers to "

@@ -69,6 +69,17 @@ class Route:
     # The route is this dialect's only when the request has this header.
     header: bytes | None = None
 
+    def matches(self, path: str) -> bool:
+        """Whether `path` is this route's, with or without the `/v1` (clients differ on whether
+        the base URL they are given ends with it)."""
+        bare = self.path.removeprefix("/v1")
+        return bare in path if self.prefix else path.endswith(bare)
+
+
+def path_tail(scope: Scope, route_path: str) -> str:
+    """What follows a prefix route's path (`/v1/models/` -> the model id, which may hold `/`)."""
+    return str(scope["path"]).rstrip("/").split(route_path.removeprefix("/v1"), 1)[1]
+
 
 @dataclass(frozen=True)
 class Services:

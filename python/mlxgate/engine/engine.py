@@ -132,6 +132,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         # Engine-thread state.
         self._waiting: deque[_Pending] = deque()
+        # Taken from the queue by this step's prefill and not yet in the batch.
+        self._joining: list[_Pending] = []
         self._batch = DecodeBatch(self.layout, self._banded)
 
     def admit(self, request: GenerationRequest) -> Reader:
@@ -195,11 +197,11 @@ class Engine:
                 self._fail_all(f"generation failed: {exc}")
 
     def _fail_all(self, message: str) -> None:
-        for stream_id in self._batch.running_ids:
+        held = [p.stream_id for p in (*self._joining, *self._waiting)]
+        for stream_id in dict.fromkeys([*self._batch.running_ids, *held]):
             self.router.fail(stream_id, ErrorKind.INTERNAL, message)
-        for pending in self._waiting:
-            self.router.fail(pending.stream_id, ErrorKind.INTERNAL, message)
         self._waiting.clear()
+        self._joining = []
         self._batch = DecodeBatch(self.layout, self._banded)
 
     def _step(self) -> None:
@@ -348,7 +350,7 @@ class Engine:
             if group is not None:
                 # Several short prompts that fit this step: one forward pass for all of them.
                 for _ in group.rows:
-                    self._waiting.popleft()
+                    self._joining.append(self._waiting.popleft())
                 self.metrics.prefill_tokens += sum(p.todo for p in group.rows)
                 self.metrics.prefill_passes += 1
                 if self._forward_group(group):
@@ -384,12 +386,14 @@ class Engine:
                     break  # joining copies the batch's cache: the next step does it, not this one
             if pending.todo == 0:
                 admitted.append(self._waiting.popleft())
+                self._joining.append(pending)
             if idle and admitted:
                 break  # the first stream can start; the next steps prefill beside it
         if admitted:
             self._join_batch(admitted)
         for group in groups:
             self._join_group(group)
+        self._joining = []
         return spent
 
     def _whole_prompts(self, budget: int, room: int) -> _PromptGroup | None:

@@ -17,6 +17,7 @@ from mlxgate.api.shared import (
     admit,
     output_limit,
     parse,
+    path_tail,
     prompt_too_long,
     render,
     sampling,
@@ -103,5 +104,5 @@ class AnthropicAPI:
         await send_json(send, 200, page)
 
     async def retrieve_model(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
-        model_id = scope["path"].rstrip("/").split("/v1/models/", 1)[1]
+        model_id = path_tail(scope, "/v1/models/")
         await send_json(send, 200, self._entry(self.services.models.listed(model_id)))

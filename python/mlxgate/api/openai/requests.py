@@ -82,7 +82,7 @@ class ResponseFormat(_Lenient):
 
 
 class _Sampling(_Lenient):
-    model: str
+    model: str | None = None  # the served model when absent, as llama-server and vLLM answer
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

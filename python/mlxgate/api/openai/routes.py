@@ -24,6 +24,7 @@ from mlxgate.api.shared import (
     admit,
     output_limit,
     parse,
+    path_tail,
     prompt_too_long,
     render,
 )
@@ -78,8 +79,10 @@ class OpenAIAPI:
                 ErrorKind.INVALID_REQUEST, "prompt: exactly one prompt is supported", param="prompt"
             )
         ids = self.services.renderer.encode(prompts[0])
-        if not ids:
-            raise invalid("prompt: must not be empty")
+        if len(ids) < 2:  # the engine decodes from the prompt's last token after the rest
+            raise invalid(
+                f"prompt: must be at least 2 tokens long; this one is {len(ids)}", param="prompt"
+            )
         max_tokens = output_limit(self.services, request.max_tokens)
         await self._generate(receive, send, request, ids, max_tokens, kind="completion")
 
@@ -125,5 +128,5 @@ class OpenAIAPI:
         await send_json(send, 200, {"object": "list", "data": entries})
 
     async def retrieve_model(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
-        model_id = scope["path"].rstrip("/").split("/v1/models/", 1)[1]
+        model_id = path_tail(scope, "/v1/models/")
         await send_json(send, 200, self._entry(self.services.models.listed(model_id)))

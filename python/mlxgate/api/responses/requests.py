@@ -61,7 +61,7 @@ class TextSettings(_Lenient):
 
 
 class ResponsesRequest(_Lenient):
-    model: str
+    model: str | None = None  # the served model when absent
     input: str | list[Item]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None

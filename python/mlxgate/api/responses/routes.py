@@ -20,6 +20,7 @@ from mlxgate.api.shared import (
     admit,
     output_limit,
     parse,
+    path_tail,
     prompt_too_long,
     render,
     sampling,
@@ -115,7 +116,7 @@ class ResponsesAPI:
                 )
 
     def _response_id(self, scope: Scope) -> str:
-        return str(scope["path"]).rstrip("/").split("/v1/responses/", 1)[1]
+        return path_tail(scope, "/v1/responses/")
 
     async def retrieve(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         stored = self.store.get(self._response_id(scope))
