@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from mlxgate import chat, formats
 from mlxgate.api.anthropic.requests import MessagesRequest
 from mlxgate.api.anthropic.requests import conversation as anthropic_conversation
+from mlxgate.engine.constraints import Grammar, Vocabulary
 from mlxgate.models.tokenizer import ChatTokenizer
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
@@ -400,3 +401,41 @@ def test_arguments_go_as_objects_or_as_json_text_as_the_template_reads_them() ->
     text = r.render(request(ASSISTANT_CALL, TOOL_RESULT)).text
     assert f"[{json.dumps(COMMAND)}]" in text
     assert not renderer(FAMILIES["qwen3_coder"]).arguments_as_json
+
+
+# Formats whose forced calls are not held to the schema: Kimi K2's model writes the call's index
+# after the forced opening, before its arguments.
+UNCONSTRAINED_CALLS = {"kimi_k2"}
+
+
+def test_a_forced_calls_grammar_admits_exactly_the_calls_the_schema_allows(family: Family) -> None:
+    """The rest of a forced call (after the opening the prompt ends with) must be a call of the
+    tool with schema-valid arguments, closed as the format closes it."""
+    r = renderer(family)
+    fmt = r.format.tool_format
+    vocabulary = Vocabulary(r.tokenizer.tokenizer, [0])
+    width = r.tokenizer.vocab_size
+
+    def admits(prompt: chat.Prompt, call: str) -> bool:
+        assert prompt.call_grammar is not None
+        matcher = vocabulary.matcher(Grammar.lark(prompt.call_grammar), width)
+        rest = call.removeprefix(prompt.prefill)
+        assert rest != call, "the call starts with the forced opening"
+        return all(matcher.consume_token(t) for t in r.encode(rest)) and matcher.is_accepting()
+
+    named = r.render(request(tool_choice={"type": "tool", "name": "Bash"}))
+    anyone = r.render(request(tool_choice={"type": "any"}))
+    if family.tool_format in UNCONSTRAINED_CALLS:
+        assert named.call_grammar is None and anyone.call_grammar is None
+        return
+    opening = fmt.forced_opening("Bash")
+    assert named.prefill.endswith(opening)
+    named = replace(named, prefill=opening)
+    anyone = replace(anyone, prefill=fmt.forced_opening(None))
+    assert admits(named, fmt.render_call("Bash", COMMAND))
+    assert admits(named, fmt.render_call("Bash", {"command": 'echo "a\nb" <x>', "timeout": 5}))
+    assert not admits(named, fmt.render_call("Bash", {"description": "no command"}))
+    assert not admits(named, fmt.render_call("Bash", {"command": "ls", "timeout": "soon"}))
+    assert admits(anyone, fmt.render_call("Read", {"path": "a.txt"}))
+    assert admits(anyone, fmt.render_call("Bash", COMMAND))
+    assert not admits(anyone, fmt.render_call("Nope", {"path": "a.txt"}))

@@ -8,6 +8,8 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+import anthropic
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -196,3 +198,104 @@ def test_responses_text_format_json_schema(server: RunningServer) -> None:
             text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "wrong"}}},
         )
     assert caught.value.body["param"] == "text.format"  # type: ignore[index]
+
+
+class Weather(BaseModel):
+    city: Literal["Paris", "London", "Rome"]
+    sunny: bool
+    temperature_celsius: int
+
+
+def anthropic_client(server: RunningServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="sk-local", max_retries=0)
+
+
+def test_anthropic_structured_outputs(server: RunningServer) -> None:
+    """`output_config.format` (and the beta's top-level `output_format`): the reply's text is the
+    schema's JSON; the SDK's `messages.parse` gets its pydantic model."""
+    claude = anthropic_client(server)
+    parsed = claude.messages.parse(
+        model="local",
+        max_tokens=MAX_TOKENS,
+        messages=[{"role": "user", "content": "What is the weather like in Paris?"}],
+        output_format=Weather,
+    )
+    assert isinstance(parsed.parsed_output, Weather), parsed
+    message = claude.messages.create(
+        model="local",
+        max_tokens=MAX_TOKENS,
+        messages=ASK,  # type: ignore[arg-type]
+        output_config={"format": {"type": "json_schema", "schema": PERSON}},
+    )
+    assert message.stop_reason == "end_turn", message
+    jsonschema.validate(json.loads(message.content[0].text), PERSON)  # type: ignore[union-attr]
+    beta = httpx.post(
+        f"{server.url}/v1/messages",
+        headers={"anthropic-beta": "structured-outputs-2025-11-13"},
+        json={
+            "model": "local",
+            "max_tokens": MAX_TOKENS,
+            "messages": ASK,
+            "output_format": {"type": "json_schema", "schema": NUMBERS},
+        },
+        timeout=120,
+    ).json()
+    jsonschema.validate(json.loads(beta["content"][0]["text"]), NUMBERS)
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(
+            model="local",
+            max_tokens=8,
+            messages=ASK,  # type: ignore[arg-type]
+            output_config={"format": {"type": "json_schema", "schema": {"type": "wrong"}}},
+        )
+    assert caught.value.body["error"]["message"].startswith("output_config.format: ")  # type: ignore[index]
+
+
+FORECAST = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Berlin", "Madrid"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "days", "unit"],
+    "additionalProperties": False,
+}
+LOOKUP = {
+    "type": "object",
+    "properties": {"query": {"type": "string", "maxLength": 40}},
+    "required": ["query"],
+    "additionalProperties": False,
+}
+
+
+def test_forced_tool_calls_have_schema_valid_arguments(server: RunningServer) -> None:
+    """tool_choice naming a tool, or any tool: the call's arguments validate against its schema
+    (Hermes here; tests/test_formats.py holds every format's grammar to the same)."""
+    tools = [
+        {"type": "function", "function": {"name": "forecast", "parameters": FORECAST}},
+        {"type": "function", "function": {"name": "lookup", "parameters": LOOKUP}},
+    ]
+    schemas = {"forecast": FORECAST, "lookup": LOOKUP}
+    ask = [{"role": "user", "content": "Will it rain in Paris this week?"}]
+    for choice in ({"type": "function", "function": {"name": "forecast"}}, "required"):
+        completion = client(server).chat.completions.create(
+            model="local",
+            messages=ask,  # type: ignore[arg-type]
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=MAX_TOKENS,
+        )
+        choice_ = completion.choices[0]
+        assert choice_.finish_reason == "tool_calls", choice_
+        call = choice_.message.tool_calls[0].function  # type: ignore[index,union-attr]
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    message = anthropic_client(server).messages.create(
+        model="local",
+        max_tokens=MAX_TOKENS,
+        messages=ask,  # type: ignore[arg-type]
+        tools=[{"name": "forecast", "input_schema": FORECAST}],  # type: ignore[list-item,typeddict-item]
+        tool_choice={"type": "tool", "name": "forecast"},
+    )
+    assert message.stop_reason == "tool_use", message
+    jsonschema.validate(message.content[0].input, FORECAST)  # type: ignore[union-attr]

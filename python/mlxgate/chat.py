@@ -8,12 +8,14 @@ then renders it here, so one model gets one rendering whichever dialect asked.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mlxgate import formats
 from mlxgate._native import Markup
 from mlxgate.formats import ToolFormat
+from mlxgate.formats.call_grammar import forced_call
 from mlxgate.formats.reasoning import FIELD as REASONING
 from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
 
@@ -124,6 +126,9 @@ class Prompt:
     # The rendered tools' names and input schemas (JSON text): the XML tool formats type the
     # parameters they parse by them (`StreamSpec(tools=...)`).
     tool_schemas: list[tuple[str, str]] = field(default_factory=list)
+    # What the reply may be after a forced call's opening (llguidance Lark): the rest of one call
+    # whose arguments validate against the tool's schema. None: unconstrained.
+    call_grammar: str | None = None
 
 
 def _with_tool_prompt(messages: list[Message], tools: list[Tool], fmt: ToolFormat) -> list[Message]:
@@ -212,6 +217,17 @@ class Renderer:
         self.eos_ids = sorted(tokenizer.eos_ids | self._turn_end_ids())
         self.arguments_as_json = False
         self.arguments_as_json = self.format.template_renders_calls and self._prints_arguments()
+        specials = {tokenizer.decode([i]): i for i in tokenizer.special_ids}
+        self._specials = {text: i for text, i in specials.items() if len(text) > 1}
+        self._special_split = (
+            re.compile(
+                "("
+                + "|".join(re.escape(t) for t in sorted(self._specials, key=len, reverse=True))
+                + ")"
+            )
+            if self._specials
+            else None
+        )
 
     def _turn_end_ids(self) -> set[int]:
         """The special token the template closes an assistant turn with (`<|im_end|>`,
@@ -312,9 +328,11 @@ class Renderer:
         prefill = ""
         if fmt.think is not None and text.rstrip().endswith(fmt.think[0]):
             prefill = text[text.rstrip().rindex(fmt.think[0]) :]  # the template opened <think>
-        forced = ""
+        forced, call_grammar = "", None
         if tools and choice.mode in ("any", "tool"):
-            forced = fmt.tool_format.forced_opening(choice.name if choice.mode == "tool" else None)
+            name = choice.name if choice.mode == "tool" else None
+            forced = fmt.tool_format.forced_opening(name)
+            call_grammar = forced_call(fmt.tool_format, tools, name, self._lark_literal)
         if (forced or conversation.structured) and prefill and fmt.think is not None:
             # A forced call or a structured reply does not reason: close what the template opened.
             text, prefill = f"{text.rstrip()}\n\n{fmt.think[1]}\n\n", ""
@@ -328,4 +346,15 @@ class Renderer:
                 (tool["function"]["name"], json.dumps(tool["function"].get("parameters") or {}))
                 for tool in tools
             ],
+            call_grammar=call_grammar,
+        )
+
+    def _lark_literal(self, text: str) -> str:
+        """A Lark expression for exactly `text`, its special tokens as the tokens themselves
+        (a string literal would make the model spell `<|call|>` out of ordinary tokens)."""
+        parts = self._special_split.split(text) if self._special_split else [text]
+        return " ".join(
+            f"<[{self._specials[part]}]>" if part in self._specials else json.dumps(part)
+            for part in parts
+            if part
         )

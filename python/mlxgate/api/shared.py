@@ -155,6 +155,17 @@ def reply_grammar(kind: str, schema: dict[str, Any] | None, param: str) -> Gramm
         raise invalid(f"{param}: {exc}", param=param) from None
 
 
+def constraint(prompt: chat.Prompt, reply: Grammar | None) -> Grammar | None:
+    """What the engine holds the reply to: a forced call's grammar (arguments valid for the
+    tool's schema), else the reply's format (`reply`), else nothing."""
+    if prompt.call_grammar is None:
+        return reply
+    try:
+        return Grammar.lark(prompt.call_grammar)
+    except GrammarError as exc:
+        raise invalid(f"tools: the forced tool's schema cannot be enforced: {exc}") from None
+
+
 def render(renderer: chat.Renderer, conversation: chat.Conversation) -> chat.Prompt:
     try:
         return renderer.render(conversation)

@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxgate import chat
 from mlxgate.api.errors import invalid
+from mlxgate.api.shared import reply_grammar
+from mlxgate.engine import Grammar
 from mlxgate.formats.reasoning import FIELD as REASONING
 
 # Claude Code sends a per-session block that would defeat prefix reuse; it carries no instructions.
@@ -61,6 +63,15 @@ class ThinkingSpec(_Lenient):
     type: str
 
 
+class OutputFormat(_Lenient):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class OutputConfig(_Lenient):
+    format: OutputFormat | None = None
+
+
 class CountTokensRequest(_Lenient):
     model: str
     messages: list[InputMessage]
@@ -68,6 +79,19 @@ class CountTokensRequest(_Lenient):
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoiceSpec | None = None
     thinking: ThinkingSpec | None = None
+    output_config: OutputConfig | None = None
+    # Where the structured-outputs-2025-11-13 beta put the reply's format.
+    output_format: OutputFormat | None = None
+
+    def grammar(self) -> Grammar | None:
+        """What the reply must match: the JSON schema of `output_config.format`, if any."""
+        if self.output_config and self.output_config.format:
+            where, reply = "output_config.format", self.output_config.format
+        elif self.output_format:
+            where, reply = "output_format", self.output_format
+        else:
+            return None
+        return reply_grammar(reply.type, reply.schema_, where)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -180,7 +204,7 @@ def _tools(request: CountTokensRequest) -> list[chat.Tool]:
     return tools
 
 
-def conversation(request: CountTokensRequest) -> chat.Conversation:
+def conversation(request: CountTokensRequest, *, structured: bool = False) -> chat.Conversation:
     messages: list[chat.Message] = []
     if system := _system_text(request.system):
         messages.append({"role": "system", "content": system})
@@ -195,4 +219,5 @@ def conversation(request: CountTokensRequest) -> chat.Conversation:
         tools=_tools(request),
         tool_choice=chat.ToolChoice(choice.type, choice.name) if choice else chat.ToolChoice(),
         thinking=thinking,
+        structured=structured,
     )

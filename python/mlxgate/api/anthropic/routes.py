@@ -15,6 +15,7 @@ from mlxgate.api.shared import (
     Route,
     Services,
     admit,
+    constraint,
     output_limit,
     parse,
     path_tail,
@@ -57,7 +58,8 @@ class AnthropicAPI:
         request = parse(MessagesRequest, body)
         services.models.check(request.model)
         max_tokens = output_limit(services, request.max_tokens)
-        prompt = render(services.renderer, conversation(request))
+        grammar = request.grammar()
+        prompt = render(services.renderer, conversation(request, structured=grammar is not None))
         stream = StreamSpec.anthropic(
             model=services.models.served,
             message_id=f"msg_{uuid.uuid4().hex[:24]}",
@@ -78,6 +80,7 @@ class AnthropicAPI:
                 top_p=request.top_p,
                 top_k=request.top_k,
             ),
+            grammar=constraint(prompt, grammar),
         )
         reader = admit(services.engine, generation, ADMISSION_ERRORS)
         await respond(send, receive, reader, ANTHROPIC, stream=request.stream)
@@ -85,7 +88,8 @@ class AnthropicAPI:
     async def count_tokens(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(CountTokensRequest, body)
         self.services.models.check(request.model)
-        prompt = render(self.services.renderer, conversation(request))
+        structured = request.grammar() is not None
+        prompt = render(self.services.renderer, conversation(request, structured=structured))
         await send_json(send, 200, {"input_tokens": len(prompt.ids)})
 
     def _entry(self, name: str) -> dict[str, Any]:

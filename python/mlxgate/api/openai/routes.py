@@ -22,6 +22,7 @@ from mlxgate.api.shared import (
     Route,
     Services,
     admit,
+    constraint,
     output_limit,
     parse,
     path_tail,
@@ -66,7 +67,7 @@ class OpenAIAPI:
             output_limit(self.services, request.max_completion_tokens or request.max_tokens),
             kind="chat",
             prompt=prompt,
-            grammar=grammar,
+            grammar=constraint(prompt, grammar),
         )
 
     async def completions(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:

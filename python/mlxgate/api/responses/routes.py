@@ -18,6 +18,7 @@ from mlxgate.api.shared import (
     Route,
     Services,
     admit,
+    constraint,
     output_limit,
     parse,
     path_tail,
@@ -96,7 +97,7 @@ class ResponsesAPI:
                 top_p=request.top_p,
                 top_k=None,
             ),
-            grammar=grammar,
+            grammar=constraint(prompt, grammar),
         )
         reader = admit(services.engine, generation, ADMISSION_ERRORS)
         # The Response object is in the last chunk: the router queues a stream's end at once.
