@@ -7,7 +7,9 @@ use std::sync::Arc;
 use crate::channel::{CancelInbox, Channel};
 use crate::detok::Detok;
 use crate::error::CoreError;
-use crate::events::{DialectParams, ErrorKind, Finish, FinishReason, PromptUsage, Protocol};
+use crate::events::{
+    DialectParams, ErrorKind, Finish, FinishReason, PromptUsage, Protocol, TokenLogprob, TopLogprob,
+};
 use crate::markup::{MarkupParser, MarkupSpec, PieceKind, Pieces, ToolSchemas};
 use crate::stop::StopMatcher;
 use crate::vocab::Vocab;
@@ -38,6 +40,16 @@ enum TokenEnd {
     EndTurn,
     /// The last token `max_tokens` allows: rendered, then the stream ends.
     MaxTokens,
+}
+
+/// A sampled token's log-probability and its likeliest alternatives `(token id, logprob)`, for a
+/// stream whose request asked for them; the engine reports them before the step's tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledLogprobs {
+    pub stream_id: u64,
+    pub token_id: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Routes engine output to every open stream. `W` is the reader's waker type (see [`Channel`]).
@@ -241,6 +253,38 @@ impl<W> Router<W> {
         Ok(())
     }
 
+    /// The log-probabilities of tokens the next `step` brings (an end-of-turn token has none,
+    /// as it has no text). They are written with the text those tokens release.
+    pub fn logprobs(&mut self, sampled: &[SampledLogprobs]) {
+        for entry in sampled {
+            let Some(stream) = self.streams.get_mut(&entry.stream_id) else {
+                continue;
+            };
+            if stream.eos_ids.contains(&entry.token_id) {
+                continue;
+            }
+            let (token, bytes) = token_text(&self.vocab, entry.token_id);
+            let top_logprobs = entry
+                .top
+                .iter()
+                .map(|&(id, logprob)| {
+                    let (token, bytes) = token_text(&self.vocab, id);
+                    TopLogprob {
+                        token,
+                        logprob,
+                        bytes,
+                    }
+                })
+                .collect();
+            stream.protocol.logprob(TokenLogprob {
+                token,
+                logprob: entry.logprob,
+                bytes,
+                top_logprobs,
+            });
+        }
+    }
+
     /// Removes the streams whose readers cancelled since the last call and appends their ids.
     pub fn cancelled(&mut self, out: &mut Vec<u64>) {
         self.drain_cancelled(|stream_id| out.push(stream_id));
@@ -298,6 +342,16 @@ impl<W> Router<W> {
 
 /// A special token renders to nothing, except one whose text is a tag of the stream's markup
 /// (gpt-oss, Kimi, DeepSeek and Mistral write their tool markup as special tokens).
+/// A token's text as logprobs report it (lossy where it is part of a character) and its bytes;
+/// a special token's own text.
+fn token_text(vocab: &Vocab, token_id: u32) -> (String, Vec<u8>) {
+    let mut bytes = vocab.token_bytes(token_id);
+    if bytes.is_empty() {
+        bytes = vocab.special_bytes(token_id).unwrap_or_default();
+    }
+    (String::from_utf8_lossy(bytes).into_owned(), bytes.to_vec())
+}
+
 fn markup_special<'v>(markup: Option<&MarkupParser>, vocab: &'v Vocab, token_id: u32) -> &'v [u8] {
     let Some(markup) = markup else {
         return &[]; // no lookup for streams without markup
@@ -487,6 +541,71 @@ mod tests {
     }
 
     const NONE: Ended = Vec::new();
+
+    fn open_openai(r: &mut TestRouter, id: u64, stream: bool, stops: &[&str]) -> Arc<Channel<u32>> {
+        let spec = StreamSpec {
+            dialect: DialectParams::OpenAi(crate::events::openai::OpenAiParams {
+                model: "m".into(),
+                completion_id: "chatcmpl-x".into(),
+                created: 1,
+                stream,
+                include_usage: false,
+                kind: crate::events::openai::CompletionKind::Chat,
+            }),
+            stop_sequences: stops.iter().map(|s| (*s).to_owned()).collect(),
+            markup: None,
+            prefill: String::new(),
+            eos_ids: vec![0],
+            tools: Arc::default(),
+        };
+        r.open(id, &spec, PromptUsage::default(), 100).unwrap()
+    }
+
+    fn sampled(stream_id: u64, token_id: u32, logprob: f32) -> SampledLogprobs {
+        SampledLogprobs {
+            stream_id,
+            token_id,
+            logprob,
+            top: vec![(token_id, logprob), (8, -3.0)],
+        }
+    }
+
+    #[test]
+    fn logprobs_go_with_the_text_their_tokens_release() {
+        let mut r = TestRouter::new(vocab(), DEFAULT_MAX_UNREAD_BYTES);
+        let ch = open_openai(&mut r, 1, true, &["</stop>"]);
+        read_all(&ch);
+        r.logprobs(&[sampled(1, 1, -0.5)]);
+        step(&mut r, &[1], &[1]);
+        let first = read_all(&ch);
+        assert!(first.contains(r#""content":"Hi"},"logprobs":{"content":[{"token":"Hi","logprob":-0.5,"bytes":[72,105],"top_logprobs":[{"token":"Hi","logprob":-0.5,"bytes":[72,105]},{"token":"!","logprob":-3.0,"bytes":[33]}]}]}"#), "{first}");
+        // `</` may start the stop sequence: held back, and its logprob with it.
+        r.logprobs(&[sampled(1, 5, -1.0)]);
+        step(&mut r, &[1], &[5]);
+        assert_eq!(read_all(&ch), "");
+        r.logprobs(&[sampled(1, 8, -2.0), sampled(1, 0, -0.1)]);
+        step(&mut r, &[1], &[8]);
+        let released = read_all(&ch);
+        assert!(
+            released.contains(r#""content":"</!"},"logprobs":{"content":[{"token":"</","#),
+            "{released}"
+        );
+        assert!(
+            released.contains(r#"{"token":"!","logprob":-2.0,"#),
+            "{released}"
+        );
+
+        let body = open_openai(&mut r, 2, false, &[]);
+        r.logprobs(&[sampled(2, 2, -0.25)]);
+        step(&mut r, &[2], &[2]);
+        r.logprobs(&[sampled(2, 0, -0.1)]); // the end of turn: no text, no logprob
+        step(&mut r, &[2], &[0]);
+        let json: serde_json::Value = serde_json::from_str(&read_all(&body)).unwrap();
+        let content = &json["choices"][0]["logprobs"]["content"];
+        assert_eq!(content.as_array().unwrap().len(), 1);
+        assert_eq!(content[0]["token"], " there");
+        assert_eq!(content[0]["logprob"], -0.25);
+    }
 
     #[test]
     fn event_order_for_two_interleaved_streams() {

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from typing import Any
 
 import httpx
 import openai
@@ -152,6 +154,52 @@ def test_completions_endpoint(client: openai.OpenAI) -> None:
     assert one_token.value.param == "prompt" and "at least 2 tokens" in one_token.value.message
     again = client.completions.create(model="local", prompt="Hi there", max_tokens=2)
     assert again.choices[0].text
+
+
+def test_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
+    """Each token's logprob and its top alternatives: greedy picks the likeliest, the
+    alternatives are a distribution's top (sorted, summing to at most 1), the tokens spell the
+    text, and a stream reports what the body does."""
+    ask: Any = {"model": "local", "messages": QUESTION, "max_tokens": 12, "temperature": 0}
+    completion = client.chat.completions.create(**ask, logprobs=True, top_logprobs=3)
+    choice = completion.choices[0]
+    content = choice.logprobs.content  # type: ignore[union-attr]
+    assert content and len(content) == completion.usage.completion_tokens - (  # type: ignore[union-attr]
+        choice.finish_reason == "stop"
+    )  # an end-of-turn token has no text and no logprob
+    assert "".join(t.token for t in content) == choice.message.content
+    for token in content:
+        assert bytes(token.bytes or []).decode(errors="replace") == token.token
+        top = token.top_logprobs
+        assert len(top) == 3 and top[0].token == token.token
+        assert abs(top[0].logprob - token.logprob) < 1e-5
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        assert sum(math.exp(t.logprob) for t in top) <= 1 + 1e-5
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(
+            **ask, logprobs=True, top_logprobs=3, stream=True
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content or []
+    ]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content, strict=True))
+    plain = client.chat.completions.create(**ask)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == choice.message.content
+
+    legacy = client.completions.create(
+        model="local", prompt="The capital of France is", max_tokens=5, logprobs=2, temperature=0
+    )
+    logprobs = legacy.choices[0].logprobs
+    assert logprobs is not None and len(logprobs.tokens or []) == 5
+    assert "".join(logprobs.tokens or []) == legacy.choices[0].text
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs or [])
+    assert logprobs.text_offset == sorted(set(logprobs.text_offset or []))
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**ask, top_logprobs=2)
+    assert caught.value.param == "top_logprobs"
 
 
 def test_models(client: openai.OpenAI) -> None:

@@ -336,6 +336,13 @@ class Router:
         exactly these. Integer buffers (numpy arrays, array.array) are accepted too. Unknown ids
         are ignored."""
 
+    def logprobs(self, sampled: list[tuple[int, int, float, list[tuple[int, float]]]]) -> None:
+        """The log-probabilities of tokens the next `step` brings, for the streams whose requests
+        asked for them: `(stream id, token id, logprob, [(alternative id, logprob), ...])`. An
+        OpenAI stream writes them with the text those tokens release (`logprobs` of its chunk or
+        body); other dialects drop them; an end-of-turn token has none. Unknown ids are
+        ignored."""
+
     def cancelled(self) -> list[int]:
         """Ids of streams whose readers cancelled since the last report; they are removed."""
 

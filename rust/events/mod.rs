@@ -132,6 +132,23 @@ impl Dialect {
     }
 }
 
+/// One generated token's log-probability and its likeliest alternatives, as OpenAI reports
+/// them (`logprobs`): the token's text (lossy where it is part of a character) and bytes.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
 /// The prompt's size as the engine admitted it, for the dialects' usage reports.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PromptUsage {
@@ -238,6 +255,14 @@ impl Protocol {
 
     pub fn tool_end(&mut self, out: &mut Vec<u8>) {
         dispatch!(self, s => s.tool_end(out))
+    }
+
+    /// The next token's log-probabilities, reported with the next text written (only OpenAI's
+    /// dialect has the field; the others drop them).
+    pub fn logprob(&mut self, entry: TokenLogprob) {
+        if let Self::OpenAi(s) = self {
+            s.logprob(entry);
+        }
     }
 
     pub fn finish(&mut self, finish: Finish<'_>, output_tokens: u64, out: &mut Vec<u8>) {

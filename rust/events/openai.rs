@@ -3,8 +3,9 @@
 use std::str::FromStr;
 
 use serde::Serialize;
+use serde_json::value::RawValue;
 
-use super::{tool_call_id, ErrorKind, ErrorReply, Finish, PromptUsage};
+use super::{tool_call_id, ErrorKind, ErrorReply, Finish, PromptUsage, TokenLogprob};
 use crate::error::CoreError;
 use crate::jsonscan::minify;
 use crate::sse::write_json;
@@ -55,6 +56,10 @@ pub struct OpenAiStream {
     content: String,
     reasoning: String,
     calls: Vec<ToolCall>,
+    /// Token log-probabilities not yet written (streaming: since the last chunk; else all).
+    logprobs: Vec<TokenLogprob>,
+    /// Completions: the characters of text before the next token in `logprobs`.
+    text_offset: u64,
 }
 
 impl OpenAiStream {
@@ -82,7 +87,60 @@ impl OpenAiStream {
             content: String::new(),
             reasoning: String::new(),
             calls: Vec::new(),
+            logprobs: Vec::new(),
+            text_offset: 0,
         }
+    }
+
+    pub fn logprob(&mut self, entry: TokenLogprob) {
+        self.logprobs.push(entry);
+    }
+
+    /// The `logprobs` of a choice for the tokens in `self.logprobs` (then emptied): chat's
+    /// `{"content": [...]}`, or the legacy Completions object of parallel lists.
+    fn write_logprobs(&mut self, out: &mut Vec<u8>) {
+        if self.logprobs.is_empty() {
+            out.extend_from_slice(b"null");
+            return;
+        }
+        match self.params.kind {
+            CompletionKind::Chat => write_json(
+                out,
+                &ChatLogprobs {
+                    content: &self.logprobs,
+                },
+            ),
+            CompletionKind::Completion => {
+                let mut offsets = Vec::with_capacity(self.logprobs.len());
+                for entry in &self.logprobs {
+                    offsets.push(self.text_offset);
+                    self.text_offset += entry.token.chars().count() as u64;
+                }
+                let top: Vec<serde_json::Map<String, serde_json::Value>> = self
+                    .logprobs
+                    .iter()
+                    .map(|entry| {
+                        entry
+                            .top_logprobs
+                            .iter()
+                            .map(|alt| (alt.token.clone(), alt.logprob.into()))
+                            .collect()
+                    })
+                    .collect();
+                let tokens: Vec<&str> = self.logprobs.iter().map(|e| e.token.as_str()).collect();
+                let logprobs: Vec<f32> = self.logprobs.iter().map(|e| e.logprob).collect();
+                write_json(
+                    out,
+                    &CompletionLogprobs {
+                        tokens: &tokens,
+                        token_logprobs: &logprobs,
+                        top_logprobs: &top,
+                        text_offset: &offsets,
+                    },
+                );
+            }
+        }
+        self.logprobs.clear();
     }
 
     pub fn is_streaming(&self) -> bool {
@@ -223,6 +281,10 @@ impl OpenAiStream {
             out.extend_from_slice(b"data: [DONE]\n\n");
             return;
         }
+        let mut logprobs = Vec::new();
+        self.write_logprobs(&mut logprobs);
+        let logprobs = RawValue::from_string(String::from_utf8(logprobs).expect("JSON is UTF-8"))
+            .expect("write_logprobs writes JSON");
         let (object, choice) = match self.params.kind {
             CompletionKind::Chat => {
                 for call in &mut self.calls {
@@ -240,7 +302,7 @@ impl OpenAiStream {
                         reasoning_content: (!self.reasoning.is_empty())
                             .then_some(self.reasoning.as_str()),
                     },
-                    logprobs: None,
+                    logprobs: &logprobs,
                     finish_reason,
                 };
                 ("chat.completion", choice)
@@ -249,7 +311,7 @@ impl OpenAiStream {
                 let choice = Choice::Completion {
                     text: &self.content,
                     index: 0,
-                    logprobs: None,
+                    logprobs: &logprobs,
                     finish_reason,
                 };
                 ("text_completion", choice)
@@ -266,9 +328,10 @@ impl OpenAiStream {
         write_json(out, &body);
     }
 
-    /// One chunk with one choice: `delta` (chat) or `text` (completion) is what `body` writes.
+    /// One chunk with one choice: `delta` (chat) or `text` (completion) is what `body` writes;
+    /// the token log-probabilities since the last chunk go with it.
     fn chunk(
-        &self,
+        &mut self,
         out: &mut Vec<u8>,
         finish_reason: Option<&str>,
         body: impl FnOnce(&mut Vec<u8>),
@@ -285,7 +348,9 @@ impl OpenAiStream {
                 out.extend_from_slice(b",\"index\":0");
             }
         }
-        out.extend_from_slice(b",\"logprobs\":null,\"finish_reason\":");
+        out.extend_from_slice(b",\"logprobs\":");
+        self.write_logprobs(out);
+        out.extend_from_slice(b",\"finish_reason\":");
         match finish_reason {
             Some(reason) => {
                 out.push(b'"');
@@ -358,15 +423,29 @@ enum Choice<'a> {
     Chat {
         index: u32,
         message: Message<'a>,
-        logprobs: Option<()>,
+        logprobs: &'a RawValue,
         finish_reason: &'a str,
     },
     Completion {
         text: &'a str,
         index: u32,
-        logprobs: Option<()>,
+        logprobs: &'a RawValue,
         finish_reason: &'a str,
     },
+}
+
+#[derive(Serialize)]
+struct ChatLogprobs<'a> {
+    content: &'a [TokenLogprob],
+}
+
+/// The legacy Completions shape: parallel lists, alternatives as `{token: logprob}`.
+#[derive(Serialize)]
+struct CompletionLogprobs<'a> {
+    tokens: &'a [&'a str],
+    token_logprobs: &'a [f32],
+    top_logprobs: &'a [serde_json::Map<String, serde_json::Value>],
+    text_offset: &'a [u64],
 }
 
 #[derive(Serialize)]

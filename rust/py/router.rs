@@ -12,7 +12,10 @@ use super::vocab::PyVocab;
 use super::{wake, Waker};
 use crate::channel::{Channel, Park};
 use crate::events::PromptUsage;
-use crate::router::{Router, DEFAULT_MAX_UNREAD_BYTES};
+use crate::router::{Router, SampledLogprobs, DEFAULT_MAX_UNREAD_BYTES};
+
+/// `Router.logprobs`'s entries as Python passes them: (stream id, token id, logprob, top).
+type SampledTuple = (u64, u32, f32, Vec<(u32, f32)>);
 
 const _: () = assert!(DEFAULT_MAX_UNREAD_BYTES == 1048576);
 
@@ -152,6 +155,21 @@ impl PyRouter {
             .into_iter()
             .map(|(stream_id, reason)| (stream_id, reason.into()))
             .collect())
+    }
+
+    /// The log-probabilities of tokens the next `step` brings: `(stream id, token id, logprob,
+    /// [(alternative id, logprob)])` for the streams whose requests asked for them.
+    fn logprobs(&self, sampled: Vec<SampledTuple>) {
+        let sampled: Vec<SampledLogprobs> = sampled
+            .into_iter()
+            .map(|(stream_id, token_id, logprob, top)| SampledLogprobs {
+                stream_id,
+                token_id,
+                logprob,
+                top,
+            })
+            .collect();
+        self.lock().logprobs(&sampled);
     }
 
     fn cancelled(&self) -> Vec<u64> {

@@ -121,6 +121,7 @@ def sampling(
     top_p: float | None,
     top_k: int | None,
     seed: int | None = None,
+    logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's sampling, the server's defaults where it says nothing."""
     return SamplingParams(
@@ -128,6 +129,7 @@ def sampling(
         top_p=defaults.top_p if top_p is None else top_p,
         top_k=defaults.top_k if top_k is None else top_k,
         seed=seed,
+        logprobs=logprobs,
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -54,6 +55,8 @@ class DecodeBatch:
         self.bands: list[_Band] = []
         # (slot, matcher) of the rows the last `sample` held to a grammar: `advance` moves them on.
         self._matchers: list[tuple[int, llguidance.LLMatcher]] = []
+        # The last `sample`'s log-probabilities, for the rows that asked (see `logprobs`).
+        self._logprobs: _Logprobs | None = None
 
     def __len__(self) -> int:
         """Live rows (sequences decoding)."""
@@ -166,13 +169,72 @@ class DecodeBatch:
             assert vocabulary is not None  # (matcher_in has made sure)
             logits = _masked(logits, self._matchers, vocabulary)
         if all(s.params.greedy for s in samplers):
-            return mx.argmax(logits, axis=-1).astype(mx.uint32)
-        greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
-        picks = [
-            greedy[i : i + 1] if s.params.greedy else s(logits[i : i + 1]).astype(mx.uint32)
-            for i, s in enumerate(samplers)
-        ]
-        return mx.concatenate(picks)
+            tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        else:
+            greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            picks = [
+                greedy[i : i + 1] if s.params.greedy else s(logits[i : i + 1]).astype(mx.uint32)
+                for i, s in enumerate(samplers)
+            ]
+            tokens = mx.concatenate(picks)
+        asked = [(i, s.params) for i, s in enumerate(samplers) if s.params.logprobs is not None]
+        self._logprobs = _Logprobs.of(logits, tokens, asked) if asked else None
+        return tokens
+
+    def logprobs(self) -> list[tuple[int, int, float, list[tuple[int, float]]]]:
+        """The last sampled tokens' log-probabilities, for the rows whose requests asked:
+        `(stream id, token id, logprob, [(alternative id, logprob), ...])` (`Router.logprobs`)."""
+        if self._logprobs is None:
+            return []
+        return self._logprobs.entries(self.stream_ids)
+
+
+@dataclass(frozen=True)
+class _Logprobs:
+    """Log-probabilities of one step's sampled tokens and top alternatives, for some rows."""
+
+    rows: list[int]
+    alternatives: list[int]  # per row, how many it asked for
+    tokens: mx.array  # the step's sampled tokens, every slot
+    chosen: mx.array  # [rows]
+    top_ids: mx.array  # [rows, max alternatives]
+    top: mx.array
+
+    @classmethod
+    def of(
+        cls, logits: mx.array, tokens: mx.array, asked: list[tuple[int, SamplingParams]]
+    ) -> _Logprobs:
+        rows = [i for i, _ in asked]
+        index = mx.array(rows)
+        # After temperature (a greedy row's logits as they are), as OpenAI documents.
+        scale = mx.array([1.0 / p.temperature if not p.greedy else 1.0 for _, p in asked])
+        scaled = logits[index].astype(mx.float32) * scale[:, None]
+        logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logprobs, tokens[index][:, None].astype(mx.int32), axis=-1)
+        alternatives = [p.logprobs or 0 for _, p in asked]
+        k = max(alternatives)
+        top_ids = (
+            mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
+            if k
+            else mx.zeros((len(rows), 0), mx.uint32)
+        )
+        top = mx.take_along_axis(logprobs, top_ids, axis=-1) if k else mx.zeros((len(rows), 0))
+        return cls(rows, alternatives, tokens, chosen[:, 0], top_ids, top)
+
+    def entries(
+        self, stream_ids: np.ndarray
+    ) -> list[tuple[int, int, float, list[tuple[int, float]]]]:
+        tokens, chosen, top_ids, top = (
+            np.array(a) for a in (self.tokens, self.chosen, self.top_ids, self.top)
+        )
+        out = []
+        for j, (slot, k) in enumerate(zip(self.rows, self.alternatives, strict=True)):
+            if stream_ids[slot] == FREE:
+                continue
+            order = np.argsort(-top[j], kind="stable")[:k]
+            alternatives = [(int(top_ids[j, o]), float(top[j, o])) for o in order]
+            out.append((int(stream_ids[slot]), int(tokens[slot]), float(chosen[j]), alternatives))
+        return out
 
 
 def _masked(

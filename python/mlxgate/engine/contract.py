@@ -21,6 +21,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    # Report each token's log-probability and this many likeliest alternatives (0-20), from the
+    # logits the token was sampled from (after temperature and any grammar, before top-k/top-p).
+    # None: nothing is computed.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:

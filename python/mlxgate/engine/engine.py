@@ -321,6 +321,8 @@ class Engine:
         mx.eval(tokens)
         # Free slots were computed too: their tokens go nowhere.
         stream_ids, token_ids = batch.advance(tokens)
+        if sampled := batch.logprobs():
+            self.router.logprobs(sampled)
         ended = self.router.step(stream_ids, token_ids)
         self.metrics.decode_tokens += len(token_ids)
         finished = [sid for sid, why in ended if why != FinishReason.CANCELLED]

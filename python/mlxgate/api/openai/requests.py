@@ -9,8 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxgate import chat
-from mlxgate._native import ErrorKind
-from mlxgate.api.errors import ApiError, invalid
+from mlxgate.api.errors import invalid
 from mlxgate.api.shared import reply_grammar, sampling
 from mlxgate.engine import Grammar, SamplingParams
 from mlxgate.formats.reasoning import FIELD as REASONING
@@ -91,7 +90,6 @@ class _Sampling(_Lenient):
     top_k: int | None = Field(default=None, ge=0)
     seed: int | None = None
     n: int = 1
-    logprobs: bool | int | None = None
 
     def sampling(self, defaults: SamplingParams) -> SamplingParams:
         return sampling(
@@ -100,7 +98,12 @@ class _Sampling(_Lenient):
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
+            logprobs=self.alternatives(),
         )
+
+    def alternatives(self) -> int | None:
+        """How many likeliest alternatives each token's logprobs report; None: no logprobs."""
+        raise NotImplementedError
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -108,12 +111,6 @@ class _Sampling(_Lenient):
     def check(self) -> None:
         if self.n != 1:
             raise invalid("n: only n=1 is supported", param="n")
-        if self.logprobs:
-            raise ApiError(
-                ErrorKind.INVALID_REQUEST,
-                "logprobs are not supported by this server",
-                param="logprobs",
-            )
 
 
 class ChatCompletionRequest(_Sampling):
@@ -123,6 +120,13 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def alternatives(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs: logprobs must be true to use it", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def grammar(self) -> Grammar | None:
         return self.response_format.grammar() if self.response_format else None
@@ -131,6 +135,10 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
     max_tokens: int = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
 
 def _text(content: str | list[ContentPart] | None, where: str) -> str:
