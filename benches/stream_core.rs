@@ -54,6 +54,7 @@ fn dialect(wire: Wire, stream: bool) -> DialectParams {
             stream,
             include_usage: true,
             kind: CompletionKind::Chat,
+            choice_index: 0,
         }),
         Wire::Responses => DialectParams::Responses(ResponsesParams {
             model,

@@ -551,6 +551,7 @@ mod tests {
                 stream,
                 include_usage: false,
                 kind: crate::events::openai::CompletionKind::Chat,
+                choice_index: 0,
             }),
             stop_sequences: stops.iter().map(|s| (*s).to_owned()).collect(),
             markup: None,

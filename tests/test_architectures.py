@@ -162,6 +162,12 @@ def test_greedy_output_equals_mlx_lm(case: tuple[Served, Any, CacheLayout]) -> N
     assert_same(tokens, reference(model, long_prompt), "chunked prompt")
     assert_same(served.result(beside)[0], reference(model, many[0], 40), "beside the chunks")
 
+    # (g) Three choices of one prompt (OpenAI's n): prefilled once, each on its own copy.
+    spec = StreamSpec.anthropic(model="tiny", message_id="msg_n", stream=False, eos_ids=[])
+    choices = engine.admit_all([GenerationRequest(many[1], spec, STEPS) for _ in range(3)])
+    for i, reader in enumerate(choices):
+        assert_same(served.result(reader)[0], reference(model, many[1]), f"choice {i}")
+
 
 def test_cached_prefixes_are_reused_exactly_and_reported(
     case: tuple[Served, Any, CacheLayout],

@@ -242,6 +242,23 @@ def test_cancel_during_prefill_stops_the_prefill(engine: Engine) -> None:
     assert engine.metrics.prefill_tokens - prefilled < len(long_prompt) // 2
 
 
+def test_choices_of_one_prompt_prefill_once_and_outlive_a_cancelled_one(engine: Engine) -> None:
+    """admit_all (OpenAI's n): one prefill, then each choice decodes on its own copy of the
+    cache; cancelling the choice that leads the prefill leaves the others going."""
+    ids = prompt_ids(engine, "Some context for three choices. " * 100 + QUESTIONS[0])
+    spec = StreamSpec.anthropic(
+        model="m", message_id="msg_n", stream=False, eos_ids=sorted(engine.loaded.tokenizer.eos_ids)
+    )
+    prefilled, hit = engine.metrics.prefill_tokens, engine.metrics.cache_hit_tokens
+    readers = engine.admit_all([GenerationRequest(ids, spec, 12) for _ in range(3)])
+    readers[0].cancel()
+    answers = [text(body(reader)) for reader in readers[1:]]
+    cached = engine.metrics.cache_hit_tokens - hit  # the chat template's opening, maybe
+    assert engine.metrics.prefill_tokens - prefilled == len(ids) - 1 - cached
+    wait_until(lambda: idle(engine), 10.0)
+    assert answers == [text(body(submit(engine, ids, 12)))] * 2
+
+
 def test_cancel_while_queued(engine: Engine) -> None:
     blockers = [submit(engine, prompt_ids(engine, "word " * 1500), 5) for _ in range(2)]
     queued = submit(engine, prompt_ids(engine, QUESTIONS[1]), 5)

@@ -202,6 +202,64 @@ def test_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
     assert caught.value.param == "top_logprobs"
 
 
+def prefilled_tokens(server: RunningServer) -> float:
+    metrics = httpx.get(f"{server.url}/metrics").text
+    return next(
+        float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("mlxgate_engine_prefill_tokens_total ")
+    )
+
+
+def test_n_choices_share_one_prefill(client: openai.OpenAI, server: RunningServer) -> None:
+    """n=3: greedy gives three identical choices, sampling with a seed three different ones
+    (each choice its own seed), streamed interleaved with their own indices and then one usage
+    chunk; the prompt is prefilled once for all three."""
+    ask: Any = {
+        "model": "local",
+        "messages": [{"role": "user", "content": "Name a colour (n-choices test)."}],
+        "max_tokens": 12,
+        "n": 3,
+    }
+    before = prefilled_tokens(server)
+    greedy = client.chat.completions.create(**ask, temperature=0)
+    prompt_tokens = greedy.usage.prompt_tokens  # type: ignore[union-attr]
+    cached = greedy.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    # Once, not three times (the last prompt token is each choice's first decode input).
+    assert prefilled_tokens(server) - before == prompt_tokens - 1 - cached
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.message.content for c in greedy.choices}) == 1
+    alone = client.chat.completions.create(**{**ask, "n": 1}, temperature=0)
+    assert greedy.choices[0].message.content == alone.choices[0].message.content
+    each = alone.usage.completion_tokens  # type: ignore[union-attr]
+    assert greedy.usage.completion_tokens == 3 * each  # type: ignore[union-attr]
+
+    sampled = client.chat.completions.create(**ask, temperature=1.0, seed=7)
+    texts = [c.message.content for c in sampled.choices]
+    assert len(set(texts)) == 3, texts
+    streamed: dict[int, str] = {0: "", 1: "", 2: ""}
+    usage = []
+    order = []
+    for chunk in client.chat.completions.create(
+        **ask, temperature=1.0, seed=7, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.usage is not None:
+            usage.append(chunk.usage)
+        for choice in chunk.choices:
+            order.append(choice.index)
+            streamed[choice.index] += choice.delta.content or ""
+    assert [streamed[i] for i in range(3)] == texts
+    assert len(usage) == 1 and usage[0].prompt_tokens == prompt_tokens
+    assert usage[0].completion_tokens == sampled.usage.completion_tokens  # type: ignore[union-attr]
+    assert order != sorted(order), "the choices' chunks are interleaved as they come"
+
+    legacy = client.completions.create(
+        model="local", prompt="Colours: red, green,", max_tokens=4, n=2, temperature=0
+    )
+    assert [c.index for c in legacy.choices] == [0, 1]
+    assert legacy.choices[0].text == legacy.choices[1].text
+
+
 def test_models(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
     assert client.models.retrieve("SmolLM2-135M-Instruct").id == "SmolLM2-135M-Instruct"
@@ -217,9 +275,9 @@ def test_errors_use_the_openai_envelope(client: openai.OpenAI, server: RunningSe
         )
     assert too_long.value.code == "context_length_exceeded"
     assert "prompt is too long" in too_long.value.message
-    with pytest.raises(openai.BadRequestError) as n2:
-        client.chat.completions.create(model="local", messages=QUESTION, n=2)  # type: ignore[arg-type]
-    assert n2.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.chat.completions.create(model="local", messages=QUESTION, n=17)  # type: ignore[arg-type]
+    assert too_many.value.body["message"].startswith("n: ")  # type: ignore[index]
     bad = httpx.post(f"{server.url}/v1/chat/completions", content=b"{oops", timeout=10)
     assert bad.status_code == 400 and set(bad.json()["error"]) == {
         "message",

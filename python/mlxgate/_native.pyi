@@ -226,6 +226,7 @@ class StreamSpec:
         stream: bool = True,
         include_usage: bool = False,
         kind: Literal["chat", "completion"] = "chat",
+        choice_index: int = 0,
         stop_sequences: list[str] = ...,
         markup: Markup | None = None,
         prefill: str = "",
@@ -238,7 +239,8 @@ class StreamSpec:
         `data: [DONE]`; include_usage (stream_options) adds `"usage":null` to every chunk and a
         last chunk with empty choices and the usage. stream=False makes the JSON body readable
         once the stream ends. finish_reason: "stop" (EOS or stop sequence), "length"
-        (max_tokens), "tool_calls". Raises NativeError if `kind` is unknown."""
+        (max_tokens), "tool_calls". `choice_index` is the index its choice has (one stream per
+        choice when `n` > 1; the API merges them). Raises NativeError if `kind` is unknown."""
 
     @staticmethod
     def responses(

@@ -42,6 +42,8 @@ pub struct OpenAiParams {
     /// empty `choices` carries the usage.
     pub include_usage: bool,
     pub kind: CompletionKind,
+    /// This stream's choice (`n` > 1 answers with one stream per choice, merged by the API).
+    pub choice_index: u32,
 }
 
 /// One stream's chunk framing (streaming) or its assembled message (not).
@@ -207,7 +209,8 @@ impl OpenAiStream {
         let index = self.tool_calls;
         self.tool_calls += 1;
         let mut id = String::with_capacity(29);
-        tool_call_id("call_", &self.params.completion_id, index, &mut id);
+        let call = (self.params.choice_index << 16) | index; // distinct across choices too
+        tool_call_id("call_", &self.params.completion_id, call, &mut id);
         if !self.params.stream {
             self.calls.push(ToolCall {
                 id,
@@ -294,7 +297,7 @@ impl OpenAiStream {
                 }
                 let no_content = self.content.is_empty() && !self.calls.is_empty();
                 let choice = Choice::Chat {
-                    index: 0,
+                    index: self.params.choice_index,
                     message: Message {
                         role: "assistant",
                         content: (!no_content).then_some(self.content.as_str()),
@@ -310,7 +313,7 @@ impl OpenAiStream {
             CompletionKind::Completion => {
                 let choice = Choice::Completion {
                     text: &self.content,
-                    index: 0,
+                    index: self.params.choice_index,
                     logprobs: &logprobs,
                     finish_reason,
                 };
@@ -339,13 +342,16 @@ impl OpenAiStream {
         out.extend_from_slice(&self.head);
         match self.params.kind {
             CompletionKind::Chat => {
-                out.extend_from_slice(b"\"choices\":[{\"index\":0,\"delta\":");
+                out.extend_from_slice(b"\"choices\":[{\"index\":");
+                write_json(out, &self.params.choice_index);
+                out.extend_from_slice(b",\"delta\":");
                 body(out);
             }
             CompletionKind::Completion => {
                 out.extend_from_slice(b"\"choices\":[{\"text\":");
                 body(out);
-                out.extend_from_slice(b",\"index\":0");
+                out.extend_from_slice(b",\"index\":");
+                write_json(out, &self.params.choice_index);
             }
         }
         out.extend_from_slice(b",\"logprobs\":");
@@ -513,6 +519,7 @@ mod tests {
             stream,
             include_usage,
             kind,
+            choice_index: 0,
         }
     }
 

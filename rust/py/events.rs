@@ -207,8 +207,8 @@ impl PyStreamSpec {
     #[staticmethod]
     #[pyo3(signature = (
         *, model, completion_id, created, stream = true, include_usage = false, kind = "chat",
-        stop_sequences = Vec::new(), markup = None, prefill = "", eos_ids = Vec::new(),
-        tools = Vec::new(),
+        choice_index = 0, stop_sequences = Vec::new(), markup = None, prefill = "",
+        eos_ids = Vec::new(), tools = Vec::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn openai(
@@ -218,6 +218,7 @@ impl PyStreamSpec {
         stream: bool,
         include_usage: bool,
         kind: &str,
+        choice_index: u32,
         stop_sequences: Vec<String>,
         markup: Option<&Bound<'_, PyMarkup>>,
         prefill: &str,
@@ -231,6 +232,7 @@ impl PyStreamSpec {
             stream,
             include_usage,
             kind: kind.parse::<CompletionKind>()?,
+            choice_index,
         };
         Ok(spec(
             DialectParams::OpenAi(params),

@@ -156,6 +156,7 @@ fn run(fixture: &Fixture) -> Vec<u8> {
             stream: open.stream,
             include_usage: open.include_usage,
             kind: open.kind.as_deref().unwrap_or("chat").parse().unwrap(),
+            choice_index: 0,
         }),
         "responses" => DialectParams::Responses(ResponsesParams {
             model: open.model.clone(),

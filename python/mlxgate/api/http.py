@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import orjson
@@ -83,15 +83,18 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _unless_disconnected(receive: Receive, reader: Reader, work: Awaitable[Any]) -> Any:
-    """Run `work`; if the client disconnects first, cancel the generation and return None."""
+async def unless_disconnected(
+    receive: Receive, readers: Sequence[Reader], work: Awaitable[Any]
+) -> Any:
+    """Run `work`; if the client disconnects first, cancel the generations and return None."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
     try:
         await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
-            reader.cancel()
+            for reader in readers:
+                reader.cancel()
             task.cancel()
         watcher.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
@@ -102,7 +105,7 @@ async def _unless_disconnected(receive: Receive, reader: Reader, work: Awaitable
 Tap = Callable[[bytes], object]
 
 
-async def _stream(send: Send, reader: Reader, dialect: Dialect, tap: Tap | None) -> None:
+async def start_event_stream(send: Send) -> None:
     await send(
         {
             "type": "http.response.start",
@@ -114,6 +117,10 @@ async def _stream(send: Send, reader: Reader, dialect: Dialect, tap: Tap | None)
             ],
         }
     )
+
+
+async def _stream(send: Send, reader: Reader, dialect: Dialect, tap: Tap | None) -> None:
+    await start_event_stream(send)
     try:
         async for data in chunks(reader):
             if tap is not None:
@@ -135,7 +142,7 @@ async def send_event_stream(
     send: Send, receive: Receive, reader: Reader, dialect: Dialect, tap: Tap | None = None
 ) -> None:
     """Stream SSE frames as the engine produces them; a disconnect cancels the generation."""
-    await _unless_disconnected(receive, reader, _stream(send, reader, dialect, tap))
+    await unless_disconnected(receive, [reader], _stream(send, reader, dialect, tap))
 
 
 async def respond(
@@ -159,11 +166,11 @@ async def respond(
         await send_bytes(send, reader.status, body)
 
 
-async def _join(reader: Reader) -> bytes:
+async def join(reader: Reader) -> bytes:
     return b"".join([data async for data in chunks(reader)])
 
 
 async def collect(receive: Receive, reader: Reader) -> bytes | None:
     """The whole non-streamed body, or None if the client left first (generation cancelled)."""
-    result: bytes | None = await _unless_disconnected(receive, reader, _join(reader))
+    result: bytes | None = await unless_disconnected(receive, [reader], join(reader))
     return result

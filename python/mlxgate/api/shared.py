@@ -177,7 +177,14 @@ def render(renderer: chat.Renderer, conversation: chat.Conversation) -> chat.Pro
 
 def admit(engine: Generator, request: GenerationRequest, errors: AdmissionErrors) -> Reader:
     """Hand `request` to the engine; an admission error answers in the dialect's words."""
+    return admit_all(engine, [request], errors)[0]
+
+
+def admit_all(
+    engine: Generator, requests: list[GenerationRequest], errors: AdmissionErrors
+) -> list[Reader]:
+    """Hand the choices of one prompt to the engine (see `Generator.admit_all`)."""
     try:
-        return engine.admit(request)
+        return engine.admit_all(requests) if len(requests) > 1 else [engine.admit(requests[0])]
     except AdmissionError as exc:
         raise errors[type(exc)](exc) from None

@@ -121,6 +121,15 @@ def batch_of_one(cache: Any) -> Any:
     return merge([cache])
 
 
+def batch_of(cache: Any, rows: int) -> Any:
+    """A single sequence's cache as a batch cache of `rows` identical rows, each its own copy
+    (the choices of one prompt)."""
+    batch = batch_of_one(cache)
+    for _ in range(rows - 1):
+        append_rows(batch, batch_of_one(cache), [0])
+    return batch
+
+
 def _kv_row(cache: KVCache) -> BatchKVCache:
     """A one-row batch cache with room for the next tokens (`BatchKVCache.merge` leaves none, so
     the first decode step would copy it again to grow it: ~0.1 s for a 1,500-token prompt)."""

@@ -8,6 +8,7 @@ dialect's words: each API dialect maps them in its own table.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,6 +72,11 @@ class Generator(Protocol):
     def admit(self, request: GenerationRequest) -> Reader:
         """Admit `request` and return its stream's reader at once, or raise an AdmissionError.
         Never blocks: generation happens on the engine's own thread."""
+        ...
+
+    def admit_all(self, requests: Sequence[GenerationRequest]) -> list[Reader]:
+        """Admit requests with one prompt (OpenAI's `n` choices), each with its own stream; the
+        engine may prefill the prompt once for all. Raises as `admit` does."""
         ...
 
     def start(self) -> None: ...

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,11 +57,35 @@ class _Pending:
     caches: list[Any] | None = None  # per layer (`model.make_cache()`), once prefill started
     done: int = 0  # prompt tokens whose keys/values are in `caches`
     last_chunk: tuple[int, float] | None = None  # (tokens, seconds) of its latest prefill pass
+    # More choices of the same prompt (OpenAI's `n`): prefilled with this one, then each decodes
+    # from its own copy of the cache.
+    siblings: list[_Pending] = field(default_factory=list)
 
     @property
     def todo(self) -> int:
         """Prompt tokens still to prefill (the last prompt token is fed by the first decode)."""
         return len(self.request.prompt_ids) - 1 - self.done
+
+    @property
+    def choices(self) -> list[_Pending]:
+        return [self, *self.siblings]
+
+    def without(self, gone: set[int]) -> _Pending | None:
+        """This sequence without its choices whose clients left: None if none is left; another
+        choice takes the lead if this one's left."""
+        staying = [p for p in self.choices if p.stream_id not in gone]
+        if not staying:
+            return None
+        if staying[0] is not self:
+            lead = staying[0]
+            lead.match, lead.caches, lead.done, lead.last_chunk = (
+                self.match,
+                self.caches,
+                self.done,
+                self.last_chunk,
+            )
+        staying[0].siblings = staying[1:]
+        return staying[0]
 
 
 @dataclass(eq=False)
@@ -138,29 +162,48 @@ class Engine:
 
     def admit(self, request: GenerationRequest) -> Reader:
         """Open the request's stream and queue it, or raise an AdmissionError."""
+        return self.admit_all([request])[0]
+
+    def admit_all(self, requests: Sequence[GenerationRequest]) -> list[Reader]:
+        """Requests with one prompt (the choices of OpenAI's `n`): queued as one sequence,
+        prefilled once; each then decodes on its own copy of the cache, into its own stream."""
         if not self._running.is_set():
             raise EngineStopped()
-        prompt_tokens = len(request.prompt_ids)
+        prompt_ids = requests[0].prompt_ids
+        assert all(r.prompt_ids == prompt_ids for r in requests), "choices share their prompt"
+        prompt_tokens = len(prompt_ids)
         context = self.loaded.context_length
         if prompt_tokens >= context:  # at least one token must fit after the prompt
             raise PromptTooLong(prompt_tokens, context)
         queued = len(self._incoming) + self.metrics.queue_depth
         if queued >= self.settings.max_queued:
             raise QueueFull(retry_after_s=1 + queued // 8)
-        match = self.prefix_cache.lookup(request.prompt_ids)
-        stream_id = next(self._ids)
+        match = self.prefix_cache.lookup(prompt_ids)
+        choices = [_Pending(next(self._ids), r, None) for r in requests]
+        # Choices decode together; where they cannot (more than may run at once), each is a
+        # sequence of its own, the prefix cache sharing what it can.
+        together = len(choices) <= self.settings.max_running
         # Opened and queued as one: a cancel the engine polls finds the request somewhere.
         with self._wakeup:
-            reader = self.router.open(
-                stream_id,
-                request.stream,
-                prompt_tokens=prompt_tokens,
-                cached_tokens=match.length if match else 0,
-                max_tokens=min(request.max_tokens or context, context - prompt_tokens),
-            )
-            self._incoming.append(_Pending(stream_id, request, match))
+            readers = [
+                self.router.open(
+                    pending.stream_id,
+                    pending.request.stream,
+                    prompt_tokens=prompt_tokens,
+                    cached_tokens=match.length if match else 0,
+                    max_tokens=min(pending.request.max_tokens or context, context - prompt_tokens),
+                )
+                for pending in choices
+            ]
+            if together:
+                choices[0].match, choices[0].siblings = match, choices[1:]
+                self._incoming.append(choices[0])
+            else:
+                for pending in choices:
+                    pending.match = self.prefix_cache.lookup(prompt_ids)
+                self._incoming.extend(choices)
             self._wakeup.notify()
-        return reader
+        return readers
 
     def start(self) -> None:
         self._running.set()
@@ -174,9 +217,10 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         for pending in [*self._incoming, *self._waiting]:
-            self.router.fail(
-                pending.stream_id, ErrorKind.UNAVAILABLE, "the server is shutting down"
-            )
+            for choice in pending.choices:
+                self.router.fail(
+                    choice.stream_id, ErrorKind.UNAVAILABLE, "the server is shutting down"
+                )
         for stream_id in self._batch.running_ids:
             self.router.fail(stream_id, ErrorKind.UNAVAILABLE, "the server is shutting down")
 
@@ -197,7 +241,7 @@ class Engine:
                 self._fail_all(f"generation failed: {exc}")
 
     def _fail_all(self, message: str) -> None:
-        held = [p.stream_id for p in (*self._joining, *self._waiting)]
+        held = [c.stream_id for p in (*self._joining, *self._waiting) for c in p.choices]
         for stream_id in dict.fromkeys([*self._batch.running_ids, *held]):
             self.router.fail(stream_id, ErrorKind.INTERNAL, message)
         self._waiting.clear()
@@ -309,7 +353,8 @@ class Engine:
         self._take_incoming()
         self._gone = set()
         waiting = len(self._waiting)
-        self._waiting = deque(p for p in self._waiting if p.stream_id not in gone)
+        staying = (p.without(gone) for p in self._waiting)
+        self._waiting = deque(p for p in staying if p is not None)
         ended = np.isin(self._batch.stream_ids, list(gone))
         self._batch.drop(ended)
         self.metrics.requests_cancelled += waiting - len(self._waiting) + int(ended.sum())
@@ -344,9 +389,9 @@ class Engine:
         idle = not len(self._batch)
         spent = 0
         while self._waiting and budget > 0:
-            room = self.settings.max_running - len(self._batch) - len(admitted)
-            room -= sum(len(g.rows) for g in groups)
-            if room <= 0:
+            room = self.settings.max_running - len(self._batch)
+            room -= sum(len(p.choices) for p in admitted) + sum(len(g.rows) for g in groups)
+            if room < len(self._waiting[0].choices):
                 break
             group = None if self.batch_problems.prefill else self._whole_prompts(budget, room)
             if group is not None:
@@ -407,8 +452,8 @@ class Engine:
         """
         rests: list[int] = []
         for pending in itertools.islice(self._waiting, min(room, MAX_GROUP_ROWS)):
-            if pending.caches is not None:
-                break  # a long prompt already being prefilled chunk by chunk
+            if pending.caches is not None or pending.siblings:
+                break  # a long prompt already being prefilled chunk by chunk, or n choices
             rest = pending.todo - (pending.match.length if pending.match else 0)
             if rest == 0 or rest > self.settings.max_prefill_chunk:
                 break
@@ -469,7 +514,8 @@ class Engine:
             assert pending.caches is not None
             self.prefix_cache.store(pending.request.prompt_ids[: pending.done], pending.caches)
             # One at a time: together they would be padded to the longest before joining.
-            self._add_rows([pending], [cache_kinds.batch_of_one(c) for c in pending.caches])
+            rows = pending.choices
+            self._add_rows(rows, [cache_kinds.batch_of(c, len(rows)) for c in pending.caches])
 
     def _join_group(self, group: _PromptGroup) -> None:
         for row, pending in enumerate(group.rows):
@@ -493,5 +539,6 @@ class Engine:
         now = time.monotonic()
         for pending in self._waiting:
             if now - pending.last_ping >= PING_INTERVAL_S:
-                self.router.ping(pending.stream_id)
+                for choice in pending.choices:
+                    self.router.ping(choice.stream_id)
                 pending.last_ping = now

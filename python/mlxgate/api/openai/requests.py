@@ -89,7 +89,7 @@ class _Sampling(_Lenient):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     seed: int | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=16)  # choices, each its own sequence (prefilled once)
 
     def sampling(self, defaults: SamplingParams) -> SamplingParams:
         return sampling(
@@ -107,10 +107,6 @@ class _Sampling(_Lenient):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-    def check(self) -> None:
-        if self.n != 1:
-            raise invalid("n: only n=1 is supported", param="n")
 
 
 class ChatCompletionRequest(_Sampling):

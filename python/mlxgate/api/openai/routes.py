@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Literal
 
 from mlxgate import chat
 from mlxgate._native import Dialect, ErrorKind, StreamSpec
 from mlxgate.api.errors import ApiError, invalid
 from mlxgate.api.http import Receive, Scope, Send, respond, send_json
+from mlxgate.api.openai.choices import respond_choices
 from mlxgate.api.openai.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -21,7 +23,7 @@ from mlxgate.api.shared import (
     AdmissionErrors,
     Route,
     Services,
-    admit,
+    admit_all,
     constraint,
     output_limit,
     parse,
@@ -55,7 +57,6 @@ class OpenAIAPI:
         self, scope: Scope, receive: Receive, send: Send, body: bytes
     ) -> None:
         request = parse(ChatCompletionRequest, body)
-        request.check()
         self.services.models.check(request.model)
         grammar = request.grammar()
         prompt = render(self.services.renderer, conversation(request))
@@ -72,7 +73,6 @@ class OpenAIAPI:
 
     async def completions(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(CompletionRequest, body)
-        request.check()
         self.services.models.check(request.model)
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         if len(prompts) != 1:
@@ -101,24 +101,40 @@ class OpenAIAPI:
     ) -> None:
         services = self.services
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        stream = StreamSpec.openai(
-            model=services.models.served,
-            completion_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
-            created=int(time.time()),
-            stream=request.stream,
-            include_usage=bool(request.stream_options and request.stream_options.include_usage),
-            kind=kind,
-            stop_sequences=request.stops(),
-            markup=prompt.markup if prompt else None,
-            prefill=prompt.prefill if prompt else "",
-            eos_ids=services.renderer.eos_ids,
-            tools=prompt.tool_schemas if prompt else [],
-        )
-        generation = GenerationRequest(
-            prompt_ids, stream, max_tokens, request.sampling(services.default_sampling), grammar
-        )
-        reader = admit(services.engine, generation, ADMISSION_ERRORS)
-        await respond(send, receive, reader, OPENAI, stream=request.stream)
+        completion_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        sampling = request.sampling(services.default_sampling)
+        generations = [
+            GenerationRequest(
+                prompt_ids,
+                StreamSpec.openai(
+                    model=services.models.served,
+                    completion_id=completion_id,
+                    created=created,
+                    stream=request.stream,
+                    include_usage=bool(
+                        request.stream_options and request.stream_options.include_usage
+                    ),
+                    kind=kind,
+                    choice_index=index,
+                    stop_sequences=request.stops(),
+                    markup=prompt.markup if prompt else None,
+                    prefill=prompt.prefill if prompt else "",
+                    eos_ids=services.renderer.eos_ids,
+                    tools=prompt.tool_schemas if prompt else [],
+                ),
+                max_tokens,
+                # With a seed, each choice its own: n identical samples would be no choice.
+                replace(sampling, seed=None if sampling.seed is None else sampling.seed + index),
+                grammar,
+            )
+            for index in range(request.n)
+        ]
+        readers = admit_all(services.engine, generations, ADMISSION_ERRORS)
+        if len(readers) == 1:
+            await respond(send, receive, readers[0], OPENAI, stream=request.stream)
+        else:
+            await respond_choices(send, receive, readers, stream=request.stream)
 
     def _entry(self, name: str) -> dict[str, Any]:
         created = self.services.models.created
