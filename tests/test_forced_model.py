@@ -315,6 +315,47 @@ def test_openai_sdk_gets_the_tool_calls(qwen3_server: RunningServer) -> None:
     assert "tool_call" not in (choice.message.content or "")
 
 
+def test_strict_tools_hold_the_call_the_model_chooses_to_its_schema(
+    qwen3_server: RunningServer,
+) -> None:
+    """tool_choice auto with a `strict` tool: a valid call passes unchanged; a call the schema
+    forbids (the script writes `echo hi`, the schema allows only `ls`) is held to the schema."""
+
+    def called(parameters: dict[str, Any]) -> list[tuple[str, Any]]:
+        tool: Any = {"type": "function", "function": {**OPENAI_BASH["function"], "strict": True}}
+        tool["function"]["parameters"] = parameters
+        completion = openai_client(qwen3_server).chat.completions.create(
+            model="forced", max_tokens=200, messages=OPENAI_RUN, tools=[tool]
+        )
+        choice = completion.choices[0]
+        calls = [
+            (c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls or []
+        ]  # type: ignore[union-attr]
+        # The last call may be cut short by max_tokens.
+        return calls[:-1] if choice.finish_reason == "length" else calls
+
+    assert called(OPENAI_BASH["function"]["parameters"]) == [("Bash", {"command": "echo hi"})]  # type: ignore[typeddict-item]
+    only_ls = {
+        "type": "object",
+        "properties": {"command": {"enum": ["ls"]}},
+        "required": ["command"],
+        "additionalProperties": False,
+    }
+    # The script, thrown off its course, calls again; every call is held to the schema.
+    held = called(only_ls)
+    assert held and set(map(repr, held)) == {repr(("Bash", {"command": "ls"}))}
+    message = anthropic_client(qwen3_server).messages.create(
+        model="forced",
+        max_tokens=200,
+        messages=RUN,
+        tools=[{**BASH, "input_schema": only_ls, "strict": True}],  # type: ignore[list-item,typeddict-unknown-key]
+    )
+    uses = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+    uses = uses[:-1] if message.stop_reason == "max_tokens" else uses
+    assert uses and all(use == ("Bash", {"command": "ls"}) for use in uses)
+
+
 def test_openai_sdk_streams_the_tool_calls(qwen3_server: RunningServer) -> None:
     stream = openai_client(qwen3_server).chat.completions.create(
         model="forced",

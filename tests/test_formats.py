@@ -439,3 +439,30 @@ def test_a_forced_calls_grammar_admits_exactly_the_calls_the_schema_allows(famil
     assert admits(anyone, fmt.render_call("Read", {"path": "a.txt"}))
     assert admits(anyone, fmt.render_call("Bash", COMMAND))
     assert not admits(anyone, fmt.render_call("Nope", {"path": "a.txt"}))
+
+
+def test_strict_tools_hold_the_calls_the_model_chooses_to_make(family: Family) -> None:
+    """`strict` tools with tool_choice auto: any text, and every call in it valid for its tool.
+    Formats whose call opening holds special tokens are not constrained (the text before a call
+    ends where the opening starts, matched as text)."""
+    r = renderer(family)
+    fmt = r.format.tool_format
+    conversation = replace(request(), strict_tools=True)
+    prompt = r.render(conversation)
+    if family.tool_format in (*UNCONSTRAINED_CALLS, "harmony"):  # `<|channel|>` opens answers too
+        assert prompt.call_grammar is None
+        return
+    assert prompt.call_grammar is not None
+    vocabulary = Vocabulary(r.tokenizer.tokenizer, [0])
+    grammar = Grammar.lark(prompt.call_grammar)
+
+    def admits(reply: str) -> bool:
+        matcher = vocabulary.matcher(grammar, r.tokenizer.vocab_size)
+        return all(matcher.consume_token(t) for t in r.encode(reply)) and matcher.is_accepting()
+
+    good, bad = fmt.render_call("Bash", COMMAND), fmt.render_call("Bash", {"description": "x"})
+    assert admits("No call needed: the answer is 4.")
+    assert admits(f"{TEXT}\n{good}")
+    assert admits(f"{good}\n{fmt.render_call('Read', {'path': 'a.txt'})}")
+    assert not admits(f"{TEXT}\n{bad}")
+    assert r.render(replace(request(), strict_tools=False)).call_grammar is None

@@ -299,3 +299,33 @@ def test_forced_tool_calls_have_schema_valid_arguments(server: RunningServer) ->
     )
     assert message.stop_reason == "tool_use", message
     jsonschema.validate(message.content[0].input, FORECAST)  # type: ignore[union-attr]
+
+
+def test_a_strict_tool_the_model_does_not_call_leaves_its_text_unchanged(
+    server: RunningServer,
+) -> None:
+    """`strict: true` with tool_choice auto holds only the calls the model makes (their schemas:
+    tests/test_forced_model.py, tests/test_formats.py); a reply in plain text is the same token
+    for token (greedy) as without `strict`, on both APIs."""
+    ask = [{"role": "user", "content": "Will it rain in Paris this week?"}]
+
+    def reply(strict: bool) -> tuple[str | None, Any]:
+        function = {"name": "forecast", "parameters": FORECAST, "strict": strict}
+        completion = client(server).chat.completions.create(
+            model="local",
+            messages=ask,  # type: ignore[arg-type]
+            tools=[{"type": "function", "function": function}],  # type: ignore[list-item]
+            max_tokens=48,
+            temperature=0,
+        )
+        message = anthropic_client(server).messages.create(
+            model="local",
+            max_tokens=48,
+            messages=ask,  # type: ignore[arg-type]
+            tools=[{"name": "forecast", "input_schema": FORECAST, "strict": strict}],  # type: ignore[list-item,typeddict-unknown-key]
+            extra_body={"temperature": 0},
+        )
+        return completion.choices[0].message.content, message.content
+
+    text, blocks = reply(strict=True)
+    assert text and (text, blocks) == reply(strict=False)

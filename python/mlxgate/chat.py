@@ -15,7 +15,7 @@ from typing import Any, Literal
 from mlxgate import formats
 from mlxgate._native import Markup
 from mlxgate.formats import ToolFormat
-from mlxgate.formats.call_grammar import forced_call
+from mlxgate.formats.call_grammar import forced_call, optional_calls
 from mlxgate.formats.reasoning import FIELD as REASONING
 from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
 
@@ -60,6 +60,8 @@ class Conversation:
     thinking: bool | None = None
     # The reply is held to a grammar from its first token (constrained decoding): no reasoning.
     structured: bool = False
+    # A tool is `strict`: the calls the model chooses to make are held to their schemas.
+    strict_tools: bool = False
 
 
 def markup(tool_call: str | None, think: tuple[str, str] | None) -> Markup | None:
@@ -217,14 +219,13 @@ class Renderer:
         self.eos_ids = sorted(tokenizer.eos_ids | self._turn_end_ids())
         self.arguments_as_json = False
         self.arguments_as_json = self.format.template_renders_calls and self._prints_arguments()
-        specials = {tokenizer.decode([i]): i for i in tokenizer.special_ids}
-        self._specials = {text: i for text, i in specials.items() if len(text) > 1}
+        # llguidance matches every added token (`special` or not) only as that token, never as
+        # text: grammars name them by id.
+        added = tokenizer.tokenizer.get_added_tokens_decoder()
+        self._specials = {token.content: i for i, token in added.items() if len(token.content) > 1}
+        longest_first = sorted(self._specials, key=len, reverse=True)
         self._special_split = (
-            re.compile(
-                "("
-                + "|".join(re.escape(t) for t in sorted(self._specials, key=len, reverse=True))
-                + ")"
-            )
+            re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
             if self._specials
             else None
         )
@@ -333,6 +334,10 @@ class Renderer:
             name = choice.name if choice.mode == "tool" else None
             forced = fmt.tool_format.forced_opening(name)
             call_grammar = forced_call(fmt.tool_format, tools, name, self._lark_literal)
+        elif tools and conversation.strict_tools and not conversation.structured:
+            call_grammar = optional_calls(
+                fmt.tool_format, tools, self._lark_literal, sorted(self._specials.values())
+            )
         if (forced or conversation.structured) and prefill and fmt.think is not None:
             # A forced call or a structured reply does not reason: close what the template opened.
             text, prefill = f"{text.rstrip()}\n\n{fmt.think[1]}\n\n", ""

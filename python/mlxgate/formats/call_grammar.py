@@ -12,6 +12,7 @@ is raw text for a string and the property's JSON otherwise. Grammars are llguida
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,40 @@ def forced_call(
     if not alternatives:
         return None
     return "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
+
+
+def optional_calls(
+    fmt: ToolFormat, tools: list[dict[str, Any]], literal: Literal, specials: list[int]
+) -> str | None:
+    """The Lark grammar for a reply that may call tools (`strict` tools, `tool_choice` auto):
+    any text, and each call it makes held to its tool's schema as a forced call is. `specials`
+    are the tokenizer's added tokens (a reasoning model's think tags, ...), which free text may
+    hold. None where forced calls have no grammar, and for harmony, whose call opening
+    `<|channel|>` also opens its answer."""
+    call = forced_call(fmt, tools, None, literal)
+    opening = fmt.forced_opening(None)
+    if call is None or fmt.NAME == "harmony":
+        return None
+    rules = call.replace("start:", "call_rest:", 1)
+    opener = literal(opening)
+    if opener.startswith("<["):
+        # The call opens with a token no text spells: text is anything up to that token.
+        first = opener[2 : opener.index("]>")]
+        others = " | ".join(f"<[{i}]>" for i in specials if str(i) != first)
+        return (
+            "start: free (call free)*\n"
+            f"free: (TEXT{' | ' + others if others else ''})*\n"
+            "TEXT: /(?s:.+)/\n"
+            f"call: {opener} call_rest\n" + rules
+        )
+    pattern = "".join("\\n" if c == "\n" else "\\/" if c == "/" else re.escape(c) for c in opening)
+    return (
+        "start: (prose call_rest)* TAIL\n"
+        # Text up to a call's opening (which the model writes: the call's rules continue it).
+        f"prose[stop={json.dumps(opening)}]: /(?s:.*)/\n"
+        # The text after the last call, or all of it: anything that opens no call.
+        f"TAIL: /(?s:.*)/ & ~/(?s:.*){pattern}(?s:.*)/\n" + rules
+    )
 
 
 def _xml_parameters(

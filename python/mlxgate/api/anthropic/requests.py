@@ -52,6 +52,7 @@ class ToolSpec(_Lenient):
     input_schema: dict[str, Any] | None = None
     type: str | None = None
     defer_loading: bool = False
+    strict: bool | None = None
 
 
 class ToolChoiceSpec(_Lenient):
@@ -220,4 +221,5 @@ def conversation(request: CountTokensRequest, *, structured: bool = False) -> ch
         tool_choice=chat.ToolChoice(choice.type, choice.name) if choice else chat.ToolChoice(),
         thinking=thinking,
         structured=structured,
+        strict_tools=any(tool.strict for tool in request.tools or []),
     )

@@ -49,6 +49,7 @@ class FunctionSpec(_Lenient):
     name: str
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
 
 
 class ToolSpec(_Lenient):
@@ -205,10 +206,14 @@ def _tool_choice(request: ChatCompletionRequest) -> chat.ToolChoice:
 
 
 def conversation(request: ChatCompletionRequest) -> chat.Conversation:
-    tools = [{"type": "function", "function": t.function.model_dump()} for t in request.tools or []]
+    given = request.tools or []
+    tools = [
+        {"type": "function", "function": t.function.model_dump(exclude={"strict"})} for t in given
+    ]
     return chat.Conversation(
         _messages(request),
         tools,
         _tool_choice(request),
         structured=request.response_format is not None and request.response_format.type != "text",
+        strict_tools=any(t.function.strict for t in given),
     )
