@@ -1,5 +1,6 @@
 """What constrained decoding costs: aggregate decode tok/s with every row held to a JSON schema,
-against the same rows unconstrained, at C=1 and C=32; and the mask computation per step.
+against the same rows unconstrained, at C=1 and C=32; and the mask computation per step, for
+that schema and for a `strict` tool's grammar over free text (tool_choice auto).
 
     .venv/bin/python benches/constrained.py [--tokens 64] [--rounds 3]
 
@@ -104,6 +105,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
+    from mlxgate import chat
     from mlxgate._native import Router, Vocab
     from mlxgate.engine import Engine, EngineSettings, Grammar
     from mlxgate.models import load
@@ -133,6 +135,16 @@ def main() -> None:
     assert vocabulary is not None
     width = loaded.model.model.embed_tokens.weight.shape[0]
     masks = {rows: mask_ms(vocabulary, grammar, width, rows) for rows in (1, 32)}
+    # A `strict` tool with tool_choice auto: free text, calls held to the schema.
+    renderer = chat.Renderer(tok)
+    tool = {"type": "function", "function": {"name": "cities", "parameters": LONG_JSON}}
+    conversation = chat.Conversation(
+        [{"role": "user", "content": QUESTIONS[0]}], [tool], strict_tools=True
+    )
+    strict_text = renderer.render(conversation).call_grammar
+    assert strict_text is not None
+    strict = Grammar.lark(strict_text)
+    strict_masks = {rows: mask_ms(vocabulary, strict, width, rows) for rows in (1, 32)}
     engine.stop()
 
     lines = [
@@ -144,14 +156,17 @@ def main() -> None:
         "interleaved per round. Median over rounds.",
         "",
         "| C | unconstrained tok/s | constrained tok/s | constrained / unconstrained |"
-        " mask per step |",
-        "| --- | --- | --- | --- | --- |",
+        " mask per step | mask per step, strict tool (free text) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for rows, runs in ratios.items():
         free = statistics.median(r[0] for r in runs)
         held = statistics.median(r[1] for r in runs)
         ratio = statistics.median(r[1] / r[0] for r in runs)
-        lines.append(f"| {rows} | {free:.1f} | {held:.1f} | {ratio:.3f}x | {masks[rows]:.2f} ms |")
+        lines.append(
+            f"| {rows} | {free:.1f} | {held:.1f} | {ratio:.3f}x | {masks[rows]:.2f} ms "
+            f"| {strict_masks[rows]:.2f} ms |"
+        )
     publish(lines, args.out, "constrained")
 
 

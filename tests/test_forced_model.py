@@ -747,6 +747,41 @@ def test_gpt_oss_vocabulary_plain_text(tmp_path: Path) -> None:
         stop_server(server)
 
 
+def test_gpt_oss_structured_output_is_its_final_answer(tmp_path: Path) -> None:
+    """A reply held to a JSON schema on a harmony model: the prompt opens the final channel (no
+    analysis), the grammar holds the answer, `<|return|>` ends it; the client gets the JSON as
+    content, on both APIs."""
+    answer = '{"greeting":"hi"}'
+    model = forced_model_dir(
+        tmp_path, "gpt-oss", script=f"<|channel|>final<|message|>{answer}<|return|>"
+    )
+    server = start_server(tmp_path, *serve_args(model))
+    schema = {
+        "type": "object",
+        "properties": {"greeting": {"type": "string"}},
+        "required": ["greeting"],
+        "additionalProperties": False,
+    }
+    try:
+        completion = openai_client(server).chat.completions.create(
+            model="forced",
+            max_tokens=100,
+            messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "g", "schema": schema}},
+        )
+        assert completion.choices[0].message.content == answer
+        assert completion.choices[0].finish_reason == "stop"
+        message = anthropic_client(server).messages.create(
+            model="forced",
+            max_tokens=100,
+            messages=[{"role": "user", "content": "hi"}],
+            output_config={"format": {"type": "json_schema", "schema": schema}},
+        )
+        assert [b.text for b in message.content if b.type == "text"] == [answer]
+    finally:
+        stop_server(server)
+
+
 # Claude Code's arguments for the family server's round trip: Bash allowed, a JSON result.
 WRITE_THE_NONCE = (
     "--allowedTools", "Bash", "-p", "Write the nonce to the file.", "--output-format", "json"

@@ -466,3 +466,15 @@ def test_strict_tools_hold_the_calls_the_model_chooses_to_make(family: Family) -
     assert admits(f"{good}\n{fmt.render_call('Read', {'path': 'a.txt'})}")
     assert not admits(f"{TEXT}\n{bad}")
     assert r.render(replace(request(), strict_tools=False)).call_grammar is None
+
+
+def test_a_structured_reply_opens_the_answer_without_reasoning(family: Family) -> None:
+    """Structured output: thinking is off (an opened think tag is closed); harmony's reply starts
+    in its final channel, which the prompt opens (and the parser reads as already open)."""
+    r = renderer(family)
+    prompt = r.render(replace(request(), structured=True))
+    if family.tool_format == "harmony":
+        opening = formats.harmony.ANSWER_OPENING
+        assert prompt.text.endswith(opening) and prompt.prefill == opening
+    elif r.format.think is not None:
+        assert not prompt.prefill.startswith(r.format.think[0])

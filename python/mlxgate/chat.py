@@ -309,10 +309,6 @@ class Renderer:
         if not any(turn["role"] == "user" for turn in turns):
             raise ConversationError("messages: at least one user message is required")
 
-        if conversation.structured and fmt.reasoning.name == "harmony":
-            raise ConversationError(
-                "structured output is not supported for harmony (gpt-oss) models yet"
-            )
         extra: dict[str, Any] = {}
         thinking = False if conversation.structured else conversation.thinking
         if thinking is not None and fmt.think is not None:
@@ -338,6 +334,8 @@ class Renderer:
             call_grammar = optional_calls(
                 fmt.tool_format, tools, self._lark_literal, sorted(self._specials.values())
             )
+        if conversation.structured and not forced and fmt.reasoning.name == "harmony":
+            forced = formats.harmony.ANSWER_OPENING  # the answer at once, no analysis before it
         if (forced or conversation.structured) and prefill and fmt.think is not None:
             # A forced call or a structured reply does not reason: close what the template opened.
             text, prefill = f"{text.rstrip()}\n\n{fmt.think[1]}\n\n", ""
