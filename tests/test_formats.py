@@ -403,11 +403,6 @@ def test_arguments_go_as_objects_or_as_json_text_as_the_template_reads_them() ->
     assert not renderer(FAMILIES["qwen3_coder"]).arguments_as_json
 
 
-# Formats whose forced calls are not held to the schema: Kimi K2's model writes the call's index
-# after the forced opening, before its arguments.
-UNCONSTRAINED_CALLS = {"kimi_k2"}
-
-
 def test_a_forced_calls_grammar_admits_exactly_the_calls_the_schema_allows(family: Family) -> None:
     """The rest of a forced call (after the opening the prompt ends with) must be a call of the
     tool with schema-valid arguments, closed as the format closes it."""
@@ -425,9 +420,6 @@ def test_a_forced_calls_grammar_admits_exactly_the_calls_the_schema_allows(famil
 
     named = r.render(request(tool_choice={"type": "tool", "name": "Bash"}))
     anyone = r.render(request(tool_choice={"type": "any"}))
-    if family.tool_format in UNCONSTRAINED_CALLS:
-        assert named.call_grammar is None and anyone.call_grammar is None
-        return
     opening = fmt.forced_opening("Bash")
     assert named.prefill.endswith(opening)
     named = replace(named, prefill=opening)
@@ -442,14 +434,13 @@ def test_a_forced_calls_grammar_admits_exactly_the_calls_the_schema_allows(famil
 
 
 def test_strict_tools_hold_the_calls_the_model_chooses_to_make(family: Family) -> None:
-    """`strict` tools with tool_choice auto: any text, and every call in it valid for its tool.
-    Formats whose call opening holds special tokens are not constrained (the text before a call
-    ends where the opening starts, matched as text)."""
+    """`strict` tools with tool_choice auto: any text, and every call in it valid for its tool
+    (not for harmony, whose call opening also opens its answer)."""
     r = renderer(family)
     fmt = r.format.tool_format
     conversation = replace(request(), strict_tools=True)
     prompt = r.render(conversation)
-    if family.tool_format in (*UNCONSTRAINED_CALLS, "harmony"):  # `<|channel|>` opens answers too
+    if family.tool_format == "harmony":  # its `<|channel|>` opens answers too
         assert prompt.call_grammar is None
         return
     assert prompt.call_grammar is not None

@@ -4,7 +4,7 @@ tool's schema and the call closes as its format closes it.
 
 Derived from the format's own `forced_opening` and `render_call`, so every format gets it where
 its calls have one of two shapes: arguments as one JSON object (Hermes, Llama 3, DeepSeek,
-harmony, ...), held to the schema by llguidance's JSON-schema support; or arguments as XML
+harmony, Kimi K2, ...), held to the schema by llguidance's JSON-schema support; or arguments as XML
 parameters (Qwen3-Coder, GLM, MiniMax, Seed-OSS), each a key the schema names with a value that
 is raw text for a string and the property's JSON otherwise. Grammars are llguidance's Lark.
 """
@@ -41,8 +41,9 @@ def forced_call(
             return None
         rest = empty[len(head) :]
         rule = f"arguments{index}"
-        if rest.startswith("{}"):
-            closing = rest[2:]
+        before = ""  # between the opening and the arguments
+        if "{}" in rest:
+            before, closing = rest.split("{}", 1)
             rules.append(f"{rule}: %json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}")
         else:
             closing = rest
@@ -51,7 +52,15 @@ def forced_call(
                 return None
             rules.extend(parameters)
             rule = rule if parameters else ""  # a tool without parameters
-        parts = [literal(head[len(opening) :]), rule, literal(closing)]
+        # Kimi K2 numbers its calls: the model writes the number right after the opening.
+        number = re.match("[0-9]+", before)
+        parts = [
+            literal(head[len(opening) :]),
+            "/[0-9]+/" if number else "",
+            literal(before[number.end() :] if number else before),
+            rule,
+            literal(closing),
+        ]
         alternatives.append(" ".join(part for part in parts if part))
     if not alternatives:
         return None
