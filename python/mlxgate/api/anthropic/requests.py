@@ -84,14 +84,17 @@ class CountTokensRequest(_Lenient):
     # Where the structured-outputs-2025-11-13 beta put the reply's format.
     output_format: OutputFormat | None = None
 
-    def grammar(self) -> Grammar | None:
-        """What the reply must match: the JSON schema of `output_config.format`, if any."""
+    def reply_format(self) -> tuple[str, OutputFormat] | None:
+        """The reply's format and the field it came in: `output_config.format`, or the beta's."""
         if self.output_config and self.output_config.format:
-            where, reply = "output_config.format", self.output_config.format
-        elif self.output_format:
-            where, reply = "output_format", self.output_format
-        else:
+            return "output_config.format", self.output_config.format
+        return ("output_format", self.output_format) if self.output_format else None
+
+    def grammar(self) -> Grammar | None:
+        """What the reply must match: the JSON schema of its format, if it has one."""
+        if (given := self.reply_format()) is None:
             return None
+        where, reply = given
         return reply_grammar(reply.type, reply.schema_, where)
 
 
@@ -205,7 +208,7 @@ def _tools(request: CountTokensRequest) -> list[chat.Tool]:
     return tools
 
 
-def conversation(request: CountTokensRequest, *, structured: bool = False) -> chat.Conversation:
+def conversation(request: CountTokensRequest) -> chat.Conversation:
     messages: list[chat.Message] = []
     if system := _system_text(request.system):
         messages.append({"role": "system", "content": system})
@@ -220,6 +223,6 @@ def conversation(request: CountTokensRequest, *, structured: bool = False) -> ch
         tools=_tools(request),
         tool_choice=chat.ToolChoice(choice.type, choice.name) if choice else chat.ToolChoice(),
         thinking=thinking,
-        structured=structured,
+        structured=request.reply_format() is not None,
         strict_tools=any(tool.strict for tool in request.tools or []),
     )

@@ -59,7 +59,7 @@ class AnthropicAPI:
         services.models.check(request.model)
         max_tokens = output_limit(services, request.max_tokens)
         grammar = request.grammar()
-        prompt = render(services.renderer, conversation(request, structured=grammar is not None))
+        prompt = render(services.renderer, conversation(request))
         stream = StreamSpec.anthropic(
             model=services.models.served,
             message_id=f"msg_{uuid.uuid4().hex[:24]}",
@@ -88,8 +88,7 @@ class AnthropicAPI:
     async def count_tokens(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(CountTokensRequest, body)
         self.services.models.check(request.model)
-        structured = request.grammar() is not None
-        prompt = render(self.services.renderer, conversation(request, structured=structured))
+        prompt = render(self.services.renderer, conversation(request))
         await send_json(send, 200, {"input_tokens": len(prompt.ids)})
 
     def _entry(self, name: str) -> dict[str, Any]:
