@@ -465,7 +465,7 @@ def test_a_structured_reply_opens_the_answer_without_reasoning(family: Family) -
     r = renderer(family)
     prompt = r.render(replace(request(), structured=True))
     if family.tool_format == "harmony":
-        opening = formats.harmony.ANSWER_OPENING
+        opening = r.format.reasoning.answer
         assert prompt.text.endswith(opening) and prompt.prefill == opening
     elif r.format.think is not None:
         assert not prompt.prefill.startswith(r.format.think[0])

@@ -8,14 +8,13 @@ then renders it here, so one model gets one rendering whichever dialect asked.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mlxgate import formats
 from mlxgate._native import Markup
 from mlxgate.formats import ToolFormat
-from mlxgate.formats.call_grammar import forced_call, optional_calls
+from mlxgate.formats.call_grammar import AddedTokens, forced_call, optional_calls
 from mlxgate.formats.reasoning import FIELD as REASONING
 from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
 
@@ -219,16 +218,7 @@ class Renderer:
         self.eos_ids = sorted(tokenizer.eos_ids | self._turn_end_ids())
         self.arguments_as_json = False
         self.arguments_as_json = self.format.template_renders_calls and self._prints_arguments()
-        # llguidance matches every added token (`special` or not) only as that token, never as
-        # text: grammars name them by id.
-        added = tokenizer.tokenizer.get_added_tokens_decoder()
-        self._specials = {token.content: i for i, token in added.items() if len(token.content) > 1}
-        longest_first = sorted(self._specials, key=len, reverse=True)
-        self._special_split = (
-            re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
-            if self._specials
-            else None
-        )
+        self.added_tokens = AddedTokens.of(tokenizer.tokenizer)
 
     def _turn_end_ids(self) -> set[int]:
         """The special token the template closes an assistant turn with (`<|im_end|>`,
@@ -325,17 +315,17 @@ class Renderer:
         prefill = ""
         if fmt.think is not None and text.rstrip().endswith(fmt.think[0]):
             prefill = text[text.rstrip().rindex(fmt.think[0]) :]  # the template opened <think>
-        forced, call_grammar = "", None
+        forced, call_grammar, answer = "", None, fmt.reasoning.answer
         if tools and choice.mode in ("any", "tool"):
             name = choice.name if choice.mode == "tool" else None
             forced = fmt.tool_format.forced_opening(name)
-            call_grammar = forced_call(fmt.tool_format, tools, name, self._lark_literal)
-        elif tools and conversation.strict_tools and not conversation.structured:
-            call_grammar = optional_calls(
-                fmt.tool_format, tools, self._lark_literal, sorted(self._specials.values())
-            )
-        if conversation.structured and not forced and fmt.reasoning.name == "harmony":
-            forced = formats.harmony.ANSWER_OPENING  # the answer at once, no analysis before it
+            call_grammar = forced_call(fmt.tool_format, tools, name, self.added_tokens)
+        elif tools and conversation.strict_tools and not (conversation.structured or answer):
+            # (Where the answer has an opening, harmony's `<|channel|>`, calls open with it too:
+            # free text around calls could not hold it.)
+            call_grammar = optional_calls(fmt.tool_format, tools, self.added_tokens)
+        if conversation.structured and not forced:
+            forced = answer  # the answer at once, with no reasoning before it
         if (forced or conversation.structured) and prefill and fmt.think is not None:
             # A forced call or a structured reply does not reason: close what the template opened.
             text, prefill = f"{text.rstrip()}\n\n{fmt.think[1]}\n\n", ""
@@ -350,14 +340,4 @@ class Renderer:
                 for tool in tools
             ],
             call_grammar=call_grammar,
-        )
-
-    def _lark_literal(self, text: str) -> str:
-        """A Lark expression for exactly `text`, its special tokens as the tokens themselves
-        (a string literal would make the model spell `<|call|>` out of ordinary tokens)."""
-        parts = self._special_split.split(text) if self._special_split else [text]
-        return " ".join(
-            f"<[{self._specials[part]}]>" if part in self._specials else json.dumps(part)
-            for part in parts
-            if part
         )

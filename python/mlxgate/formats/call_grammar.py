@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
+
+from tokenizers import Tokenizer
 
 from mlxgate.formats import ToolFormat
 
@@ -22,14 +25,46 @@ from mlxgate.formats import ToolFormat
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 PROBE_KEY, PROBE_VALUE = "mlxgate_probe_key", "mlxgate_probe_value"
 
-Literal = Callable[[str], str]  # text -> a Lark expression matching exactly it
+
+@dataclass(frozen=True)
+class AddedTokens:
+    """The tokenizer's added tokens (`<tool_call>`, `<|call|>`, think tags, `special` or not):
+    llguidance matches each only as that token, never as text, so a grammar names them by id."""
+
+    ids: dict[str, int]  # text -> token id
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> AddedTokens:
+        added = tokenizer.get_added_tokens_decoder()
+        return cls({token.content: i for i, token in added.items() if len(token.content) > 1})
+
+    @cached_property
+    def _split(self) -> re.Pattern[str] | None:
+        longest_first = sorted(self.ids, key=len, reverse=True)
+        return re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self.ids else None
+
+    def literal(self, text: str) -> str:
+        """A Lark expression for exactly `text`, its added tokens as the tokens themselves (a
+        string literal would make the model spell `<|call|>` out of ordinary tokens)."""
+        parts = self._split.split(text) if self._split else [text]
+        return " ".join(
+            f"<[{self.ids[part]}]>" if part in self.ids else json.dumps(part)
+            for part in parts
+            if part
+        )
+
+    def leading(self, text: str) -> int | None:
+        """The added token `text` starts with, if it starts with one."""
+        parts = self._split.split(text, maxsplit=1) if self._split else [text]
+        return self.ids[parts[1]] if len(parts) > 1 and not parts[0] else None
 
 
 def forced_call(
-    fmt: ToolFormat, tools: list[dict[str, Any]], name: str | None, literal: Literal
+    fmt: ToolFormat, tools: list[dict[str, Any]], name: str | None, tokens: AddedTokens
 ) -> str | None:
     """The Lark grammar for the rest of a forced call to `name` (None: to any of `tools`);
     None where the format's calls have neither shape."""
+    literal = tokens.literal
     opening = fmt.forced_opening(name)
     alternatives, rules = [], []
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
@@ -47,7 +82,7 @@ def forced_call(
             rules.append(f"{rule}: %json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}")
         else:
             closing = rest
-            parameters = _xml_parameters(fmt, function["name"], head, rest, schema, rule, literal)
+            parameters = _xml_parameters(fmt, function["name"], head, rest, schema, rule, tokens)
             if parameters is None:
                 return None
             rules.extend(parameters)
@@ -67,33 +102,29 @@ def forced_call(
     return "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
 
 
-def optional_calls(
-    fmt: ToolFormat, tools: list[dict[str, Any]], literal: Literal, specials: list[int]
-) -> str | None:
+def optional_calls(fmt: ToolFormat, tools: list[dict[str, Any]], tokens: AddedTokens) -> str | None:
     """The Lark grammar for a reply that may call tools (`strict` tools, `tool_choice` auto):
-    any text, and each call it makes held to its tool's schema as a forced call is. `specials`
-    are the tokenizer's added tokens (a reasoning model's think tags, ...), which free text may
-    hold. None where forced calls have no grammar, and for harmony, whose call opening
-    `<|channel|>` also opens its answer."""
-    call = forced_call(fmt, tools, None, literal)
-    opening = fmt.forced_opening(None)
-    if call is None or fmt.NAME == "harmony":
+    any text, and each call it makes held to its tool's schema as a forced call is. None where
+    forced calls have no grammar."""
+    call = forced_call(fmt, tools, None, tokens)
+    if call is None:
         return None
-    rules = call.replace("start:", "call_rest:", 1)
-    opener = literal(opening)
-    if opener.startswith("<["):
-        # The call opens with a token no text spells: text is anything up to that token.
-        first = opener[2 : opener.index("]>")]
-        others = " | ".join(f"<[{i}]>" for i in specials if str(i) != first)
+    rules = call.replace("start:", "call:", 1)
+    opening = fmt.forced_opening(None)
+    first = tokens.leading(opening)
+    if first is not None:
+        # The call opens with a token no text spells: text is anything up to that token, with
+        # the other added tokens (a reasoning model's think tags, ...).
+        others = "".join(f" | <[{i}]>" for i in tokens.ids.values() if i != first)
         return (
-            "start: free (call free)*\n"
-            f"free: (TEXT{' | ' + others if others else ''})*\n"
+            "start: free (opened free)*\n"
+            f"free: (TEXT{others})*\n"
             "TEXT: /(?s:.+)/\n"
-            f"call: {opener} call_rest\n" + rules
+            f"opened: {tokens.literal(opening)} call\n" + rules
         )
     pattern = "".join("\\n" if c == "\n" else "\\/" if c == "/" else re.escape(c) for c in opening)
     return (
-        "start: (prose call_rest)* TAIL\n"
+        "start: (prose call)* TAIL\n"
         # Text up to a call's opening (which the model writes: the call's rules continue it).
         f"prose[stop={json.dumps(opening)}]: /(?s:.*)/\n"
         # The text after the last call, or all of it: anything that opens no call.
@@ -108,7 +139,7 @@ def _xml_parameters(
     rest: str,
     schema: dict[str, Any],
     rule: str,
-    literal: Literal,
+    tokens: AddedTokens,
 ) -> list[str] | None:
     """Rules for the parameters (`rule` first), for a format that writes each parameter as
     `before KEY between VALUE after` (learned from a probe call): the schema's properties in its
@@ -135,6 +166,7 @@ def _xml_parameters(
     between, after = after_key.split(PROBE_VALUE)
     if not after:
         return None
+    literal = tokens.literal
     required = set(schema.get("required") or [])
     items, values = [], []
     for position, (key, spec) in enumerate((schema.get("properties") or {}).items()):

@@ -14,8 +14,6 @@ from mlxgate.formats.common import no_tool_prompt as tool_prompt
 __all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call", "tool_prompt"]
 
 NAME = "harmony"
-# The final channel's opening: a reply held to a format (structured output) starts there.
-ANSWER_OPENING = "<|channel|>final<|message|>"
 
 
 def detect(template: str) -> bool:

@@ -40,13 +40,18 @@ class ReasoningFormat:
     tags: tuple[str, str] | None
     detect: Callable[[str], bool]
     prepare: Callable[[list[Message]], list[Message]] = unchanged
+    # What opens the answer where reasoning is a channel of its own (harmony's final channel):
+    # a reply held to a format (structured output) starts there, with no reasoning.
+    answer: str = ""
 
 
 # Detection order: the first whose `detect` accepts the template; `none` is the fallback.
 REASONING_FORMATS: dict[str, ReasoningFormat] = {
     f.name: f
     for f in (
-        ReasoningFormat("harmony", None, lambda t: "<|channel|>" in t),
+        ReasoningFormat(
+            "harmony", None, lambda t: "<|channel|>" in t, answer="<|channel|>final<|message|>"
+        ),
         ReasoningFormat("seed", ("<seed:think>", "</seed:think>"), lambda t: "<seed:think>" in t),
         ReasoningFormat(
             "mistral", ("[THINK]", "[/THINK]"), lambda t: "[THINK]" in t, _thinking_blocks
