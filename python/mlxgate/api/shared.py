@@ -185,6 +185,6 @@ def admit_all(
 ) -> list[Reader]:
     """Hand the choices of one prompt to the engine (see `Generator.admit_all`)."""
     try:
-        return engine.admit_all(requests) if len(requests) > 1 else [engine.admit(requests[0])]
+        return engine.admit_all(requests)
     except AdmissionError as exc:
         raise errors[type(exc)](exc) from None

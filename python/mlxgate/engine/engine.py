@@ -78,12 +78,8 @@ class _Pending:
             return None
         if staying[0] is not self:
             lead = staying[0]
-            lead.match, lead.caches, lead.done, lead.last_chunk = (
-                self.match,
-                self.caches,
-                self.done,
-                self.last_chunk,
-            )
+            lead.match, lead.caches, lead.done = self.match, self.caches, self.done
+            lead.last_chunk = self.last_chunk
         staying[0].siblings = staying[1:]
         return staying[0]
 
@@ -178,8 +174,9 @@ class Engine:
         queued = len(self._incoming) + self.metrics.queue_depth
         if queued >= self.settings.max_queued:
             raise QueueFull(retry_after_s=1 + queued // 8)
+        # One lookup for every choice: a match is immutable, and each start copies its caches.
         match = self.prefix_cache.lookup(prompt_ids)
-        choices = [_Pending(next(self._ids), r, None) for r in requests]
+        choices = [_Pending(next(self._ids), r, match) for r in requests]
         # Choices decode together; where they cannot (more than may run at once), each is a
         # sequence of its own, the prefix cache sharing what it can.
         together = len(choices) <= self.settings.max_running
@@ -196,11 +193,9 @@ class Engine:
                 for pending in choices
             ]
             if together:
-                choices[0].match, choices[0].siblings = match, choices[1:]
+                choices[0].siblings = choices[1:]
                 self._incoming.append(choices[0])
             else:
-                for pending in choices:
-                    pending.match = self.prefix_cache.lookup(prompt_ids)
                 self._incoming.extend(choices)
             self._wakeup.notify()
         return readers
