@@ -21,7 +21,7 @@ from mlxgate.api.http import (
 )
 from mlxgate.streams import chunks
 
-DONE = b"data: [DONE]"
+DONE = b"data: [DONE]\n\n"
 
 
 async def respond_choices(
@@ -64,26 +64,34 @@ async def _stream(send: Send, readers: list[Reader]) -> None:
             if data is None:
                 open_choices -= 1
                 continue
-            frames = []
-            for frame in data.split(b"\n\n"):
-                if not frame or frame == DONE:
-                    continue
-                if frame.startswith(b"data: {") and b'"choices":[]' in frame:
-                    chunk = orjson.loads(frame[len(b"data: ") :])  # a choice's usage chunk
-                    if usage is None:
-                        usage = chunk
-                    else:
-                        _add_usage(usage["usage"], [chunk["usage"]])
-                    continue
-                frames.append(frame + b"\n\n")
-            if frames:
-                body = b"".join(frames)
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+            if data.endswith(DONE):  # a choice's last frames: its usage chunk, if any, and [DONE]
+                data, usage = _without_ending(data, usage)
+            if data:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
     finally:
         for task in pumps:
             task.cancel()
     tail = b"data: " + orjson.dumps(usage) + b"\n\n" if usage is not None else b""
-    await send({"type": "http.response.body", "body": tail + DONE + b"\n\n", "more_body": False})
+    await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
+
+
+def _without_ending(
+    data: bytes, usage: dict[str, Any] | None
+) -> tuple[bytes, dict[str, Any] | None]:
+    """A choice's last frames without its `[DONE]` and usage chunk; the usage so far with its."""
+    frames = []
+    for frame in data.split(b"\n\n"):
+        if not frame or frame + b"\n\n" == DONE:
+            continue
+        if frame.startswith(b"data: {") and b'"choices":[]' in frame:
+            chunk = orjson.loads(frame[len(b"data: ") :])
+            if usage is None:
+                usage = chunk
+            else:
+                _add_usage(usage["usage"], [chunk["usage"]])
+            continue
+        frames.append(frame + b"\n\n")
+    return b"".join(frames), usage
 
 
 def _add_usage(total: dict[str, Any], others: list[dict[str, Any]]) -> None:
