@@ -17,6 +17,7 @@ _GAUGES = {
     "step_p50_s": "median decode step time over recent steps, seconds",
     "step_p95_s": "95th percentile decode step time over recent steps, seconds",
     "step_max_s": "longest recent decode step, seconds",
+    "acceptance_rate": "speculative decoding: guessed tokens kept / guessed tokens, since start",
 }
 _COUNTERS = {
     "steps": "engine steps",
@@ -26,6 +27,9 @@ _COUNTERS = {
     "cache_hit_tokens": "prompt tokens reused from the prefix cache",
     "requests_finished": "requests that finished generating",
     "requests_cancelled": "requests whose client went away",
+    "verify_passes": "speculative decoding: decode steps that checked guessed tokens",
+    "drafted_tokens": "speculative decoding: tokens guessed by prompt lookup",
+    "accepted_tokens": "speculative decoding: guessed tokens the model confirmed",
     "busy_s": "seconds the engine spent in steps",
 }
 

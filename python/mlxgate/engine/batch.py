@@ -32,6 +32,7 @@ from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.constraints import Vocabulary
 from mlxgate.engine.contract import SamplingParams
 from mlxgate.engine.sampling import Sampler
+from mlxgate.engine.speculation import Drafts
 from mlxgate.models.banded_cache import BandedCache
 
 FREE = 0  # the stream id of a free slot (stream ids start at 1)
@@ -137,24 +138,16 @@ class DecodeBatch:
             start = stop
         self.bands = [band for band in self.bands if len(band)]
 
-    def advance(self, tokens: mx.array) -> tuple[np.ndarray, np.ndarray]:
-        """Feed each slot its sampled token next (and its grammar, if it has one); return the live
-        rows' stream ids and tokens."""
+    def advance(self, tokens: mx.array) -> None:
+        """Feed each slot `tokens[slot]` next (and its grammar, if it has one)."""
         token_ids = np.array(tokens, copy=False)
         for slot, matcher in self._matchers:
             matcher.consume_token(int(token_ids[slot]))
-        if len(self.bands) == 1:
-            band = self.bands[0]
-            band.inputs = tokens
-            return band.stream_ids[band.live], token_ids[band.live]
-        stream_ids = self.stream_ids
         start = 0
         for band in self.bands:
             stop = start + len(band.stream_ids)
-            band.inputs = tokens[start:stop]
+            band.inputs = tokens[start:stop] if len(self.bands) > 1 else tokens
             start = stop
-        live = stream_ids != FREE
-        return stream_ids[live], token_ids[live]
 
     def sample(self, logits: mx.array, vocabulary: Vocabulary | None = None) -> mx.array:
         """Next token per row: one argmax for greedy rows, per-row samplers for the others;
@@ -180,6 +173,45 @@ class DecodeBatch:
         asked = [(i, s.params) for i, s in enumerate(samplers) if s.params.logprobs is not None]
         self._logprobs = _Logprobs.of(logits, tokens, asked) if asked else None
         return tokens
+
+    def sample_drafts(
+        self, logits: mx.array, drafts: Drafts, vocabulary: Vocabulary | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """For a verify pass (`logits`: [slots, positions, vocab]): the token each row's sampler
+        samples at every position [slots, positions], and how many of each row's guesses they
+        keep. Position 0 is sampled as a decode step samples (grammars and log-probabilities
+        included: rows with those do not guess); the rest only for rows that guessed."""
+        first = self.sample(logits[:, 0, :], vocabulary)
+        samplers = list(itertools.chain.from_iterable(band.samplers for band in self.bands))
+        guessing = np.flatnonzero(drafts.counts).tolist()
+        sampled_rows = [i for i in guessing if not samplers[i].params.greedy]
+        later = mx.argmax(logits[:, 1:, :], axis=-1).astype(mx.uint32)
+        if sampled_rows:
+            picks = [
+                samplers[i].ahead(logits[i, 1 : 1 + int(drafts.counts[i])]).astype(mx.uint32)
+                for i in sampled_rows
+            ]
+            mx.eval(first, later, picks)
+            later_np = np.array(later)
+            for i, pick in zip(sampled_rows, picks, strict=True):
+                later_np[i, : pick.size] = np.array(pick)
+        else:
+            mx.eval(first, later)
+            later_np = np.array(later)
+        tokens = np.concatenate([np.array(first)[:, None], later_np], axis=1)
+        kept = drafts.kept(tokens)
+        for i in sampled_rows:
+            samplers[i].keep(int(kept[i]))
+        return tokens, kept
+
+    def rewind(self, kept: np.ndarray, width: int) -> None:
+        """After a verify pass of `width` positions per slot: each slot keeps the keys/values of
+        its input and its `kept[slot]` right guesses; the other positions are taken back."""
+        start = 0
+        for band in self.bands:
+            stop = start + len(band.stream_ids)
+            band.rewind(kept[start:stop] + 1, width)
+            start = stop
 
     def logprobs(self) -> list[tuple[int, int, float, list[tuple[int, float]]]]:
         """The last sampled tokens' log-probabilities, for the rows whose requests asked:
@@ -345,6 +377,15 @@ class _Band:
         """Grow the batch by `rows` of the joining caches."""
         for mine, theirs in zip(self.caches, caches, strict=True):
             cache_kinds.append_rows(mine, theirs, rows)
+
+    def rewind(self, columns: np.ndarray, width: int) -> None:
+        """Keep `columns[slot]` of the last pass's `width` columns of each slot."""
+        most = int(columns.max())
+        shift = most - columns
+        for cache in self.caches:
+            cache_kinds.rewind(cache, width - most, shift)
+        if shift.any():
+            self._trim()
 
     def drop(self, ended: np.ndarray) -> None:
         """Free the slots of rows that ended (a boolean mask over slots)."""

@@ -10,8 +10,9 @@ faster copies only where it has them (attention keys/values).
 What a kind allows:
 - a row can be written into a free slot of the batch: attention and recurrent state, not a
   rotated window (its rows share one write position);
-- a cached prefix can be cut at any token: attention keys/values only. A window or a state holds
-  exactly the tokens it has seen, so it is reused only whole (a snapshot).
+- a cached prefix can be cut at any token, and the positions of rejected guesses taken back
+  (speculative decoding): attention keys/values only. A window or a state holds exactly the
+  tokens it has seen, so it is reused only whole (a snapshot), and speculation is off.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -260,6 +262,28 @@ def drop_columns(cache: Any, unused: int, padding: mx.array) -> None:
                 columns - unused,
             )
             own_buffers(leaf)
+
+
+def rewind(cache: Any, surplus: int, shift: np.ndarray) -> None:
+    """Take back the columns of a verify pass that rows did not keep: the last `surplus` of every
+    row, and `shift[row]` more of a row that kept fewer than the most, by moving its columns
+    right over them (its left padding grows by as much). Attention keys/values only."""
+    rows = np.flatnonzero(shift).tolist()
+    for leaf in _leaves(cache):
+        if type(leaf) is not BatchKVCache:
+            raise UnsupportedCache(f"a {type(leaf).__name__} cannot take back positions")
+        leaf.trim(surplus)
+        if not rows:
+            continue
+        assert leaf.keys is not None and leaf.values is not None
+        end = leaf._idx
+        for row in rows:
+            n = int(shift[row])
+            for kv in (leaf.keys, leaf.values):
+                kv[row : row + 1, :, n:end, :] = kv[row : row + 1, :, : end - n, :]
+        moved = mx.array(shift.astype(np.int32))
+        leaf.left_padding = leaf.left_padding + moved
+        leaf.offset = leaf.offset - moved
 
 
 def snapshot(cache: Any) -> Any:

@@ -40,6 +40,7 @@ class GenerationRequest:
     max_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     grammar: Grammar | None = None  # what the reply must match (constrained decoding)
+    speculate: bool = True  # may guess tokens ahead (engine/speculation.py); same tokens either way
 
 
 class AdmissionError(Exception):

@@ -23,7 +23,7 @@ import numpy as np
 
 from mlxgate._native import ErrorKind, FinishReason, Reader, Router
 from mlxgate.engine import batch_check, cache_kinds
-from mlxgate.engine.batch import DecodeBatch
+from mlxgate.engine.batch import FREE, DecodeBatch
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.constraints import Vocabulary
 from mlxgate.engine.contract import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
@@ -31,6 +31,7 @@ from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.prefix_cache import PrefixCache, PrefixMatch
 from mlxgate.engine.sampling import Sampler
 from mlxgate.engine.settings import EngineSettings
+from mlxgate.engine.speculation import Drafts, Speculation
 from mlxgate.models import LoadedModel
 from mlxgate.models.adapter import ModelAdapter
 
@@ -140,6 +141,8 @@ class Engine:
                 self.batch_problems.decode,
             )
             self.settings = dataclasses.replace(self.settings, max_running=1)
+        # Guessing tokens ahead (engine/speculation.py); None where it is off.
+        self.speculation = self._make_speculation()
         self._gone: set[int] = set()  # cancelled stream ids not yet dropped
         # Measured as the engine runs: a decode step, and one prefilled token (seconds).
         self._decode_s: float | None = None
@@ -155,6 +158,19 @@ class Engine:
         # Taken from the queue by this step's prefill and not yet in the batch.
         self._joining: list[_Pending] = []
         self._batch = DecodeBatch(self.layout, self._banded)
+
+    def _make_speculation(self) -> Speculation | None:
+        s = self.settings
+        if not s.max_draft_tokens or s.speculation_max_rows < 1:
+            return None
+        if not self.layout.cuttable:
+            log.info(
+                "speculative decoding is off: this model's layers (%s) cannot take back the "
+                "positions of rejected guesses",
+                self.layout.describe(),
+            )
+            return None
+        return Speculation(s.max_draft_tokens)
 
     def admit(self, request: GenerationRequest) -> Reader:
         """Open the request's stream and queue it, or raise an AdmissionError."""
@@ -356,14 +372,31 @@ class Engine:
 
     def _decode(self) -> None:
         batch = self._batch
-        logits = self._adapter.decode(batch.inputs, batch.caches)
-        tokens = batch.sample(logits, self.vocabulary)
-        mx.eval(tokens)
+        speculation = self.speculation
+        drafts = None
+        if speculation is not None and len(batch) <= self.settings.speculation_max_rows:
+            drafts = speculation.drafts(batch.stream_ids, self.loaded.context_length)
+        if drafts is None:
+            logits = self._adapter.decode(batch.inputs, batch.caches)
+            step_tokens = batch.sample(logits, self.vocabulary)
+            mx.eval(step_tokens)
+            tokens = np.array(step_tokens)[:, None]
+            kept = np.zeros(len(tokens), dtype=np.int64)
+        else:
+            tokens, kept = self._verify(drafts)
+        slot_ids = batch.stream_ids
         # Free slots were computed too: their tokens go nowhere.
-        stream_ids, token_ids = batch.advance(tokens)
+        batch.advance(mx.array(tokens[np.arange(len(tokens)), kept]))
+        if speculation is not None:
+            self._guessed(speculation, slot_ids, drafts, kept, tokens)
         if sampled := batch.logprobs():
             self.router.logprobs(sampled)
-        ended = self.router.step(stream_ids, token_ids)
+        # Each row's emitted tokens in order: the router ends a stream at the first that ends it.
+        emitted = (np.arange(tokens.shape[1]) <= kept[:, None]) & (slot_ids != FREE)[:, None]
+        token_ids = tokens[emitted]
+        ended = self.router.step(
+            np.broadcast_to(slot_ids[:, None], tokens.shape)[emitted], token_ids
+        )
         self.metrics.decode_tokens += len(token_ids)
         finished = [sid for sid, why in ended if why != FinishReason.CANCELLED]
         if finished:
@@ -372,6 +405,33 @@ class Engine:
         self._gone.update(sid for sid, why in ended if why == FinishReason.CANCELLED)
         if self._gone:
             self._drop_cancelled()
+
+    def _verify(self, drafts: Drafts) -> tuple[np.ndarray, np.ndarray]:
+        """One pass over every row's input token and its guesses: the tokens sampled at each
+        position [slots, width] and how many guesses each row keeps; the caches keep just those."""
+        batch = self._batch
+        guesses = mx.array(drafts.tokens.astype(np.uint32))
+        inputs = mx.concatenate([batch.inputs[:, None], guesses], axis=1)
+        logits = self._adapter.verify(inputs, batch.caches)
+        tokens, kept = batch.sample_drafts(logits, drafts, self.vocabulary)
+        batch.rewind(kept, drafts.width)
+        return tokens, kept
+
+    def _guessed(
+        self,
+        speculation: Speculation,
+        slot_ids: np.ndarray,
+        drafts: Drafts | None,
+        kept: np.ndarray,
+        tokens: np.ndarray,
+    ) -> None:
+        drafted, accepted = speculation.emitted(slot_ids, drafts, kept, tokens)
+        if drafts is not None:
+            m = self.metrics
+            m.verify_passes += 1
+            m.drafted_tokens += drafted
+            m.accepted_tokens += accepted
+        speculation.forget(set(self._batch.running_ids))
 
     def _prefill(self, budget: int, allowance_s: float | None) -> int:
         """Prefill up to `budget` prompt tokens, oldest sequence first; returns how many.
@@ -522,6 +582,11 @@ class Engine:
         now = time.monotonic()
         with self.metrics.lock:
             self.metrics.ttft_s.extend(now - p.submitted_at for p in joining)
+        if self.speculation is not None:
+            for p in joining:
+                r = p.request
+                if r.speculate and r.grammar is None and r.sampling.logprobs is None:
+                    self.speculation.start(p.stream_id, r.prompt_ids)
         self._batch.add(
             caches,
             [len(p.request.prompt_ids) - 1 for p in joining],

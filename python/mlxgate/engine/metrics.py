@@ -18,6 +18,10 @@ class EngineMetrics:
     cache_hit_tokens: int = 0
     requests_finished: int = 0
     requests_cancelled: int = 0
+    # Speculative decoding: passes that checked guesses, guessed tokens, guesses kept.
+    verify_passes: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     last_step_s: float = 0.0
     busy_s: float = 0.0
     # Recent samples (seconds), bounded.
@@ -43,6 +47,12 @@ class EngineMetrics:
             "cache_hit_tokens": self.cache_hit_tokens,
             "requests_finished": self.requests_finished,
             "requests_cancelled": self.requests_cancelled,
+            "verify_passes": self.verify_passes,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.accepted_tokens / self.drafted_tokens
+            if self.drafted_tokens
+            else 0.0,
             "busy_s": self.busy_s,
             "ttft_p50_s": pct(ttft, 0.5),
             "ttft_p95_s": pct(ttft, 0.95),

@@ -47,6 +47,16 @@ class EngineSettings:
         1024,
         "memory for reusing the KV cache of shared prompt prefixes across requests; 0 turns it off",
     )
+    max_draft_tokens: int = setting(
+        8,
+        "speculative decoding by prompt lookup: the most tokens a sequence guesses from its own "
+        "prompt and output for one forward pass to check; 0 turns it off",
+    )
+    speculation_max_rows: int = setting(
+        4,
+        "sequences decoding at most, for speculation to run: with more, a step is bound by "
+        "compute rather than by reading the weights, and guesses cost throughput",
+    )
     # A reader may fall behind (its frames coalesce); one that stays over the bound this long
     # has stopped reading.
     stall_timeout_s: float = setting(

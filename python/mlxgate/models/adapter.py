@@ -65,6 +65,12 @@ class ModelAdapter:
         logits: mx.array = self.model(inputs[:, None], cache=caches)[:, -1, :]
         return logits
 
+    def verify(self, inputs: mx.array, caches: Sequence[Any]) -> mx.array:
+        """Logits [batch, positions, vocab] for `inputs` [batch, positions]: each row's input
+        token and the tokens guessed after it (speculative decoding), all added to `caches`."""
+        logits: mx.array = self.model(inputs, cache=caches)
+        return logits
+
     def prefill(
         self,
         tokens: mx.array,

@@ -1,0 +1,217 @@
+"""Speculative decoding by prompt lookup: each running sequence guesses its next tokens from its
+own prompt and output, and one forward pass checks the guesses of every row.
+
+On CPU a decode step is bound by reading the weights, so a pass over a few positions per row
+costs little more than over one. Agents quote files, tool output and code that already stand in
+the prompt: the continuation of the latest earlier occurrence of a sequence's last few tokens is
+often what it writes next.
+
+Exact by construction. The verify pass gives logits at every guessed position; the row's own
+sampler samples a token at each, and a guess is kept while it equals that sample. A greedy row
+emits what it would have one step at a time. A sampled row's guess is a point mass, for which
+"keep while equal to the sample" is the rejection-sampling rule (the guess d is kept with
+probability p(d), else the sample is drawn from p without d): the distribution is unchanged,
+and since each emitted token is sampled with the key its own step would have used, a seed gives
+the same tokens with speculation on or off.
+
+Only attention layers can take back the positions of rejected guesses (their keys and values
+are cut: `cache_kinds.rewind`). A recurrent state or a sliding window is updated in place by
+the verify pass, and keeping one snapshot per guessed position would cost more than the guesses
+save on this CPU; speculation is off for models with such layers (`CacheLayout.cuttable`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Draft lengths: a row starts at START, grows by GROW after a fully kept guess, falls back to
+# what it kept (plus one) after a miss.
+START = 4
+GROW = 2
+# The suffix looked up: at least MIN_MATCH tokens (one token alone matches too much by chance),
+# at most MAX_MATCH.
+MIN_MATCH = 2
+MAX_MATCH = 4
+# A row whose guesses miss this many verify passes running stops guessing for PAUSE steps, twice
+# as long after each further pause (a chat reply seldom repeats its prompt).
+MISSES = 3
+PAUSE = 8
+
+
+# Guesses up to `k` tokens to follow `tokens` (a sequence's prompt and output so far).
+Propose = Callable[[np.ndarray, int], np.ndarray]
+
+
+@dataclass
+class Lookup:
+    """One sequence's guessing: the tokens it has (prompt and output) and how well it guesses."""
+
+    tokens: np.ndarray  # the prompt and output so far, in `[:length]`
+    length: int
+    max_draft: int
+    draft_len: int = START
+    misses: int = 0  # verify passes in a row that kept none of this row's guesses
+    pause: int = PAUSE
+    paused_until: int = 0  # the step before which this row does not guess
+    drafted: int = 0
+    accepted: int = 0
+
+    @classmethod
+    def of(cls, prompt_ids: list[int], max_draft: int) -> Lookup:
+        tokens = np.zeros(max(64, 2 * len(prompt_ids)), dtype=np.int64)
+        tokens[: len(prompt_ids)] = prompt_ids
+        return cls(tokens, len(prompt_ids), max_draft, min(START, max_draft))
+
+    def extend(self, new: np.ndarray) -> None:
+        end = self.length + len(new)
+        if end > len(self.tokens):
+            grown = np.zeros(2 * end, dtype=np.int64)
+            grown[: self.length] = self.tokens[: self.length]
+            self.tokens = grown
+        self.tokens[self.length : end] = new
+        self.length = end
+
+    def draft(self, propose: Propose, step: int, room: int) -> np.ndarray:
+        """The guessed next tokens (none while paused); at most `room`."""
+        k = min(self.draft_len, room)
+        if k <= 0 or step < self.paused_until:
+            return _NONE
+        return propose(self.tokens[: self.length], k)[:k]
+
+    def verified(self, step: int, drafted: int, kept: int) -> None:
+        """`kept` of the `drafted` guesses were right."""
+        self.drafted += drafted
+        self.accepted += kept
+        if kept == drafted:
+            self.draft_len = min(self.max_draft, self.draft_len + GROW)
+            self.misses = 0
+            self.pause = PAUSE
+            return
+        self.draft_len = max(1, kept + 1)
+        self.misses = self.misses + 1 if kept == 0 else 0
+        if self.misses >= MISSES:
+            self.paused_until = step + self.pause
+            self.pause *= 2
+            self.misses = 0
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    """Guesses what followed the latest earlier occurrence of the sequence's last tokens."""
+
+    min_match: int = MIN_MATCH
+    max_match: int = MAX_MATCH
+
+    def __call__(self, tokens: np.ndarray, k: int) -> np.ndarray:
+        return continuation(tokens, k, self.min_match, self.max_match)
+
+
+def continuation(tokens: np.ndarray, k: int, min_match: int, max_match: int) -> np.ndarray:
+    """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix of
+    `tokens` (between `min_match` and `max_match` tokens long) that occurs earlier."""
+    n = len(tokens)
+    if n <= min_match:
+        return _NONE
+    # Where the last token occurred before (each a candidate end of a match), then how far back
+    # each candidate keeps matching.
+    ends = np.flatnonzero(tokens[: n - 1] == tokens[n - 1])
+    if ends.size == 0:
+        return _NONE
+    matched = np.ones(ends.size, dtype=np.int64)
+    alive = np.ones(ends.size, dtype=np.bool_)
+    for back in range(1, max_match):
+        starts = ends - back
+        alive &= starts >= 0
+        alive[alive] &= tokens[starts[alive]] == tokens[n - 1 - back]
+        if not alive.any():
+            break
+        matched += alive
+    best = int(matched.max())
+    if best < min_match:
+        return _NONE
+    end = int(ends[np.flatnonzero(matched == best)[-1]])  # the latest of the longest
+    return tokens[end + 1 : min(end + 1 + k, n)]
+
+
+@dataclass
+class Drafts:
+    """One step's guesses: per slot of the decode batch, how many (0 for most rows) and what."""
+
+    counts: np.ndarray  # [slots]
+    tokens: np.ndarray  # [slots, width - 1], zero past each row's count
+
+    @property
+    def width(self) -> int:
+        """Positions each row feeds the verify pass: its input token and the most guesses."""
+        return int(self.tokens.shape[1]) + 1
+
+    def kept(self, sampled: np.ndarray) -> np.ndarray:
+        """Per slot: how many guesses equal the tokens sampled at their positions, in a row from
+        the first (`sampled`: [slots, width], position 0 after the input token)."""
+        k = self.tokens.shape[1]
+        agree = (self.tokens == sampled[:, :k]) & (np.arange(k)[None, :] < self.counts[:, None])
+        return np.cumprod(agree, axis=1).sum(axis=1)  # type: ignore[no-any-return]
+
+
+@dataclass
+class Speculation:
+    """The guessing state of every running sequence that takes part, by stream id."""
+
+    max_draft: int
+    propose: Propose = field(default_factory=PromptLookup)
+    lookups: dict[int, Lookup] = field(default_factory=dict)
+    steps: int = 0
+
+    def start(self, stream_id: int, prompt_ids: list[int]) -> None:
+        self.lookups[stream_id] = Lookup.of(prompt_ids, self.max_draft)
+
+    def forget(self, running: set[int]) -> None:
+        """Drop the state of sequences no longer running."""
+        if len(self.lookups) > len(running):
+            self.lookups = {sid: lk for sid, lk in self.lookups.items() if sid in running}
+
+    def drafts(self, stream_ids: np.ndarray, context: int) -> Drafts | None:
+        """This step's guesses for the slots `stream_ids`, as many as fit a `context`-token
+        cache; None when no row guesses (a plain decode step)."""
+        self.steps += 1
+        guesses = []
+        for slot, stream_id in enumerate(stream_ids.tolist()):
+            lookup = self.lookups.get(stream_id)
+            if lookup is not None:
+                # The cache holds all but the last token; the pass adds it and the guesses.
+                guess = lookup.draft(self.propose, self.steps, context - lookup.length)
+                if guess.size:
+                    guesses.append((slot, guess))
+        if not guesses:
+            return None
+        width = max(guess.size for _, guess in guesses)
+        counts = np.zeros(len(stream_ids), dtype=np.int64)
+        tokens = np.zeros((len(stream_ids), width), dtype=np.int64)
+        for slot, guess in guesses:
+            counts[slot] = guess.size
+            tokens[slot, : guess.size] = guess
+        return Drafts(counts, tokens)
+
+    def emitted(
+        self, stream_ids: np.ndarray, drafts: Drafts | None, kept: np.ndarray, tokens: np.ndarray
+    ) -> tuple[int, int]:
+        """Record what each slot emitted (`tokens[slot, :kept[slot] + 1]`); returns the step's
+        (drafted, accepted) guesses."""
+        drafted = accepted = 0
+        for slot, stream_id in enumerate(stream_ids.tolist()):
+            lookup = self.lookups.get(stream_id)
+            if lookup is None:
+                continue
+            n = int(kept[slot])
+            lookup.extend(tokens[slot, : n + 1])
+            if drafts is not None and (count := int(drafts.counts[slot])):
+                lookup.verified(self.steps, count, n)
+                drafted += count
+                accepted += n
+        return drafted, accepted

@@ -1,0 +1,262 @@
+"""Speculative decoding: guessed tokens checked in the running batch change no token.
+
+Tiny random-weight models (tests/tiny_models.py) served by the real engine. Their guesses come
+from an oracle that knows mlx-lm's greedy output and spoils some of it on purpose, so that every
+verify pass mixes rows that keep all, some and none of their guesses; the tokens must still be
+mlx-lm's, token for token (up to a tie, as in test_architectures). Prompt lookup itself is
+tested on its own and with the embedded model in test_engine.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from test_architectures import Served, assert_same, prompts, reference, wait_until
+from tiny_models import VOCAB, twins
+
+import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from mlxgate._native import StreamSpec
+from mlxgate.engine import GenerationRequest
+from mlxgate.engine.contract import SamplingParams
+from mlxgate.engine.speculation import Lookup, continuation
+
+STEPS = 24
+
+
+class Oracle:
+    """Guesses each sequence's reference continuation, every `spoil`-th position wrong (where,
+    depends on the prompt's length)."""
+
+    def __init__(self, spoil: int = 5) -> None:
+        self.spoil = spoil
+        self.answers: dict[tuple[int, ...], list[int]] = {}
+
+    def expect(self, prompt: list[int], tokens: list[int]) -> None:
+        self.answers[tuple(prompt)] = tokens
+
+    def __call__(self, tokens: np.ndarray, k: int) -> np.ndarray:
+        for prompt, answer in self.answers.items():
+            if tuple(tokens[: len(prompt)].tolist()) == prompt:
+                done = len(tokens) - len(prompt)
+                guess = np.array(answer[done : done + k], dtype=np.int64)
+                phase = len(prompt)  # rows keep different numbers of guesses in one pass
+                for i in range(len(guess)):
+                    if (done + i + phase) % self.spoil == self.spoil - 1:
+                        guess[i] = (guess[i] + 1) % VOCAB
+                return guess
+        return np.zeros(0, dtype=np.int64)
+
+
+@pytest.fixture(
+    params=[
+        ("llama", None),
+        ("llama", "affine"),
+        ("deepseek_v3", None),
+        ("qwen3_moe", None),
+        ("gemma2", None),  # decodes one sequence at a time (mlx-lm batches it wrong)
+    ],
+    ids=lambda p: p[0] if p[1] is None else f"{p[0]}-4bit",
+)
+def tiny(request: pytest.FixtureRequest) -> Iterator[tuple[Served, Any, Oracle]]:
+    arch, quantization = request.param
+    served_model, reference_model = twins(arch, quantization)
+    # Every row guesses, however many decode: verify passes of 16 rows at once.
+    served = Served(served_model, max_prefill_chunk=16, speculation_max_rows=64, prefix_cache_mb=0)
+    oracle = Oracle()
+    assert served.engine.speculation is not None
+    served.engine.speculation.propose = oracle
+    yield served, reference_model, oracle
+    served.engine.stop()
+
+
+def test_guessed_tokens_change_no_greedy_token(tiny: tuple[Served, Any, Oracle]) -> None:
+    served, model, oracle = tiny
+    many = prompts(16, 3, 40, seed=11)
+    expected = [reference(model, p, STEPS) for p in many]
+    for prompt, want in zip(many, expected, strict=True):
+        oracle.expect(prompt, want.tokens)
+    metrics = served.engine.metrics
+
+    tokens, _ = served.generate(many[0], STEPS)
+    assert_same(tokens, expected[0], "alone")
+    assert metrics.accepted_tokens > 0 and metrics.verify_passes < STEPS
+
+    readers = [served.submit(p, STEPS) for p in many]
+    for i, reader in enumerate(readers):
+        assert_same(served.result(reader)[0], expected[i], f"row {i} of 16")
+    # Spoilt guesses were taken back, right ones kept.
+    assert 0 < metrics.accepted_tokens < metrics.drafted_tokens
+
+
+def test_a_stop_sequence_inside_a_kept_guess_ends_the_stream_there(
+    tiny: tuple[Served, Any, Oracle],
+) -> None:
+    served, model, oracle = tiny
+    prompt = prompts(1, 8, 9, seed=12)[0]
+    want = reference(model, prompt, STEPS).tokens
+    oracle.expect(prompt, want)
+    # The vocabulary's token i reads "i,": stop at the 3rd and 4th tokens, which the first
+    # verify pass guesses right.
+    oracle.spoil = 1000
+    stop = f"{want[2]},{want[3]},"
+    spec = StreamSpec.anthropic(
+        model="tiny", message_id="msg_s", stream=False, stop_sequences=[stop], eos_ids=[]
+    )
+    text_before = "".join(f"{t}," for t in want)
+    cut = text_before.index(stop)
+    reader = served.engine.admit(GenerationRequest(prompt, spec, STEPS))
+    tokens, _ = served.result(reader)
+    assert "".join(f"{t}," for t in tokens) == text_before[:cut]
+    assert served.engine.metrics.accepted_tokens >= 3
+
+
+def test_cancelling_a_stream_between_verify_passes_leaves_the_others_exact(
+    tiny: tuple[Served, Any, Oracle],
+) -> None:
+    served, model, oracle = tiny
+    engine = served.engine
+    others = prompts(3, 5, 30, seed=13)
+    expected = [reference(model, p, 60) for p in others]
+    for prompt, want in zip(others, expected, strict=True):
+        oracle.expect(prompt, want.tokens)
+    readers = [served.submit(p, 60) for p in others]
+    cancelled = served.submit(prompts(1, 10, 11, seed=14)[0], steps=1000)
+    passes = engine.metrics.verify_passes
+    wait_until(lambda: engine.metrics.verify_passes > passes + 2, engine)
+    cancelled.cancel()
+    for i, reader in enumerate(readers):
+        assert_same(served.result(reader)[0], expected[i], f"row {i}")
+
+
+def test_speculation_is_off_where_a_layer_cannot_take_positions_back() -> None:
+    for arch in ("qwen3_next", "gpt_oss"):  # recurrent, sliding-window layers
+        served = Served(twins(arch)[0])
+        try:
+            assert served.engine.speculation is None
+        finally:
+            served.engine.stop()
+
+
+def _chi_square_critical(dof: int, z: float = 3.09) -> float:
+    """The chi-square value exceeded with probability ~0.001 (Wilson-Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def test_sampling_with_guesses_keeps_the_distribution() -> None:
+    """Two tokens sampled at temperature 1 over the 4 likeliest (top-k): the pairs' counts fit
+    the model's own probabilities, with guesses that are right about half the time."""
+    import mlx.core as mx
+
+    served_model, model = twins("llama")
+    served = Served(served_model, speculation_max_rows=64)
+    prompt = [5, 17, 3, 99, 42]
+    top_k = 4
+
+    def top(logits: mx.array) -> dict[int, float]:
+        logits = np.array(logits.astype(mx.float32))
+        best = np.argsort(-logits)[:top_k]
+        p = np.exp(logits[best] - logits[best].max())
+        return dict(zip(best.tolist(), (p / p.sum()).tolist(), strict=True))
+
+    first = top(model(mx.array([prompt]))[0, -1])
+    expected = {
+        (a, b): pa * pb
+        for a, pa in first.items()
+        for b, pb in top(model(mx.array([[*prompt, a]]))[0, -1]).items()
+    }
+    likeliest = max(first, key=first.__getitem__)
+    then = max((pair for pair in expected if pair[0] == likeliest), key=expected.__getitem__)
+    assert served.engine.speculation is not None
+    # Guesses the likeliest pair: both kept, the first only, or neither.
+    served.engine.speculation.propose = lambda tokens, k: np.array(
+        [likeliest, then[1]][len(tokens) - len(prompt) :], dtype=np.int64
+    )[:k]
+    spec = StreamSpec.anthropic(model="tiny", message_id="m", stream=False, eos_ids=[])
+    sampling = SamplingParams(temperature=1.0, top_k=top_k)
+    counts: Counter[tuple[int, int]] = Counter()
+    rounds, per_round = 40, 64
+    try:
+        for _ in range(rounds):
+            readers = [
+                served.engine.admit(GenerationRequest(prompt, spec, 2, sampling))
+                for _ in range(per_round)
+            ]
+            counts.update(tuple(served.result(r)[0]) for r in readers)  # type: ignore[misc]
+    finally:
+        served.engine.stop()
+    n = rounds * per_round
+    metrics = served.engine.metrics
+    assert metrics.accepted_tokens > 0 and metrics.accepted_tokens < metrics.drafted_tokens
+    assert set(counts) <= set(expected)
+    cells = [pair for pair in expected if expected[pair] * n >= 5]
+    rest = n - sum(counts[pair] for pair in cells)
+    rest_p = 1 - sum(expected[pair] for pair in cells)
+    chi2 = sum((counts[c] - n * expected[c]) ** 2 / (n * expected[c]) for c in cells)
+    if rest_p * n >= 5:
+        chi2 += (rest - n * rest_p) ** 2 / (n * rest_p)
+        cells.append((-1, -1))
+    assert chi2 < _chi_square_critical(len(cells) - 1), (chi2, counts, expected)
+
+
+def test_a_seed_gives_the_same_tokens_with_guesses_or_without() -> None:
+    served_model, _ = twins("llama")
+    served = Served(served_model, speculation_max_rows=64, prefix_cache_mb=0)
+    spec = StreamSpec.anthropic(model="tiny", message_id="m", stream=False, eos_ids=[])
+    prompt = [7, 7, 8, 9, 10]
+    sampling = SamplingParams(temperature=0.8, seed=1234)
+    try:
+        assert served.engine.speculation is not None
+        plain = served.engine.speculation.propose
+        served.engine.speculation.propose = lambda tokens, k: np.zeros(0, dtype=np.int64)
+        want = served.result(served.engine.admit(GenerationRequest(prompt, spec, 30, sampling)))[0]
+        oracle = Oracle(spoil=4)
+        oracle.expect(prompt, want)
+        served.engine.speculation.propose = oracle
+        got = served.result(served.engine.admit(GenerationRequest(prompt, spec, 30, sampling)))[0]
+        served.engine.speculation.propose = plain
+    finally:
+        served.engine.stop()
+    assert got == want
+    assert served.engine.metrics.accepted_tokens > 10
+
+
+def _brute_continuation(tokens: list[int], k: int, low: int, high: int) -> list[int]:
+    n = len(tokens)
+    for length in range(min(high, n - 1), low - 1, -1):
+        suffix = tokens[n - length :]
+        for end in range(n - 2, length - 2, -1):  # latest first; `end` is the match's last index
+            if tokens[end - length + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + k]
+    return []
+
+
+def test_prompt_lookup_continues_the_latest_longest_match() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        tokens = rng.integers(0, 4, size=int(rng.integers(1, 40))).astype(np.int64)
+        k = int(rng.integers(1, 6))
+        got = continuation(tokens, k, 2, 4).tolist()
+        assert got == _brute_continuation(tokens.tolist(), k, 2, 4), tokens.tolist()
+    code = np.array([1, 2, 3, 4, 5, 6, 9, 9, 1, 2, 3])
+    assert continuation(code, 3, 2, 4).tolist() == [4, 5, 6]
+
+
+def test_a_sequence_guesses_more_while_right_and_pauses_while_wrong() -> None:
+    lookup = Lookup.of([1, 2, 3], max_draft=8)
+    assert lookup.draft_len == 4
+    lookup.verified(step=1, drafted=4, kept=4)
+    assert lookup.draft_len == 6
+    lookup.verified(step=2, drafted=6, kept=2)
+    assert lookup.draft_len == 3
+    always = lambda tokens, k: np.ones(k, dtype=np.int64)  # noqa: E731
+    for step in range(3, 6):
+        assert lookup.draft(always, step, room=100).size
+        lookup.verified(step, drafted=1, kept=0)
+    assert lookup.draft(always, 6, room=100).size == 0  # paused
+    assert lookup.draft(always, 6 + 8, room=100).size == 1
+    assert lookup.draft(always, 6 + 8, room=0).size == 0  # no room left in the context
