@@ -330,9 +330,28 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
+# Goodput's service-level objective: a reply starts within TTFT_SLO_S and then takes at most
+# TPOT_SLO_S per token on average.
+TTFT_SLO_S = 2.0
+TPOT_SLO_S = 0.25
+
+
+def _decode_s(r: RequestResult) -> float | None:
+    """Seconds from a reply's first token to its last."""
+    return None if r.ttft_s is None else r.ended_at - r.sent_at - r.ttft_s
+
+
+def _meets_slo(r: RequestResult) -> bool:
+    decode_s = _decode_s(r)
+    if decode_s is None or r.ttft_s is None or r.ttft_s > TTFT_SLO_S:
+        return False
+    return decode_s <= TPOT_SLO_S * max(1, (r.output_tokens or 1) - 1)
+
+
 def summarize(run: LoadRun) -> dict[str, Any]:
     ok = [r for r in run.results if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    decoding = [(r.output_tokens - 1, _decode_s(r)) for r in ok if r.output_tokens]
     gaps = [g for r in ok for g in r.gaps]
     output = sum(r.output_tokens or 0 for r in ok)
     errors: dict[str, int] = {}
@@ -346,10 +365,18 @@ def summarize(run: LoadRun) -> dict[str, Any]:
         "wall_s": run.wall_s,
         "output_tokens": output,
         "output_tok_s": output / run.wall_s if run.wall_s > 0 else 0.0,
+        # Per request, after its first token (prefill left out), over all requests.
+        "decode_tok_s": sum(n for n, _ in decoding) / sum(s or 0.0 for _, s in decoding)
+        if decoding and sum(s or 0.0 for _, s in decoding) > 0
+        else 0.0,
+        "goodput_tok_s": sum(r.output_tokens or 0 for r in ok if _meets_slo(r)) / run.wall_s
+        if run.wall_s > 0
+        else 0.0,
         "mean_output_tokens": output / len(ok) if ok else 0.0,
         "mean_input_tokens": statistics.mean(r.input_tokens or 0 for r in ok) if ok else 0.0,
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p95_s": percentile(ttfts, 95),
+        "ttft_p99_s": percentile(ttfts, 99),
         "itl_p50_s": percentile(gaps, 50),
         "itl_p95_s": percentile(gaps, 95),
         "itl_max_s": max(gaps) if gaps else None,

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import random
 import statistics
+import sysconfig
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -25,6 +26,7 @@ class Sizes:
     c1: tuple[int, int] = (4, 128)  # requests, output tokens
     c8: tuple[int, int] = (16, 128)
     c32: tuple[int, int] = (64, 128)
+    edit: tuple[int, int] = (5, 256)  # files, output tokens
     long_prompts: int = 8
     long_tokens: int = 1500
     long_output: int = 32
@@ -46,6 +48,7 @@ class Sizes:
             c1=(2, 32),
             c8=(8, 32),
             c32=(32, 16),
+            edit=(2, 48),
             long_prompts=4,
             long_tokens=500,
             long_output=8,
@@ -124,6 +127,43 @@ async def concurrency(target: Target, sizes: Sizes, c: int) -> dict[str, Any]:
         stall_s=sizes.stall_s,
     )
     return {**summarize(run), "concurrency": c, "max_tokens": max_tokens}
+
+
+# (standard-library file, name in it, new name): 150-250 lines each, a rename to ask for.
+EDITS = (
+    ("colorsys.py", "rgb_to_yiq", "rgb_to_ntsc"),
+    ("genericpath.py", "getsize", "file_size"),
+    ("sched.py", "enterabs", "enter_at"),
+    ("fnmatch.py", "translate", "to_regex"),
+    ("glob.py", "glob1", "glob_one"),
+)
+
+
+def edit_prompt(file: str, old: str, new: str) -> Prompt:
+    """A source file and a request for it back with one small change (an agent's Edit/Write)."""
+    source = (Path(sysconfig.get_paths()["stdlib"]) / file).read_text()
+    return Prompt(
+        f"Here is {file}:\n```python\n{source}```\nRewrite the whole file with {old} renamed "
+        f"to {new}. Output the complete file only."
+    )
+
+
+async def edit(target: Target, sizes: Sizes) -> dict[str, Any]:
+    """One client asking for source files back with a rename, one after the other."""
+    files, max_tokens = sizes.edit
+    prompts = [edit_prompt(*e) for e in EDITS[:files]]
+    run = await loadgen.run_load(
+        target.url,
+        target.dialect,
+        prompts,
+        concurrency=1,
+        requests=len(prompts),
+        max_tokens=max_tokens,
+        model=target.model,
+        timeout_s=sizes.request_timeout_s,
+        stall_s=sizes.stall_s,
+    )
+    return {**summarize(run), "concurrency": 1, "max_tokens": max_tokens}
 
 
 async def long_prompts(target: Target, sizes: Sizes, model_dir: Path, nonce: str) -> dict[str, Any]:

@@ -20,9 +20,22 @@ PYTHON = sys.executable
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # Which API dialects each server speaks, and the model name its requests carry.
-DIALECTS = {"mlxgate": ("anthropic", "openai"), "mlx_lm": ("openai",)}
-MODEL_NAMES = {"mlxgate": "SmolLM2-135M-Instruct", "mlx_lm": "default_model"}
-LABELS = {"mlxgate": "mlxgate", "mlx_lm": "mlx_lm.server"}
+# `mlxgate_plain` is mlxgate without speculative decoding, the baseline speculation is held to.
+DIALECTS = {
+    "mlxgate": ("anthropic", "openai"),
+    "mlxgate_plain": ("anthropic", "openai"),
+    "mlx_lm": ("openai",),
+}
+MODEL_NAMES = {
+    "mlxgate": "SmolLM2-135M-Instruct",
+    "mlxgate_plain": "SmolLM2-135M-Instruct",
+    "mlx_lm": "default_model",
+}
+LABELS = {
+    "mlxgate": "mlxgate",
+    "mlxgate_plain": "mlxgate without speculation",
+    "mlx_lm": "mlx_lm.server",
+}
 
 
 def display(command: list[str]) -> str:
@@ -39,6 +52,8 @@ def free_port() -> int:
 
 
 def server_command(name: str, port: int | str, model_dir: Path, extra: list[str]) -> list[str]:
+    if name == "mlxgate_plain":
+        return server_command("mlxgate", port, model_dir, ["--max-draft-tokens", "0", *extra])
     if name == "mlxgate":
         return [
             PYTHON,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import bound
+import httpx
 import loadgen
 import scenarios
 from export_model import DEFAULT_DIR
@@ -43,9 +44,10 @@ from servers import (
 )
 
 BENCHES = Path(__file__).resolve().parent
-SCENARIOS = ("c1", "c8", "c32", "long", "hol", "prefix", "disconnect")
-THROUGHPUT = ("c1", "c8", "c32")
+SCENARIOS = ("edit", "c1", "c8", "c32", "long", "hol", "prefix", "disconnect")
+THROUGHPUT = ("edit", "c1", "c8", "c32")
 PEER = "mlx_lm"
+PLAIN = "mlxgate_plain"
 
 
 def log(message: str) -> None:
@@ -74,6 +76,8 @@ def ensure_export(model_dir: Path) -> None:
 async def _run_scenario(
     name: str, target: Target, sizes: Sizes, model_dir: Path, nonce: str
 ) -> dict[str, Any]:
+    if name == "edit":
+        return await scenarios.edit(target, sizes)
     if name in THROUGHPUT:
         return await scenarios.concurrency(target, sizes, int(name[1:]))
     if name == "long":
@@ -105,7 +109,7 @@ def run_one(
 ) -> dict[str, Any]:
     """Start the server, warm it up, run the scenario, stop it. Returns the row."""
     port = free_port()
-    extra = shlex.split(args.mlxgate_args if server_name == "mlxgate" else args.mlx_lm_args)
+    extra = shlex.split(args.mlx_lm_args if server_name == PEER else args.mlxgate_args)
     command = server_command(server_name, port, args.model_dir, extra)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log_path = BENCHES / ".cache" / "logs" / f"{stamp}-{scenario}-{server_name}-{dialect}.log"
@@ -130,6 +134,8 @@ def run_one(
                 _run_scenario(scenario, target, sizes, args.model_dir, uuid.uuid4().hex[:8])
             )
         )
+        if server_name != PEER:
+            row.update(speculation_figures(server.url))
         figures = {k: round(v, 3) for k, v in row.items() if isinstance(v, float)}
         log(f"{scenario}: done in {time.monotonic() - started:.0f} s: {figures}")
     except Exception as exc:  # one failed run must not lose the others' figures
@@ -138,6 +144,17 @@ def run_one(
     finally:
         server.stop()
     return row
+
+
+def speculation_figures(url: str) -> dict[str, float]:
+    """Speculative decoding's counters from the server's /metrics, after the scenario."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        for name in ("verify_passes", "drafted_tokens", "accepted_tokens"):
+            if line.startswith(f"mlxgate_engine_{name}_total "):
+                values[name] = float(line.split()[1])
+    return values
 
 
 # The report --------------------------------------------------------------------------------
@@ -159,8 +176,13 @@ def _who(row: dict[str, Any]) -> str:
     return f"{LABELS[row['server']]} ({row['dialect']})"
 
 
-def _peer(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return next((r for r in rows if r["server"] == PEER and "error" not in r), None)
+def _peer(rows: list[dict[str, Any]], server: str = PEER) -> dict[str, Any] | None:
+    return next((r for r in rows if r["server"] == server and "error" not in r), None)
+
+
+def _kept_per_pass(row: dict[str, Any]) -> str:
+    passes = row.get("verify_passes")
+    return f"{row['accepted_tokens'] / passes:.2f}" if passes else "-"
 
 
 def _table(header: list[str], lines: list[list[str]]) -> list[str]:
@@ -199,22 +221,27 @@ def throughput_table(
         "failed",
         "output tok/s",
         "vs mlx_lm.server",
+        "vs no speculation",
+        "decode tok/s",
+        "goodput tok/s",
+        "kept guesses / pass",
         "bound tok/s",
         "% of bound",
         "out tok/req",
-        "TTFT p50 / p95 ms",
+        "TTFT p50 / p95 / p99 ms",
         "ITL p50 / p95 / max ms",
     ]
     lines = []
     for scenario in THROUGHPUT:
         rows = results.get(scenario, [])
-        peer = _peer(_ok(rows))
+        peer, plain = _peer(_ok(rows)), _peer(_ok(rows), PLAIN)
+
+        def ratio(row: dict[str, Any], base: dict[str, Any] | None) -> str:
+            if base is None or base is row or not base["output_tok_s"]:
+                return ""
+            return _x(row["output_tok_s"] / base["output_tok_s"])
+
         for row in _ok(rows):
-            vs = (
-                row["output_tok_s"] / peer["output_tok_s"]
-                if peer and peer["output_tok_s"]
-                else None
-            )
             bound_cell = share = "-"
             if scenario == "c32" and measured:
                 limit = bound.c32_bound(
@@ -225,22 +252,27 @@ def throughput_table(
                     output_tokens=row["max_tokens"],
                 )["bound_tok_s"]
                 bound_cell, share = f"{limit:.1f}", f"{100 * row['output_tok_s'] / limit:.0f}%"
+            ttft = " / ".join(_ms(row.get(f"ttft_{q}_s")) for q in ("p50", "p95", "p99"))
             lines.append(
                 [
-                    f"C={row['concurrency']}",
+                    scenario if scenario == "edit" else f"C={row['concurrency']}",
                     _who(row),
                     str(row["requests"]),
                     str(row["failed"]),
                     f"{row['output_tok_s']:.1f}",
-                    _x(vs) if row["server"] != PEER else "",
+                    ratio(row, peer),
+                    ratio(row, plain) if row["server"] != PEER else "",
+                    f"{row.get('decode_tok_s', 0.0):.1f}",
+                    f"{row.get('goodput_tok_s', 0.0):.1f}",
+                    _kept_per_pass(row),
                     bound_cell,
                     share,
                     f"{row['mean_output_tokens']:.0f}",
-                    f"{_ms(row['ttft_p50_s'])} / {_ms(row['ttft_p95_s'])}",
+                    ttft,
                     f"{_ms(row['itl_p50_s'])} / {_ms(row['itl_p95_s'])} / {_ms(row['itl_max_s'])}",
                 ]
             )
-        lines += _failed_rows(rows, len(header), (f"C={scenario[1:]}",))
+        lines += _failed_rows(rows, len(header), (scenario,))
     return _table(header, lines)
 
 
@@ -387,7 +419,7 @@ def report(
         "",
     ]
     for name in args.servers:
-        extra = args.mlxgate_args if name == "mlxgate" else args.mlx_lm_args
+        extra = args.mlx_lm_args if name == PEER else args.mlxgate_args
         command = server_command(name, "PORT", args.model_dir, shlex.split(extra))
         out.append(f"- {LABELS[name]}: `{display(command)}`")
     blas = {
@@ -399,14 +431,18 @@ def report(
     out += ["", f"BLAS mapped in the server processes: {', '.join(sorted(blas)) or '-'}", ""]
     if any(s in results for s in THROUGHPUT):
         out += [
-            "## Throughput (C concurrent clients, story prompts)",
+            "## Throughput (edit: one client asking for source files back with a rename; C=N: N "
+            "concurrent clients, story prompts)",
             "",
             *throughput_table(results, measured),
             "",
         ]
         out += [
-            "Targets: C=32 zero failures, >= 1.15x mlx_lm.server and >= 90% of the bound; "
-            "C=1 >= mlx_lm.server.",
+            "Targets: edit >= 2.0x mlx_lm.server and >= 1.8x without speculation; C=1 >= 1.0x "
+            "without speculation; C=32 zero failures, >= 0.97x without speculation, >= 1.3x "
+            f"mlx_lm.server, TTFT p95 <= mlx_lm.server's. Goodput counts the output of replies "
+            f"that start within {loadgen.TTFT_SLO_S:g} s and take <= "
+            f"{loadgen.TPOT_SLO_S * 1000:.0f} ms per token after the first.",
             "",
         ]
     if "c32" in results:
@@ -478,7 +514,7 @@ def main() -> None:
         "--servers",
         type=lambda v: _parse_list(v, tuple(DIALECTS)),
         default=list(DIALECTS),
-        help="comma-separated, from mlxgate,mlx_lm (default: both)",
+        help=f"comma-separated, from {','.join(DIALECTS)} (default: all)",
     )
     parser.add_argument(
         "--dialects",

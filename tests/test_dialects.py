@@ -25,6 +25,7 @@ from conftest import (
 )
 from mlxgate import chat
 from mlxgate.api import http
+from mlxgate.engine import GenerationRequest
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SERVED = "SmolLM2-135M-Instruct"
@@ -375,3 +376,21 @@ async def test_unexpected_errors_before_and_after_headers(
     dialect.stream_error(after.text, "internal")
 
     assert (await _post(in_process, dialect, max_tokens=8)).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_a_request_can_keep_out_of_speculative_decoding(
+    dialect: Dialect, in_process: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = in_process.app.engine
+    admit_all = engine.admit_all
+    speculate: list[bool] = []
+
+    def recording(requests: list[GenerationRequest]) -> list[Any]:
+        speculate.extend(r.speculate for r in requests)
+        return admit_all(requests)
+
+    monkeypatch.setattr(engine, "admit_all", recording)
+    assert (await _post(in_process, dialect, speculative_decoding=False)).status_code == 200
+    assert (await _post(in_process, dialect)).status_code == 200
+    assert speculate == [False, True]

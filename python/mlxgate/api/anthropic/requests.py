@@ -105,6 +105,8 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
+    # mlxgate's own: false keeps this request out of speculative decoding (same tokens, no guesses)
+    speculative_decoding: bool = True
 
 
 def _tool_result_text(block: ContentBlock) -> str:

@@ -81,6 +81,7 @@ class AnthropicAPI:
                 top_k=request.top_k,
             ),
             grammar=constraint(prompt, grammar),
+            speculate=request.speculative_decoding,
         )
         reader = admit(services.engine, generation, ADMISSION_ERRORS)
         await respond(send, receive, reader, ANTHROPIC, stream=request.stream)

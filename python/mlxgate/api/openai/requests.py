@@ -91,6 +91,8 @@ class _Sampling(_Lenient):
     top_k: int | None = Field(default=None, ge=0)
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=16)  # choices, each its own sequence (prefilled once)
+    # mlxgate's own: false keeps this request out of speculative decoding (same tokens, no guesses)
+    speculative_decoding: bool = True
 
     def sampling(self, defaults: SamplingParams) -> SamplingParams:
         return sampling(

@@ -127,6 +127,7 @@ class OpenAIAPI:
                 # With a seed, each choice its own: n identical samples would be no choice.
                 replace(sampling, seed=None if sampling.seed is None else sampling.seed + index),
                 grammar,
+                speculate=request.speculative_decoding,
             )
             for index in range(request.n)
         ]

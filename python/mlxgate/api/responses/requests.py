@@ -70,6 +70,8 @@ class ResponsesRequest(_Lenient):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # mlxgate's own: false keeps this request out of speculative decoding (same tokens, no guesses)
+    speculative_decoding: bool = True
     stream: bool = False
     store: bool = True  # OpenAI's default
     previous_response_id: str | None = None

@@ -98,6 +98,7 @@ class ResponsesAPI:
                 top_k=None,
             ),
             grammar=constraint(prompt, grammar),
+            speculate=request.speculative_decoding,
         )
         reader = admit(services.engine, generation, ADMISSION_ERRORS)
         # The Response object is in the last chunk: the router queues a stream's end at once.
