@@ -201,6 +201,28 @@ def test_a_long_prompt_decodes_in_a_band_of_its_own_exactly(engine: Engine) -> N
     assert story_beside == story_alone
 
 
+def test_prompt_lookup_guesses_from_the_prompt_and_changes_no_token(
+    smollm: LoadedModel, engine: Engine
+) -> None:
+    """Two sequences that copy from their prompts, in bands of their own (700 and 90 tokens
+    apart), decoding together with guesses: the tokens of an engine that never guesses."""
+    listing = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(40))
+    long_copy = prompt_ids(engine, f"```python\n{listing}\n```\nRewrite this file, f7 renamed g7.")
+    short_copy = prompt_ids(engine, "Repeat exactly: alpha beta gamma delta alpha beta gamma.")
+    plain = make_engine(smollm, max_draft_tokens=0)
+    try:
+        want = [text(body(submit(plain, ids, 96))) for ids in (long_copy, short_copy)]
+    finally:
+        plain.stop()
+    before = engine.metrics.snapshot()
+    readers = [submit(engine, ids, 96) for ids in (long_copy, short_copy)]
+    got = [text(body(reader)) for reader in readers]
+    after = engine.metrics.snapshot()
+    assert got == want
+    assert after["accepted_tokens"] - before["accepted_tokens"] > 20
+    assert after["verify_passes"] > before["verify_passes"]
+
+
 def test_stop_sequence_ends_generation_without_leaking(engine: Engine) -> None:
     ids = prompt_ids(engine, QUESTIONS[0])
     plain = text(body(submit(engine, ids, 32)))

@@ -4,6 +4,10 @@ Every step decodes one token for each running sequence, then spends what is left
 token budget on prefilling waiting prompts, so a long prompt never stalls running streams for
 more than a budget's worth of compute. A prompt joins the running batch once all but its last
 token is in the KV cache; that last token is its first decode input.
+
+While few sequences decode, a decode step may be a verify pass instead: rows that guess their
+next tokens from their own prompt and output (engine/speculation.py) feed them after their input
+token, and keep those the model confirms.
 """
 
 from __future__ import annotations
@@ -371,6 +375,7 @@ class Engine:
         self.metrics.requests_cancelled += waiting - len(self._waiting) + int(ended.sum())
 
     def _decode(self) -> None:
+        """One token per running row, or more for rows whose guesses the step confirms."""
         batch = self._batch
         speculation = self.speculation
         drafts = None
