@@ -352,6 +352,7 @@ def summarize(run: LoadRun) -> dict[str, Any]:
     ok = [r for r in run.results if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     decoding = [(r.output_tokens - 1, _decode_s(r)) for r in ok if r.output_tokens]
+    first_sent = min((r.sent_at for r in run.results), default=0.0)
     gaps = [g for r in ok for g in r.gaps]
     output = sum(r.output_tokens or 0 for r in ok)
     errors: dict[str, int] = {}
@@ -377,6 +378,10 @@ def summarize(run: LoadRun) -> dict[str, Any]:
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p95_s": percentile(ttfts, 95),
         "ttft_p99_s": percentile(ttfts, 99),
+        # Per request, in the order sent: when (seconds after the first) and its TTFT (None if
+        # it failed), to see where a tail comes from.
+        "sent_s": [round(r.sent_at - first_sent, 3) for r in run.results],
+        "ttfts_s": [None if r.ttft_s is None else round(r.ttft_s, 3) for r in run.results],
         "itl_p50_s": percentile(gaps, 50),
         "itl_p95_s": percentile(gaps, 95),
         "itl_max_s": max(gaps) if gaps else None,

@@ -98,15 +98,15 @@ class Model(nn.Module):  # type: ignore[misc,name-defined]
         return [KVCache() for _ in self.layers]  # type: ignore[no-untyped-call]
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        """Logits [B, L, vocab] at every position (a speculative verify pass reads them all;
+        a prefill runs the backbone alone)."""
         keys, mask = self.model(inputs, cache=cache)
-        batch, length = inputs.shape
-        targets = [self.next_token(history) for history in _histories(keys, mask, batch)]
-        hit = mx.arange(self.args.vocab_size)[None] == mx.array(targets)[:, None]
-        last = mx.where(hit, _SURE, -_SURE)[:, None, :]
-        if length == 1:
-            return last
-        # Only the last position is scripted (callers read logits[:, -1]).
-        return mx.concatenate([mx.zeros((batch, length - 1, self.args.vocab_size)), last], axis=1)
+        length = inputs.shape[1]
+        targets = [
+            [self.next_token(history) for history in row] for row in _histories(keys, mask, length)
+        ]
+        hit = mx.arange(self.args.vocab_size)[None, None] == mx.array(targets)[..., None]
+        return mx.where(hit, _SURE, -_SURE)
 
     def next_token(self, history: list[int]) -> int:
         script = self._script(history)
@@ -138,19 +138,21 @@ def _contains(history: list[int], needle: list[int]) -> bool:
     )
 
 
-def _histories(keys: Any, mask: Any, batch: int) -> list[list[int]]:
-    """Each row's token ids: the cache's columns that the last query position may attend to.
+def _histories(keys: Any, mask: Any, length: int) -> list[list[list[int]]]:
+    """Per row, per query position (the last `length` columns): the token ids that position
+    attends to, its own included.
 
     `keys` is [B, 1, S, 3] (or, for a cache kept in bands of rows, one such array per band)."""
     if isinstance(keys, list):  # a banded cache: one (keys, mask) per band, rows in order
         masks = mask if isinstance(mask, list) else [mask] * len(keys)
-        return [row for k, m in zip(keys, masks, strict=True) for row in _histories(k, m, 0)]
+        return [row for k, m in zip(keys, masks, strict=True) for row in _histories(k, m, length)]
     digits = np.array(keys[:, 0].astype(mx.float32))  # [B, S, 3]
     ids = (digits @ np.array([65536.0, 256.0, 1.0])).round().astype(np.int64)
     rows, columns = ids.shape
     if isinstance(mask, mx.array):
         m = np.array(mask if mask.dtype == mx.bool_ else mask == 0)  # additive: 0 where attended
-        m = np.broadcast_to(m.reshape((-1, *m.shape[-2:]))[:, -1, :], (rows, columns))
-    else:  # None or "causal": every column is the row's own
-        m = np.ones((rows, columns), dtype=np.bool_)
-    return [ids[row][m[row]].tolist() for row in range(rows)]
+        m = np.broadcast_to(m.reshape((-1, *m.shape[-2:]))[:, -length:, :], (rows, length, columns))
+    else:  # None or "causal": each position attends to every column up to its own
+        m = np.tril(np.ones((length, columns), dtype=np.bool_), k=columns - length)
+        m = np.broadcast_to(m, (rows, length, columns))
+    return [[ids[row][m[row, q]].tolist() for q in range(length)] for row in range(rows)]
