@@ -351,7 +351,8 @@ def _meets_slo(r: RequestResult) -> bool:
 def summarize(run: LoadRun) -> dict[str, Any]:
     ok = [r for r in run.results if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-    decoding = [(r.output_tokens - 1, _decode_s(r)) for r in ok if r.output_tokens]
+    decoding = [(r.output_tokens - 1, _decode_s(r) or 0.0) for r in ok if r.output_tokens]
+    decode_s = sum(s for _, s in decoding)
     first_sent = min((r.sent_at for r in run.results), default=0.0)
     gaps = [g for r in ok for g in r.gaps]
     output = sum(r.output_tokens or 0 for r in ok)
@@ -367,9 +368,7 @@ def summarize(run: LoadRun) -> dict[str, Any]:
         "output_tokens": output,
         "output_tok_s": output / run.wall_s if run.wall_s > 0 else 0.0,
         # Per request, after its first token (prefill left out), over all requests.
-        "decode_tok_s": sum(n for n, _ in decoding) / sum(s or 0.0 for _, s in decoding)
-        if decoding and sum(s or 0.0 for _, s in decoding) > 0
-        else 0.0,
+        "decode_tok_s": sum(n for n, _ in decoding) / decode_s if decode_s > 0 else 0.0,
         "goodput_tok_s": sum(r.output_tokens or 0 for r in ok if _meets_slo(r)) / run.wall_s
         if run.wall_s > 0
         else 0.0,

@@ -30,6 +30,7 @@ import httpx
 import loadgen
 import scenarios
 from export_model import DEFAULT_DIR
+from prometheus_client.parser import text_string_to_metric_families
 from scenarios import Sizes, Target
 from servers import (
     DIALECTS,
@@ -48,6 +49,7 @@ SCENARIOS = ("edit", "c1", "c8", "c32", "long", "hol", "prefix", "disconnect")
 THROUGHPUT = ("edit", "c1", "c8", "c32")
 PEER = "mlx_lm"
 PLAIN = "mlxgate_plain"
+SPECULATION_COUNTERS = ("verify_passes", "drafted_tokens", "accepted_tokens")
 
 
 def log(message: str) -> None:
@@ -149,12 +151,12 @@ def run_one(
 def speculation_figures(url: str) -> dict[str, float]:
     """Speculative decoding's counters from the server's /metrics, after the scenario."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    values = {}
-    for line in text.splitlines():
-        for name in ("verify_passes", "drafted_tokens", "accepted_tokens"):
-            if line.startswith(f"mlxgate_engine_{name}_total "):
-                values[name] = float(line.split()[1])
-    return values
+    wanted = {f"mlxgate_engine_{name}": name for name in SPECULATION_COUNTERS}
+    return {
+        wanted[family.name]: family.samples[0].value
+        for family in text_string_to_metric_families(text)
+        if family.name in wanted
+    }
 
 
 # The report --------------------------------------------------------------------------------

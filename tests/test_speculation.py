@@ -249,14 +249,14 @@ def test_prompt_lookup_continues_the_latest_longest_match() -> None:
 def test_a_sequence_guesses_more_while_right_and_pauses_while_wrong() -> None:
     lookup = Lookup.of([1, 2, 3], max_draft=8)
     assert lookup.draft_len == 4
-    lookup.verified(step=1, drafted=4, kept=4)
+    lookup.verified(step=1, drafted=4, kept=4, max_draft=8)
     assert lookup.draft_len == 6
-    lookup.verified(step=2, drafted=6, kept=2)
+    lookup.verified(step=2, drafted=6, kept=2, max_draft=8)
     assert lookup.draft_len == 3
     always = lambda tokens, k: np.ones(k, dtype=np.int64)  # noqa: E731
     for step in range(3, 6):
         assert lookup.draft(always, step, room=100).size
-        lookup.verified(step, drafted=1, kept=0)
+        lookup.verified(step, drafted=1, kept=0, max_draft=8)
     assert lookup.draft(always, 6, room=100).size == 0  # paused
     assert lookup.draft(always, 6 + 8, room=100).size == 1
     assert lookup.draft(always, 6 + 8, room=0).size == 0  # no room left in the context

@@ -76,6 +76,11 @@ class DecodeBatch:
         return stream_ids[stream_ids != FREE].tolist()  # type: ignore[no-any-return]
 
     @property
+    def samplers(self) -> list[Sampler]:
+        """Per slot (a free slot's is greedy)."""
+        return list(itertools.chain.from_iterable(band.samplers for band in self.bands))
+
+    @property
     def inputs(self) -> mx.array:
         """The token each slot feeds next."""
         if len(self.bands) == 1:
@@ -152,7 +157,7 @@ class DecodeBatch:
     def sample(self, logits: mx.array, vocabulary: Vocabulary | None = None) -> mx.array:
         """Next token per row: one argmax for greedy rows, per-row samplers for the others;
         rows with a grammar choose among the tokens it allows."""
-        samplers = list(itertools.chain.from_iterable(band.samplers for band in self.bands))
+        samplers = self.samplers
         self._matchers = [
             (i, s.matcher_in(vocabulary, logits.shape[-1]))
             for i, s in enumerate(samplers)
@@ -182,7 +187,7 @@ class DecodeBatch:
         keep. Position 0 is sampled as a decode step samples (grammars and log-probabilities
         included: rows with those do not guess); the rest only for rows that guessed."""
         first = self.sample(logits[:, 0, :], vocabulary)
-        samplers = list(itertools.chain.from_iterable(band.samplers for band in self.bands))
+        samplers = self.samplers
         guessing = np.flatnonzero(drafts.counts).tolist()
         sampled_rows = [i for i in guessing if not samplers[i].params.greedy]
         later = mx.argmax(logits[:, 1:, :], axis=-1).astype(mx.uint32)

@@ -174,7 +174,7 @@ class Engine:
                 self.layout.describe(),
             )
             return None
-        return Speculation(s.max_draft_tokens)
+        return Speculation(s.max_draft_tokens, self.loaded.context_length)
 
     def admit(self, request: GenerationRequest) -> Reader:
         """Open the request's stream and queue it, or raise an AdmissionError."""
@@ -380,18 +380,19 @@ class Engine:
         speculation = self.speculation
         drafts = None
         if speculation is not None and len(batch) <= self.settings.speculation_max_rows:
-            drafts = speculation.drafts(batch.stream_ids, self.loaded.context_length)
+            drafts = speculation.drafts(batch.stream_ids)
         if drafts is None:
             logits = self._adapter.decode(batch.inputs, batch.caches)
-            step_tokens = batch.sample(logits, self.vocabulary)
-            mx.eval(step_tokens)
-            tokens = np.array(step_tokens)[:, None]
+            inputs = batch.sample(logits, self.vocabulary)
+            mx.eval(inputs)
+            tokens = np.array(inputs)[:, None]
             kept = np.zeros(len(tokens), dtype=np.int64)
         else:
             tokens, kept = self._verify(drafts)
+            inputs = mx.array(tokens[np.arange(len(tokens)), kept])  # each row's last token
         slot_ids = batch.stream_ids
         # Free slots were computed too: their tokens go nowhere.
-        batch.advance(mx.array(tokens[np.arange(len(tokens)), kept]))
+        batch.advance(inputs)
         if speculation is not None:
             self._guessed(speculation, slot_ids, drafts, kept, tokens)
         if sampled := batch.logprobs():
@@ -436,7 +437,7 @@ class Engine:
             m.verify_passes += 1
             m.drafted_tokens += drafted
             m.accepted_tokens += accepted
-        speculation.forget(set(self._batch.running_ids))
+        speculation.forget(len(self._batch), lambda: self._batch.running_ids)
 
     def _prefill(self, budget: int, allowance_s: float | None) -> int:
         """Prefill up to `budget` prompt tokens, oldest sequence first; returns how many.
@@ -589,9 +590,7 @@ class Engine:
             self.metrics.ttft_s.extend(now - p.submitted_at for p in joining)
         if self.speculation is not None:
             for p in joining:
-                r = p.request
-                if r.speculate and r.grammar is None and r.sampling.logprobs is None:
-                    self.speculation.start(p.stream_id, r.prompt_ids)
+                self.speculation.start(p.stream_id, p.request)
         self._batch.add(
             caches,
             [len(p.request.prompt_ids) - 1 for p in joining],

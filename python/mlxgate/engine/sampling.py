@@ -42,13 +42,12 @@ class Sampler:
         on only by `keep`: positions whose tokens are not kept leave it as it was."""
         if self.params.greedy:
             return mx.argmax(logits, axis=-1)
-        if self._key is None:
-            return mx.concatenate([self._sample(logits[i : i + 1]) for i in range(len(logits))])
-        self._ahead = []
-        key, picks = self._key, []
+        key, picks, self._ahead = self._key, [], []
         for i in range(len(logits)):
-            key, sub = mx.random.split(key)
-            self._ahead.append(key)
+            sub = None
+            if key is not None:
+                key, sub = mx.random.split(key)
+                self._ahead.append(key)
             picks.append(self._sample(logits[i : i + 1], sub))
         return mx.concatenate(picks)
 

@@ -22,10 +22,15 @@ save on this CPU; speculation is off for models with such layers (`CacheLayout.c
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from mlxgate.engine.contract import GenerationRequest
+
+log = logging.getLogger("mlxgate.engine")
 
 # Draft lengths: a row starts at START, grows by GROW after a fully kept guess, falls back to
 # what it kept (plus one) after a miss.
@@ -51,7 +56,6 @@ class Lookup:
 
     tokens: np.ndarray  # the prompt and output so far, in `[:length]`
     length: int
-    max_draft: int
     draft_len: int = START
     misses: int = 0  # verify passes in a row that kept none of this row's guesses
     pause: int = PAUSE
@@ -63,7 +67,7 @@ class Lookup:
     def of(cls, prompt_ids: list[int], max_draft: int) -> Lookup:
         tokens = np.zeros(max(64, 2 * len(prompt_ids)), dtype=np.int64)
         tokens[: len(prompt_ids)] = prompt_ids
-        return cls(tokens, len(prompt_ids), max_draft, min(START, max_draft))
+        return cls(tokens, len(prompt_ids), min(START, max_draft))
 
     def extend(self, new: np.ndarray) -> None:
         end = self.length + len(new)
@@ -81,12 +85,12 @@ class Lookup:
             return _NONE
         return propose(self.tokens[: self.length], k)[:k]
 
-    def verified(self, step: int, drafted: int, kept: int) -> None:
+    def verified(self, step: int, drafted: int, kept: int, max_draft: int) -> None:
         """`kept` of the `drafted` guesses were right."""
         self.drafted += drafted
         self.accepted += kept
         if kept == drafted:
-            self.draft_len = min(self.max_draft, self.draft_len + GROW)
+            self.draft_len = min(max_draft, self.draft_len + GROW)
             self.misses = 0
             self.pause = PAUSE
             return
@@ -164,28 +168,42 @@ class Speculation:
     """The guessing state of every running sequence that takes part, by stream id."""
 
     max_draft: int
+    context: int  # tokens a sequence's cache holds at most: guesses stop there
     propose: Propose = field(default_factory=PromptLookup)
     lookups: dict[int, Lookup] = field(default_factory=dict)
     steps: int = 0
 
-    def start(self, stream_id: int, prompt_ids: list[int]) -> None:
-        self.lookups[stream_id] = Lookup.of(prompt_ids, self.max_draft)
+    def start(self, stream_id: int, request: GenerationRequest) -> None:
+        """Let a sequence joining the batch guess, unless its request opted out or is held to
+        a grammar or asks for log-probabilities (guessed positions are sampled without them)."""
+        if request.speculate and request.grammar is None and request.sampling.logprobs is None:
+            self.lookups[stream_id] = Lookup.of(request.prompt_ids, self.max_draft)
 
-    def forget(self, running: set[int]) -> None:
-        """Drop the state of sequences no longer running."""
-        if len(self.lookups) > len(running):
-            self.lookups = {sid: lk for sid, lk in self.lookups.items() if sid in running}
+    def forget(self, running: int, running_ids: Callable[[], list[int]]) -> None:
+        """Drop the state of sequences no longer running (`running` of them; `running_ids`
+        says which, asked only when some state is left over)."""
+        if len(self.lookups) <= running:
+            return
+        ids = set(running_ids())
+        for stream_id in [sid for sid in self.lookups if sid not in ids]:
+            lookup = self.lookups.pop(stream_id)
+            log.debug(
+                "stream %d: %d of %d guessed tokens kept",
+                stream_id,
+                lookup.accepted,
+                lookup.drafted,
+            )
 
-    def drafts(self, stream_ids: np.ndarray, context: int) -> Drafts | None:
-        """This step's guesses for the slots `stream_ids`, as many as fit a `context`-token
-        cache; None when no row guesses (a plain decode step)."""
+    def drafts(self, stream_ids: np.ndarray) -> Drafts | None:
+        """This step's guesses for the slots `stream_ids`; None when no row guesses (a plain
+        decode step)."""
         self.steps += 1
         guesses = []
         for slot, stream_id in enumerate(stream_ids.tolist()):
             lookup = self.lookups.get(stream_id)
             if lookup is not None:
                 # The cache holds all but the last token; the pass adds it and the guesses.
-                guess = lookup.draft(self.propose, self.steps, context - lookup.length)
+                guess = lookup.draft(self.propose, self.steps, self.context - lookup.length)
                 if guess.size:
                     guesses.append((slot, guess))
         if not guesses:
@@ -211,7 +229,7 @@ class Speculation:
             n = int(kept[slot])
             lookup.extend(tokens[slot, : n + 1])
             if drafts is not None and (count := int(drafts.counts[slot])):
-                lookup.verified(self.steps, count, n)
+                lookup.verified(self.steps, count, n, self.max_draft)
                 drafted += count
                 accepted += n
         return drafted, accepted
