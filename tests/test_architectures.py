@@ -80,11 +80,17 @@ def assert_same(got: list[int], want: Expected, what: str) -> None:
 class Served:
     """The engine over one tiny model, with a vocabulary whose token i reads `i,`."""
 
-    def __init__(self, model: Any, context_length: int = 4096, **settings: Any) -> None:
-        install_kernels(model)  # as `models.load` does
+    def __init__(
+        self, model: Any, context_length: int = 4096, draft_model: Any = None, **settings: Any
+    ) -> None:
+        for m in (model, draft_model):
+            if m is not None:
+                install_kernels(m)  # as `models.load` does
         vocab = Vocab.from_token_bytes([f"{i},".encode() for i in range(VOCAB)], [])
         loaded = LoadedModel("tiny", model, cast(Any, None), context_length, "test")
-        self.engine = Engine(loaded, Router(vocab), EngineSettings(**settings))
+        self.engine = Engine(
+            loaded, Router(vocab), EngineSettings(**settings), draft_model=draft_model
+        )
         self.engine.start()
 
     def submit(self, prompt: list[int], steps: int = STEPS) -> Reader:

@@ -10,18 +10,29 @@ tested on its own and with the embedded model in test_engine.py.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
+import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from prometheus_client.parser import text_string_to_metric_families
 from test_architectures import Served, assert_same, prompts, reference, wait_until
-from tiny_models import VOCAB, twins
+from tiny_models import VOCAB, build, quantized, twins
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from conftest import REPO, free_port, start_server, stop_server
+from forced import forced_model_dir, serve_args
 from mlxgate._native import StreamSpec
 from mlxgate.engine import GenerationRequest
+from mlxgate.engine.cache_kinds import UnsupportedCache
 from mlxgate.engine.contract import SamplingParams
 from mlxgate.engine.speculation import Lookup, continuation
 
@@ -52,16 +63,16 @@ class Oracle:
         return np.zeros(0, dtype=np.int64)
 
 
-@pytest.fixture(
-    params=[
-        ("llama", None),
-        ("llama", "affine"),
-        ("deepseek_v3", None),
-        ("qwen3_moe", None),
-        ("gemma2", None),  # decodes one sequence at a time (mlx-lm batches it wrong)
-    ],
-    ids=lambda p: p[0] if p[1] is None else f"{p[0]}-4bit",
-)
+TARGETS = [
+    ("llama", None),
+    ("llama", "affine"),
+    ("deepseek_v3", None),  # multi-head latent attention
+    ("qwen3_moe", None),
+    ("gemma2", None),  # decodes one sequence at a time (mlx-lm batches it wrong)
+]
+
+
+@pytest.fixture(params=TARGETS, ids=lambda p: p[0] if p[1] is None else f"{p[0]}-4bit")
 def tiny(request: pytest.FixtureRequest) -> Iterator[tuple[Served, Any, Oracle]]:
     arch, quantization = request.param
     served_model, reference_model = twins(arch, quantization)
@@ -131,6 +142,62 @@ def test_cancelling_a_stream_between_verify_passes_leaves_the_others_exact(
     cancelled.cancel()
     for i, reader in enumerate(readers):
         assert_same(served.result(reader)[0], expected[i], f"row {i}")
+
+
+@pytest.fixture(params=[arch for arch, quantization in TARGETS if quantization is None])
+def drafted(request: pytest.FixtureRequest) -> Iterator[tuple[Served, Any]]:
+    """A target served with a draft model: its own weights quantized to 4 bits, whose guesses
+    are right often and wrong often (rows keep all, some or none of them in one pass)."""
+    arch = request.param
+    served_model, reference_model = twins(arch)
+    draft = build(arch)
+    draft.update(served_model.parameters())
+    served = Served(
+        served_model,
+        draft_model=quantized(draft, arch),
+        max_prefill_chunk=16,
+        speculation_max_rows=64,
+        prefix_cache_mb=64,
+    )
+    yield served, reference_model
+    served.engine.stop()
+
+
+def test_a_draft_model_changes_no_greedy_token(drafted: tuple[Served, Any]) -> None:
+    served, model = drafted
+    many = prompts(16, 3, 40, seed=21)
+    expected = [reference(model, p, STEPS) for p in many]
+    metrics = served.engine.metrics
+
+    assert_same(served.generate(many[0], STEPS)[0], expected[0], "alone")
+    assert metrics.accepted_tokens > 0 and metrics.verify_passes < STEPS
+
+    readers = [served.submit(p, STEPS) for p in many]
+    for i, reader in enumerate(readers):
+        assert_same(served.result(reader)[0], expected[i], f"row {i} of 16")
+    assert 0 < metrics.accepted_tokens < metrics.drafted_tokens
+    # Each sequence's prompt is in the draft's prefix cache: a second turn reuses it.
+    draft = served.engine.speculation.draft_model  # type: ignore[union-attr]
+    assert len(draft.prefix_cache) > 0
+    longer = [*many[1], *expected[1].tokens, 5, 6]
+    assert_same(served.generate(longer, STEPS)[0], reference(model, longer, STEPS), "next turn")
+
+
+def test_a_draft_model_of_another_family_guesses_too() -> None:
+    """Any model with the served model's tokenizer: here a llama guesses for a qwen3_moe (its
+    guesses are seldom right), and the draft's rows follow the batch's joins and ends."""
+    served_model, model = twins("qwen3_moe")
+    served = Served(served_model, draft_model=build("llama", seed=7), speculation_max_rows=64)
+    try:
+        many = prompts(6, 3, 30, seed=22)
+        lengths = [8, 30, 3, 17, 24, 12]
+        readers = [served.submit(p, n) for p, n in zip(many, lengths, strict=True)]
+        for i, reader in enumerate(readers):
+            want = reference(model, many[i], lengths[i])
+            assert_same(served.result(reader)[0], want, f"row {i}")
+        assert served.engine.metrics.drafted_tokens > 0
+    finally:
+        served.engine.stop()
 
 
 def test_speculation_is_off_where_a_layer_cannot_take_positions_back() -> None:
@@ -253,10 +320,72 @@ def test_a_sequence_guesses_more_while_right_and_pauses_while_wrong() -> None:
     assert lookup.draft_len == 6
     lookup.verified(step=2, drafted=6, kept=2, max_draft=8)
     assert lookup.draft_len == 3
-    always = lambda tokens, k: np.ones(k, dtype=np.int64)  # noqa: E731
     for step in range(3, 6):
-        assert lookup.draft(always, step, room=100).size
+        assert lookup.wanted(step, room=100) > 0
         lookup.verified(step, drafted=1, kept=0, max_draft=8)
-    assert lookup.draft(always, 6, room=100).size == 0  # paused
-    assert lookup.draft(always, 6 + 8, room=100).size == 1
-    assert lookup.draft(always, 6 + 8, room=0).size == 0  # no room left in the context
+    assert lookup.wanted(6, room=100) == 0  # paused
+    assert lookup.wanted(6 + 8, room=100) == 1
+    assert lookup.wanted(6 + 8, room=0) == 0  # no room left in the context
+
+
+ANSWER = "The quick brown fox jumps over the lazy dog, and the lazy dog sleeps in the sun all day."
+# What the draft model writes instead: right for a while, then wrong, then right again.
+DRAFT_ANSWER = "The quick brown fox jumps over the sleepy cat, and the lazy dog sleeps in a box."
+
+
+def test_a_served_draft_model_guesses_and_the_reply_is_the_served_models(tmp_path: Path) -> None:
+    """`mlxgate serve --draft-model`: a forced model whose script differs from the served
+    model's in places guesses for it; every client gets the served model's reply, to the
+    character, alone and four at once, streamed or not, and /metrics counts the guesses."""
+    target = forced_model_dir(tmp_path, "qwen3", script=ANSWER, name="target")
+    draft = forced_model_dir(tmp_path, "qwen3", script=DRAFT_ANSWER, name="draft")
+    server = start_server(tmp_path, *serve_args(target), "--draft-model", str(draft))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-local", max_retries=0)
+    try:
+
+        def ask(n: int) -> str:
+            messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": f"#{n}"}]
+            if n % 2:
+                chunks = client.chat.completions.create(
+                    model="forced", max_tokens=60, messages=messages, stream=True
+                )
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reply = client.chat.completions.create(model="forced", max_tokens=60, messages=messages)
+            return reply.choices[0].message.content or ""
+
+        assert ask(0) == ANSWER
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(ask, range(1, 5))) == [ANSWER] * 4
+        metrics = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+            for sample in family.samples
+        }
+        drafted = metrics["mlxgate_engine_drafted_tokens_total"]
+        accepted = metrics["mlxgate_engine_accepted_tokens_total"]
+        assert 0 < accepted < drafted
+        assert "speculative decoding: a draft model (1 attention layers)" in server.log()
+    finally:
+        stop_server(server)
+
+
+def test_a_draft_model_with_another_tokenizer_stops_the_server_at_start_up(
+    tmp_path: Path,
+) -> None:
+    target = forced_model_dir(tmp_path, "qwen3", script=ANSWER, name="target")
+    draft = forced_model_dir(tmp_path, "gpt-oss", script=ANSWER, name="draft")
+    serve = [sys.executable, "-m", "mlxgate", "serve", "--port", str(free_port())]
+    run = subprocess.run(
+        [*serve, *serve_args(target), "--draft-model", str(draft)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert run.returncode != 0
+    assert "a draft model must share the served model's tokenizer" in run.stderr + run.stdout
+
+
+def test_a_draft_model_that_cannot_decode_a_batch_is_refused() -> None:
+    with pytest.raises(UnsupportedCache, match="draft model cannot decode several sequences"):
+        Served(twins("llama")[0], draft_model=build("gemma2"))

@@ -32,6 +32,7 @@ from mlxgate.api.responses import ResponsesAPI
 from mlxgate.api.shared import Route, Services
 from mlxgate.config import Config
 from mlxgate.engine import Engine, Generator, SamplingParams
+from mlxgate.engine.drafter import check_vocabularies
 from mlxgate.metrics import EngineCollector
 
 log = logging.getLogger("mlxgate")
@@ -212,7 +213,28 @@ def build_app(config: Config) -> App:
         tool_format=None if config.tool_format == "auto" else config.tool_format,
         reasoning_format=None if config.reasoning_format == "auto" else config.reasoning_format,
     )
-    engine = Engine(loaded, Router(vocab), config.engine, end_ids=renderer.eos_ids)
+    draft = None
+    if config.draft_model is not None:
+        draft = models.load(
+            config.draft_model,
+            trust_remote_code=config.trust_remote_code,
+            context_length=loaded.context_length,
+            rope_scaling=config.rope_scaling,
+        )
+        check_vocabularies(tokenizer.token_strings(), draft.tokenizer.token_strings())
+        log.info(
+            "draft model %s: %s, %s",
+            draft.name,
+            models.architecture(draft.model),
+            models.precision(draft.model),
+        )
+    engine = Engine(
+        loaded,
+        Router(vocab),
+        config.engine,
+        end_ids=renderer.eos_ids,
+        draft_model=draft.model if draft else None,
+    )
     layout = engine.layout
     log.info(
         "model %s: %s, %s, %s, context %s; the prefix cache reuses %s",

@@ -24,6 +24,13 @@ class Config:
         "org/repo id (downloaded by mlx-lm)",
         default_text="the embedded SmolLM2-135M-Instruct",
     )
+    draft_model: str | None = setting(
+        None,
+        "a smaller model with the served model's tokenizer (same forms as --model) that guesses "
+        "tokens ahead for speculative decoding, in place of prompt lookup",
+        metavar="MODEL",
+        default_text="none: sequences guess from their own prompt and output",
+    )
     context_length: int | None = setting(
         None,
         "tokens of context to serve. Fewer than the model's own caps prompts there; more "

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from mlxgate._native import ErrorKind, FinishReason, Reader, Router
@@ -31,6 +32,7 @@ from mlxgate.engine.batch import FREE, DecodeBatch
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.constraints import Vocabulary
 from mlxgate.engine.contract import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
+from mlxgate.engine.drafter import DraftModel
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.prefix_cache import PrefixCache, PrefixMatch
 from mlxgate.engine.sampling import Sampler
@@ -109,9 +111,11 @@ class Engine:
         router: Router,
         settings: EngineSettings | None = None,
         end_ids: list[int] | None = None,
+        draft_model: nn.Module | None = None,
     ) -> None:
         """`end_ids`: the tokens that end a reply (the tokenizer's end-of-sequence ids unless
-        given): where a grammar lets a constrained reply end."""
+        given): where a grammar lets a constrained reply end. `draft_model`: a smaller model
+        with the same tokenizer that guesses tokens ahead (else prompt lookup guesses)."""
         self.loaded = loaded
         self.model = loaded.model
         self.router = router
@@ -146,7 +150,7 @@ class Engine:
             )
             self.settings = dataclasses.replace(self.settings, max_running=1)
         # Guessing tokens ahead (engine/speculation.py); None where it is off.
-        self.speculation = self._make_speculation()
+        self.speculation = self._make_speculation(draft_model)
         self._gone: set[int] = set()  # cancelled stream ids not yet dropped
         # Measured as the engine runs: a decode step, and one prefilled token (seconds).
         self._decode_s: float | None = None
@@ -163,7 +167,7 @@ class Engine:
         self._joining: list[_Pending] = []
         self._batch = DecodeBatch(self.layout, self._banded)
 
-    def _make_speculation(self) -> Speculation | None:
+    def _make_speculation(self, draft_model: nn.Module | None) -> Speculation | None:
         s = self.settings
         if not s.max_draft_tokens or s.speculation_max_rows < 1:
             return None
@@ -174,7 +178,20 @@ class Engine:
                 self.layout.describe(),
             )
             return None
-        return Speculation(s.max_draft_tokens, self.loaded.context_length)
+        speculation = Speculation(s.max_draft_tokens, self.loaded.context_length)
+        if draft_model is not None:
+            speculation.draft_model = DraftModel(
+                draft_model,
+                s.prefix_cache_mb << 20,
+                s.max_prefill_chunk,
+                batched=s.max_running > 1 and s.speculation_max_rows > 1,
+            )
+            log.info(
+                "speculative decoding: a draft model (%s) guesses up to %d tokens ahead",
+                speculation.draft_model.layout.describe(),
+                s.max_draft_tokens,
+            )
+        return speculation
 
     def admit(self, request: GenerationRequest) -> Reader:
         """Open the request's stream and queue it, or raise an AdmissionError."""
@@ -244,6 +261,8 @@ class Engine:
     def _run(self) -> None:
         # MLX streams are per thread: every array the engine evaluates is made on this thread.
         self._batch = DecodeBatch(self.layout, self._banded)
+        if self.speculation is not None:
+            self.speculation.reset()
         while self._running.is_set():
             with self._wakeup:
                 if not (self._incoming or self._waiting or len(self._batch)):
@@ -262,6 +281,8 @@ class Engine:
         self._waiting.clear()
         self._joining = []
         self._batch = DecodeBatch(self.layout, self._banded)
+        if self.speculation is not None:
+            self.speculation.reset()
 
     def _step(self) -> None:
         self._drop_cancelled()

@@ -49,8 +49,8 @@ class EngineSettings:
     )
     max_draft_tokens: int = setting(
         8,
-        "speculative decoding by prompt lookup: the most tokens a sequence guesses from its own "
-        "prompt and output for one forward pass to check; 0 turns it off",
+        "speculative decoding: the most tokens a sequence guesses ahead (from its own prompt "
+        "and output, or with --draft-model) for one forward pass to check; 0 turns it off",
     )
     speculation_max_rows: int = setting(
         4,

@@ -1,5 +1,6 @@
-"""Speculative decoding by prompt lookup: each running sequence guesses its next tokens from its
-own prompt and output, and one forward pass checks the guesses of every row.
+"""Speculative decoding: each running sequence guesses its next tokens, and one forward pass
+checks the guesses of every row. The guesses come from the sequence's own prompt and output
+(prompt lookup, here), or from a smaller draft model (`--draft-model`, engine/drafter.py).
 
 On CPU a decode step is bound by reading the weights, so a pass over a few positions per row
 costs little more than over one. Agents quote files, tool output and code that already stand in
@@ -25,10 +26,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mlxgate.engine.contract import GenerationRequest
+
+if TYPE_CHECKING:
+    from mlxgate.engine.drafter import DraftModel
 
 log = logging.getLogger("mlxgate.engine")
 
@@ -78,12 +83,13 @@ class Lookup:
         self.tokens[self.length : end] = new
         self.length = end
 
-    def draft(self, propose: Propose, step: int, room: int) -> np.ndarray:
-        """The guessed next tokens (none while paused); at most `room`."""
-        k = min(self.draft_len, room)
-        if k <= 0 or step < self.paused_until:
-            return _NONE
-        return propose(self.tokens[: self.length], k)[:k]
+    @property
+    def history(self) -> np.ndarray:
+        return self.tokens[: self.length]
+
+    def wanted(self, step: int, room: int) -> int:
+        """How many tokens to guess this step (none while paused); at most `room`."""
+        return 0 if step < self.paused_until else max(0, min(self.draft_len, room))
 
     def verified(self, step: int, drafted: int, kept: int, max_draft: int) -> None:
         """`kept` of the `drafted` guesses were right."""
@@ -170,6 +176,7 @@ class Speculation:
     max_draft: int
     context: int  # tokens a sequence's cache holds at most: guesses stop there
     propose: Propose = field(default_factory=PromptLookup)
+    draft_model: DraftModel | None = None  # guesses in place of `propose`, for all rows at once
     lookups: dict[int, Lookup] = field(default_factory=dict)
     steps: int = 0
 
@@ -198,23 +205,32 @@ class Speculation:
         """This step's guesses for the slots `stream_ids`; None when no row guesses (a plain
         decode step)."""
         self.steps += 1
-        guesses = []
+        rows = []  # (slot, stream id, lookup, tokens wanted)
         for slot, stream_id in enumerate(stream_ids.tolist()):
             lookup = self.lookups.get(stream_id)
             if lookup is not None:
                 # The cache holds all but the last token; the pass adds it and the guesses.
-                guess = lookup.draft(self.propose, self.steps, self.context - lookup.length)
-                if guess.size:
-                    guesses.append((slot, guess))
-        if not guesses:
+                k = lookup.wanted(self.steps, self.context - lookup.length)
+                rows.append((slot, stream_id, lookup, k))
+        if not any(k for *_, k in rows):
             return None
-        width = max(guess.size for _, guess in guesses)
+        if self.draft_model is None:
+            guesses = [
+                self.propose(lookup.history, k)[:k] if k else _NONE for *_, lookup, k in rows
+            ]
+        else:
+            # A draft row needs a token to prefill besides its first input.
+            rows = [row for row in rows if row[2].length >= 2]
+            if not any(k for *_, k in rows):
+                return None
+            guesses = self.draft_model.propose([(sid, lu.history, k) for _, sid, lu, k in rows])
+        width = max(guess.size for guess in guesses)
         counts = np.zeros(len(stream_ids), dtype=np.int64)
         tokens = np.zeros((len(stream_ids), width), dtype=np.int64)
-        for slot, guess in guesses:
+        for (slot, *_), guess in zip(rows, guesses, strict=True):
             counts[slot] = guess.size
             tokens[slot, : guess.size] = guess
-        return Drafts(counts, tokens)
+        return Drafts(counts, tokens) if width else None
 
     def emitted(
         self, stream_ids: np.ndarray, drafts: Drafts | None, kept: np.ndarray, tokens: np.ndarray
@@ -232,4 +248,14 @@ class Speculation:
                 lookup.verified(self.steps, count, n, self.max_draft)
                 drafted += count
                 accepted += n
+        if self.draft_model is not None and drafts is not None:
+            self.draft_model.settle(
+                {sid: int(n) for sid, n in zip(stream_ids.tolist(), kept.tolist(), strict=True)}
+            )
         return drafted, accepted
+
+    def reset(self) -> None:
+        """Forget every sequence (after a failed step)."""
+        self.lookups.clear()
+        if self.draft_model is not None:
+            self.draft_model.reset()
