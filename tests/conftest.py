@@ -168,7 +168,7 @@ def in_process() -> Iterator[InProcessServer]:
     from mlxgate.app import build_app
     from mlxgate.config import Config
 
-    app = build_app(Config())
+    app = build_app(Config(allowed_hosts=("mlxgate.test",)))  # the ASGI transport's host
     router = FaultyRouter(app.engine.router)
     app.engine.router = router  # type: ignore[assignment]
     yield InProcessServer(app, router)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
+import secrets
 import time
-from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 
@@ -14,6 +13,7 @@ from mlxgate import chat
 from mlxgate._native import Dialect, ErrorKind, Router, Vocab
 from mlxgate.api.anthropic import AnthropicAPI
 from mlxgate.api.errors import ApiError
+from mlxgate.api.guard import Guard
 from mlxgate.api.http import (
     BodyTooLarge,
     ClientGone,
@@ -69,7 +69,13 @@ class App:
             Route("HEAD", "/health", Dialect.OPENAI, self._health),
             Route("GET", "/metrics", Dialect.OPENAI, self._metrics),
         ]
-        self._in_flight: collections.Counter[str] = collections.Counter()
+        self.guard = Guard(
+            api_key=config.api_key,
+            allowed_hosts=config.allowed_hosts,
+            cors_origins=config.cors_origins,
+            max_per_client=config.max_per_client,
+            rate_limit=config.rate_limit,
+        )
         self.requests = Counter(
             "mlxgate_http_requests_total", "HTTP requests by route and status", ["route", "status"]
         )
@@ -86,15 +92,32 @@ class App:
         dialect = route.dialect if route else _fallback_dialect(path)
         label = route.path if route and not route.prefix else "other"
         status = 0
+        request_id = f"req_{secrets.token_hex(12)}".encode()
+        guard = self.guard
 
         async def send_tracked(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"request-id", request_id),
+                    (b"x-request-id", request_id),
+                    *guard.cors_headers(scope),
+                ]
             await send(message)
 
         try:
-            if not path.endswith("/health") and not self._authorized(scope):
+            guard.check(scope)
+            if method == "OPTIONS" and header(scope, b"origin") is not None:
+                # A browser's preflight from an allowed origin (check() refused the others).
+                headers = guard.preflight_headers(scope)
+                await send_tracked(
+                    {"type": "http.response.start", "status": 204, "headers": headers}
+                )
+                await send_tracked({"type": "http.response.body", "body": b""})
+                return
+            if not path.endswith("/health") and not guard.authorized(scope):
                 raise ApiError(
                     ErrorKind.AUTHENTICATION,
                     "invalid x-api-key or Authorization bearer token",
@@ -107,8 +130,13 @@ class App:
                 )
             body = b""
             if method == "POST":
+                client = guard.client(scope)
+                guard.take_token(client)
                 body = await read_body(receive, self.config.max_body_bytes)
-            with self._client_slot(scope, method, label):
+                counting = label.endswith("count_tokens")  # generates nothing: no slot
+                with contextlib.nullcontext() if counting else guard.slot(client):
+                    await route.handler(scope, receive, send_tracked, body)
+            else:
                 await route.handler(scope, receive, send_tracked, body)
         except ApiError as exc:
             await send_bytes(
@@ -142,40 +170,6 @@ class App:
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         await send_bytes(send, 200, generate_latest(), CONTENT_TYPE_LATEST.encode())
-
-    @contextlib.contextmanager
-    def _client_slot(self, scope: Scope, method: str, route: str) -> Iterator[None]:
-        """Bound the generation requests one client may have in flight (`--max-per-client`)."""
-        limit = self.config.max_per_client
-        if not limit or method != "POST" or route.endswith("count_tokens"):
-            yield
-            return
-        client = (
-            header(scope, b"x-api-key")
-            or (header(scope, b"authorization") or "").removeprefix("Bearer ")
-            or str((scope.get("client") or ("?",))[0])
-        )
-        if self._in_flight[client] >= limit:
-            raise ApiError(
-                ErrorKind.RATE_LIMITED,
-                f"rate limit: at most {limit} concurrent requests per client",
-                retry_after_s=1,
-                code="rate_limit_exceeded",
-            )
-        self._in_flight[client] += 1
-        try:
-            yield
-        finally:
-            self._in_flight[client] -= 1
-            if not self._in_flight[client]:
-                del self._in_flight[client]
-
-    def _authorized(self, scope: Scope) -> bool:
-        key = self.config.api_key
-        if not key:
-            return True
-        bearer = header(scope, b"authorization") or ""
-        return header(scope, b"x-api-key") == key or bearer == f"Bearer {key}"
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

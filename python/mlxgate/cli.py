@@ -12,6 +12,7 @@ from operator import attrgetter
 from types import NoneType, UnionType
 from typing import Any
 
+from mlxgate.api.guard import public_bind_refused
 from mlxgate.config import Config
 from mlxgate.setting import Leaf, build, leaves
 
@@ -48,10 +49,24 @@ class _Pairs(argparse.Action):
         setattr(namespace, self.dest, pairs)
 
 
+class _Items(argparse.Action):
+    """A repeatable flag of comma-separated items filling a tuple."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        items = [item.strip() for item in typing.cast(str, values).split(",") if item.strip()]
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest), *items))
+
+
 def _default_text(value: object) -> str:
     if value is False:
         return "off"
-    if value is None or value == {}:
+    if value is None or value == {} or value == ():
         return "none"
     return str(value)
 
@@ -78,6 +93,8 @@ def _add_flag(group: argparse._ActionsContainer, leaf: Leaf, default: object) ->
         options["choices"] = flag.choices
         if typing.get_origin(kind) is dict:
             options.update(action=_Pairs, type=_pair)
+        elif typing.get_origin(kind) is tuple:
+            options.update(action=_Items, type=str)
         else:
             options["type"] = kind
     group.add_argument(name, **options)
@@ -116,6 +133,8 @@ def parse_config(argv: list[str]) -> Config:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(sys.argv[1:] if argv is None else argv)
+    if refused := public_bind_refused(config.host, config.api_key, config.insecure_public):
+        sys.exit(f"mlxgate: {refused}")
     from mlxgate.server import serve
 
     serve(config)

@@ -94,6 +94,32 @@ class Config:
         "require this key as x-api-key or Authorization: Bearer; anything else gets 401",
         default_text="none, no key is checked",
     )
+    insecure_public: bool = setting(
+        False,
+        "allow a --host other than loopback without --api-key (anyone who reaches it can use "
+        "the server)",
+    )
+    allowed_hosts: tuple[str, ...] = setting(
+        (),
+        "without --api-key, Host header names answered besides loopback ones (the defence "
+        "against DNS rebinding: a web page naming its own domain for 127.0.0.1); comma-"
+        "separated, repeatable; * answers any",
+        metavar="HOST",
+    )
+    cors_origins: tuple[str, ...] = setting(
+        (),
+        "web page origins (e.g. https://app.example) whose browser requests are allowed and "
+        "answered with CORS headers; others get 403. Comma-separated, repeatable; * allows any",
+        metavar="ORIGIN",
+        default_text="none: requests from web pages are refused",
+    )
+    rate_limit: float = setting(
+        0,
+        "requests a minute per client (API key, else address), in bursts of up to as many; "
+        "beyond them: 429 with retry-after",
+        metavar="N",
+        default_text="no limit",
+    )
     max_per_client: int = setting(
         0,
         "concurrent generation requests per client (API key, else address); beyond them: 429 "

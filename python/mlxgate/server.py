@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from granian.constants import HTTPModes, Interfaces
+from granian.http import HTTP1Settings
 from granian.server import Server
 
 from mlxgate.config import Config
@@ -19,6 +20,8 @@ def serve(config: Config) -> None:
         workers=1,
         # HTTP/2 stream resets are not reported to the app, so a cancel would go unnoticed.
         http=HTTPModes.http1,
+        # Headers bounded in size (granian's default buffer) and in time (slowloris).
+        http1_settings=HTTP1Settings(header_read_timeout=10_000),
         # Open streams must not hold shutdown forever.
         workers_kill_timeout=5,
         log_level=config.log_level,  # type: ignore[arg-type]

@@ -63,10 +63,15 @@ def leaves(cls: type, prefix: str = "") -> Iterator[Leaf]:
 def build(cls: type[T], value: Callable[[str], Any], prefix: str = "") -> T:
     """An instance of `cls` whose setting at each dotted path is `value(path)`."""
     hints = typing.get_type_hints(cls)
-    values = {}
+    values: dict[str, Any] = {}
     for f in dataclasses.fields(cast(Any, cls)):
         kind = hints[f.name]
         path = prefix + f.name
         nested = dataclasses.is_dataclass(kind)
-        values[f.name] = build(cast(type, kind), value, f"{path}.") if nested else value(path)
+        if nested:
+            values[f.name] = build(cast(type, kind), value, f"{path}.")
+        elif typing.get_origin(kind) is tuple:  # a list in JSON
+            values[f.name] = tuple(value(path))
+        else:
+            values[f.name] = value(path)
     return cls(**values)

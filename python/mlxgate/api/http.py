@@ -114,6 +114,8 @@ async def start_event_stream(send: Send) -> None:
             "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"),
                 (b"cache-control", b"no-cache"),
+                # nginx buffers a proxied response unless told not to.
+                (b"x-accel-buffering", b"no"),
             ],
         }
     )
