@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import threading
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
@@ -12,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_l
 from mlxgate import chat
 from mlxgate._native import Dialect, ErrorKind, Router, Vocab
 from mlxgate.api.anthropic import AnthropicAPI
+from mlxgate.api.drain import Drain
 from mlxgate.api.errors import ApiError
 from mlxgate.api.guard import Guard
 from mlxgate.api.http import (
@@ -76,6 +78,8 @@ class App:
             max_per_client=config.max_per_client,
             rate_limit=config.rate_limit,
         )
+        self.drain = Drain(config.drain_timeout, self._stop_engine)
+        self._engine_stopped = threading.Lock()
         self.requests = Counter(
             "mlxgate_http_requests_total", "HTTP requests by route and status", ["route", "status"]
         )
@@ -130,12 +134,22 @@ class App:
                 )
             body = b""
             if method == "POST":
+                if self.drain.draining:
+                    raise ApiError(
+                        ErrorKind.UNAVAILABLE,
+                        "the server is shutting down",
+                        retry_after_s=int(self.config.drain_timeout) + 1,
+                    )
                 client = guard.client(scope)
                 guard.take_token(client)
                 body = await read_body(receive, self.config.max_body_bytes)
                 counting = label.endswith("count_tokens")  # generates nothing: no slot
-                with contextlib.nullcontext() if counting else guard.slot(client):
-                    await route.handler(scope, receive, send_tracked, body)
+                self.drain.in_flight += 1
+                try:
+                    with contextlib.nullcontext() if counting else guard.slot(client):
+                        await route.handler(scope, receive, send_tracked, body)
+                finally:
+                    self.drain.in_flight -= 1
             else:
                 await route.handler(scope, receive, send_tracked, body)
         except ApiError as exc:
@@ -166,7 +180,15 @@ class App:
         return None
 
     async def _health(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        if self.drain.draining:
+            await send_json(send, 503, {"status": "draining", "model": self.models.served})
+            return
         await send_json(send, 200, {"status": "ok", "model": self.models.served})
+
+    def _stop_engine(self) -> None:
+        """Stop the engine once (the drain and the lifespan's shutdown both ask)."""
+        if self._engine_stopped.acquire(blocking=False):
+            self.engine.stop()
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         await send_bytes(send, 200, generate_latest(), CONTENT_TYPE_LATEST.encode())
@@ -175,9 +197,10 @@ class App:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                self.drain.install()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                self.engine.stop()
+                self._stop_engine()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

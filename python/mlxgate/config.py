@@ -137,6 +137,12 @@ class Config:
         "memory for Responses API responses kept with `store: true` (for previous_response_id "
         "and GET /v1/responses/ID); the least recently used go first; 0 keeps none",
     )
+    drain_timeout: float = setting(
+        30.0,
+        "on SIGTERM or SIGINT: seconds running generations get to finish (new requests get 503 "
+        "with retry-after, /health says draining); the rest then end with an error event",
+        metavar="S",
+    )
     log_level: str = setting("info", "log verbosity", choices=("debug", "info", "warning", "error"))
 
     def to_env(self) -> None:

@@ -22,7 +22,7 @@ def serve(config: Config) -> None:
         http=HTTPModes.http1,
         # Headers bounded in size (granian's default buffer) and in time (slowloris).
         http1_settings=HTTP1Settings(header_read_timeout=10_000),
-        # Open streams must not hold shutdown forever.
-        workers_kill_timeout=5,
+        # The worker drains for --drain-timeout (api/drain.py), then ends what is left.
+        workers_kill_timeout=int(config.drain_timeout) + 15,
         log_level=config.log_level,  # type: ignore[arg-type]
     ).serve()

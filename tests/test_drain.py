@@ -1,0 +1,92 @@
+"""Graceful shutdown of the real server (granian, embedded model): SIGTERM with streams open."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from conftest import start_server
+
+DRAIN_S = 8
+
+
+def _stream(
+    url: str, path: str, body: dict[str, object], out: list[str], started: threading.Event
+) -> None:
+    with httpx.stream("POST", url + path, json=body, timeout=120) as response:
+        assert response.status_code == 200
+        text = ""
+        for chunk in response.iter_text():
+            text += chunk
+            started.set()
+        out.append(text)
+
+
+def test_sigterm_lets_streams_finish_or_end_them_with_an_error(tmp_path: Path) -> None:
+    server = start_server(tmp_path, "--drain-timeout", str(DRAIN_S))
+    url = server.url
+    threads, results, started = [], [], []
+    for i in range(8):
+        short = i % 2 == 0  # finishes within the drain; the others are ended by it
+        max_tokens = 12 if short else 5000
+        if i < 4:
+            path = "/v1/messages"
+            messages = [{"role": "user", "content": f"Tell me a long story, number {i}."}]
+            body: dict[str, object] = {
+                "max_tokens": max_tokens,
+                "stream": True,
+                "messages": messages,
+            }
+        else:
+            path = "/v1/chat/completions"
+            messages = [{"role": "user", "content": f"Write a long essay, number {i}."}]
+            body = {"max_tokens": max_tokens, "stream": True, "messages": messages}
+        body["model"] = "m"
+        out: list[str] = []
+        ready = threading.Event()
+        thread = threading.Thread(target=_stream, args=(url, path, body, out, ready))
+        thread.start()
+        threads.append((short, path, thread, out))
+        started.append(ready)
+        results.append(out)
+    for ready in started:
+        assert ready.wait(120)
+
+    server.process.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    time.sleep(0.5)
+    refused = httpx.post(
+        url + "/v1/messages",
+        json={"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
+    assert refused.status_code == 503
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["type"] == "overloaded_error"
+    health = httpx.get(url + "/health", timeout=30)
+    assert (health.status_code, health.json()["status"]) == (503, "draining")
+
+    assert server.process.wait(timeout=DRAIN_S + 20) == 0
+    assert time.monotonic() - signalled < DRAIN_S + 10
+    for short, path, thread, out in threads:
+        thread.join(10)
+        assert out, f"{path}: the stream was cut"
+        text = out[0]
+        if path == "/v1/messages":
+            last = [frame for frame in text.split("\n\n") if frame.strip()][-1]
+            if short:
+                assert last.startswith("event: message_stop"), last
+            else:
+                assert last.startswith("event: error") and "shutting down" in last, last
+        else:
+            assert text.rstrip().endswith("data: [DONE]") or '"error"' in text, text[-300:]
+            assert ('"finish_reason":"length"' in text) == short, text[-300:]
+            if not short:
+                assert "shutting down" in text, text[-300:]
+    log = server.log()
+    assert "refused to gracefully stop" not in log
+    assert "stopping: 8 requests in flight" in log
