@@ -31,7 +31,7 @@ class Drain:
         self.stop_engine = stop_engine
         self.draining = False
         self.in_flight = 0
-        self._finish: list[Callable[[], None]] = []  # granian's own handlers, to run at the end
+        self._finish: list[asyncio.Handle] = []  # granian's own handlers, to run at the end
         self._task: asyncio.Future[None] | None = None
 
     def install(self) -> None:
@@ -44,7 +44,7 @@ class Drain:
             if original is None:
                 log.warning("no signal handler of granian's to wrap: shutdown will not drain")
                 return
-            self._finish.append(lambda h=original: h._run())
+            self._finish.append(original)
             loop.add_signal_handler(sig, self._begin)
 
     def _begin(self) -> None:
@@ -69,4 +69,4 @@ class Drain:
         flushed = time.monotonic() + FLUSH_S
         while self.in_flight and time.monotonic() < flushed:
             await asyncio.sleep(POLL_S)
-        self._finish[0]()
+        self._finish[0]._run()  # granian's: the worker stops serving
