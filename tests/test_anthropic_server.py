@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import anthropic
@@ -236,3 +237,40 @@ def test_disconnect_mid_stream_cancels_generation(
     assert _metric(server, "mlxgate_engine_decode_tokens_total") == decoded
     message = client.messages.create(model="claude-test", max_tokens=8, messages=QUESTION)  # type: ignore[arg-type]
     assert message.usage.output_tokens >= 1
+
+
+def test_a_prompt_dropped_mid_prefill_is_resumed_by_its_retry(server: RunningServer) -> None:
+    """Claude Code gives up on a stream that stays silent and sends the request again: the
+    chunks prefilled before the first client left are reused, and only the rest is computed."""
+    nonce = secrets.token_hex(4)
+    words = " ".join(f"ab{i}" for i in range(900))  # ~3,500 tokens
+    body = {
+        "model": "claude-test",
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": f"{nonce}: count these: {words}"}],
+    }
+    prefilled = _metric(server, "mlxgate_engine_prefill_tokens_total")
+    cancelled = _metric(server, "mlxgate_engine_requests_cancelled_total")
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{server.url}/v1/messages", json={**body, "stream": True}) as first,
+    ):
+        assert first.status_code == 200
+        deadline = time.monotonic() + 60
+        while _metric(server, "mlxgate_engine_prefill_tokens_total") < prefilled + 512:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    deadline = time.monotonic() + 60
+    while _metric(server, "mlxgate_engine_requests_cancelled_total") == cancelled:
+        assert time.monotonic() < deadline, "the dropped prompt was not cancelled"
+        time.sleep(0.05)
+    before_retry = _metric(server, "mlxgate_engine_prefill_tokens_total")
+    dropped_after = before_retry - prefilled
+
+    retry = httpx.post(f"{server.url}/v1/messages", json=body, timeout=120).json()
+    usage = retry["usage"]
+    prompt_tokens = usage["input_tokens"] + usage["cache_read_input_tokens"]
+    assert 512 <= usage["cache_read_input_tokens"] <= dropped_after
+    assert usage["cache_read_input_tokens"] < prompt_tokens - 256  # dropped mid-prefill
+    computed = _metric(server, "mlxgate_engine_prefill_tokens_total") - before_retry
+    assert computed == prompt_tokens - 1 - usage["cache_read_input_tokens"]

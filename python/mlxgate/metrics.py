@@ -28,7 +28,7 @@ _COUNTERS = {
     "requests_finished": "requests that finished generating",
     "requests_cancelled": "requests whose client went away",
     "verify_passes": "speculative decoding: decode steps that checked guessed tokens",
-    "drafted_tokens": "speculative decoding: tokens guessed by prompt lookup",
+    "drafted_tokens": "speculative decoding: tokens guessed (by prompt lookup or a draft model)",
     "accepted_tokens": "speculative decoding: guessed tokens the model confirmed",
     "busy_s": "seconds the engine spent in steps",
 }

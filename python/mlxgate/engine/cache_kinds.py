@@ -315,6 +315,13 @@ def cut(cache: KVCache, length: int) -> KVCache:
     return out
 
 
+def prefix(cache: Any, length: int) -> Any:
+    """A single-sequence cache of attention layers cut to its first `length` tokens."""
+    if type(cache) is CacheList:
+        return CacheList(*(prefix(sub, length) for sub in cache.caches))
+    return cut(cache, length)
+
+
 def nbytes(cache: Any) -> int:
     return sum(a.nbytes for a in arrays(cache))
 

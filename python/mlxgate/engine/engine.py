@@ -64,6 +64,7 @@ class _Pending:
     caches: list[Any] | None = None  # per layer (`model.make_cache()`), once prefill started
     done: int = 0  # prompt tokens whose keys/values are in `caches`
     last_chunk: tuple[int, float] | None = None  # (tokens, seconds) of its latest prefill pass
+    torn: bool = False  # a pass stopped part way: `caches` hold more than `done` in some layers
     # More choices of the same prompt (OpenAI's `n`): prefilled with this one, then each decodes
     # from its own copy of the cache.
     siblings: list[_Pending] = field(default_factory=list)
@@ -86,7 +87,7 @@ class _Pending:
         if staying[0] is not self:
             lead = staying[0]
             lead.match, lead.caches, lead.done = self.match, self.caches, self.done
-            lead.last_chunk = self.last_chunk
+            lead.last_chunk, lead.torn = self.last_chunk, self.torn
         staying[0].siblings = staying[1:]
         return staying[0]
 
@@ -389,11 +390,29 @@ class Engine:
         self._take_incoming()
         self._gone = set()
         waiting = len(self._waiting)
-        staying = (p.without(gone) for p in self._waiting)
-        self._waiting = deque(p for p in staying if p is not None)
+        staying = []
+        for pending in self._waiting:
+            if (kept := pending.without(gone)) is not None:
+                staying.append(kept)
+            else:
+                self._keep_prefilled(pending)
+        self._waiting = deque(staying)
         ended = np.isin(self._batch.stream_ids, list(gone))
         self._batch.drop(ended)
         self.metrics.requests_cancelled += waiting - len(self._waiting) + int(ended.sum())
+
+    def _keep_prefilled(self, pending: _Pending) -> None:
+        """A prompt whose clients left during its prefill: what it prefilled goes to the prefix
+        cache, so that the same request sent again (as Claude Code does after a stalled
+        stream) resumes there."""
+        done = pending.done
+        if pending.caches is None or done == 0:
+            return
+        prompt = pending.request.prompt_ids[:done]
+        if self.layout.cuttable:
+            self.prefix_cache.store(prompt, [cache_kinds.prefix(c, done) for c in pending.caches])
+        elif not pending.torn:  # a recurrent state or a window cannot be cut back
+            self.prefix_cache.store(prompt, pending.caches)
 
     def _decode(self) -> None:
         """One token per running row, or more for rows whose guesses the step confirms."""
@@ -492,6 +511,8 @@ class Engine:
                     break
                 continue
             pending = self._waiting[0]
+            if pending.torn:
+                self._mend(pending)
             if pending.caches is None:
                 self._start_prefill(pending)
             steered = allowance_s is not None and pending.last_chunk is not None
@@ -504,6 +525,7 @@ class Engine:
                 tokens_in = mx.array(prompt[pending.done : pending.done + chunk])[None]
                 pass_started = time.perf_counter()
                 if not self._forward_prompt(tokens_in, pending):
+                    pending.torn = True
                     break  # its client left mid-chunk; the next step drops it
                 pending.last_chunk = (chunk, time.perf_counter() - pass_started)
                 pending.done += chunk
@@ -581,6 +603,16 @@ class Engine:
         """Prefill `tokens` into `caches`; False once `left(cancelled stream ids)` says its
         clients went away (checked after each layer, where the model allows)."""
         return self._adapter.prefill(tokens, caches, lambda: left(self._poll_cancelled()))
+
+    def _mend(self, pending: _Pending) -> None:
+        """A torn prefill that goes on (another choice of its prompt leads now): its caches are
+        cut back to what it finished, or it starts over where they cannot be."""
+        assert pending.caches is not None
+        if self.layout.cuttable:
+            pending.caches = [cache_kinds.prefix(c, pending.done) for c in pending.caches]
+        else:
+            pending.caches, pending.done = None, 0
+        pending.torn = False
 
     def _start_prefill(self, pending: _Pending) -> None:
         if pending.match is not None:
