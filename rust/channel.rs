@@ -1,6 +1,8 @@
 //! Per-stream byte channel from the engine thread to one reader: never blocks the producer.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Stream ids whose readers cancelled, shared by all channels of one router. Each entry carries
 /// the channel serial so a late cancel never hits a newer stream that reuses the id.
@@ -13,6 +15,9 @@ pub type CancelInbox = Mutex<Vec<(u64, u64)>>;
 #[derive(Debug)]
 pub struct Channel<W> {
     state: Mutex<State<W>>,
+    opened: Instant,
+    /// Tokens generated so far: written by the producer without the lock.
+    output_tokens: AtomicU64,
     bound: usize,
     stream_id: u64,
     serial: u64,
@@ -29,6 +34,18 @@ struct State<W> {
     /// The HTTP status a non-streamed answer gets: 200 unless the stream ended with an error.
     status: u16,
     waker: Option<W>,
+    outcome: Outcome,
+}
+
+/// What a stream came to, for the request log.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Outcome {
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// From the stream's opening to its first generated token.
+    pub first_token: Option<Duration>,
+    /// "running" until it ends: "finished", "cancelled", or the error kind that ended it.
+    pub end: &'static str,
 }
 
 /// Result of [`Channel::park`].
@@ -52,8 +69,16 @@ impl<W> Channel<W> {
             cancelled: false,
             status: 200,
             waker: None,
+            outcome: Outcome {
+                prompt_tokens: 0,
+                cached_tokens: 0,
+                first_token: None,
+                end: "running",
+            },
         };
         Self {
+            opened: Instant::now(),
+            output_tokens: AtomicU64::new(0),
             state: Mutex::new(state),
             bound,
             stream_id,
@@ -121,6 +146,37 @@ impl<W> Channel<W> {
     /// 200, or the status of the error the stream ended with.
     pub fn status(&self) -> u16 {
         self.lock().status
+    }
+
+    /// The stream's prompt: `prompt_tokens`, `cached_tokens` of them from the prefix cache.
+    pub fn prompt(&self, prompt_tokens: u64, cached_tokens: u64) {
+        let outcome = &mut self.lock().outcome;
+        outcome.prompt_tokens = prompt_tokens;
+        outcome.cached_tokens = cached_tokens;
+    }
+
+    /// The stream's first token was generated now.
+    pub fn first_token(&self) {
+        self.lock().outcome.first_token = Some(self.opened.elapsed());
+    }
+
+    /// The stream has `n` tokens now.
+    pub fn output_tokens(&self, n: u64) {
+        self.output_tokens.store(n, Ordering::Relaxed);
+    }
+
+    /// The stream ended (`end`: see [`Outcome::end`]).
+    pub fn ended(&self, end: &'static str) {
+        self.lock().outcome.end = end;
+    }
+
+    /// Its tokens so far.
+    pub fn tokens(&self) -> u64 {
+        self.output_tokens.load(Ordering::Relaxed)
+    }
+
+    pub fn outcome(&self) -> Outcome {
+        self.lock().outcome
     }
 
     /// Unread bytes exceed the bound: the reader is lagging.

@@ -129,6 +129,7 @@ impl<W> Router<W> {
             self.max_unread_bytes,
             self.inbox.clone(),
         ));
+        channel.prompt(usage.prompt_tokens, usage.cached_tokens);
         let mut protocol = spec.dialect.protocol(usage);
         let mut markup = spec
             .markup
@@ -195,6 +196,10 @@ impl<W> Router<W> {
                 continue;
             };
             stream.output_tokens += 1;
+            stream.channel.output_tokens(stream.output_tokens);
+            if stream.output_tokens == 1 {
+                stream.channel.first_token();
+            }
             let code = if stream.eos_ids.contains(&token_id) {
                 TokenEnd::EndTurn
             } else if stream.output_tokens >= stream.max_tokens {
@@ -218,6 +223,7 @@ impl<W> Router<W> {
                 let (waker, finish) = step_markup(stream, raw, code, pieces, staged);
                 wake.extend(waker);
                 if let Some(reason) = finish {
+                    stream.channel.ended("finished");
                     streams.remove(&stream_id);
                     ended.push((stream_id, reason));
                 }
@@ -246,6 +252,7 @@ impl<W> Router<W> {
             };
             wake.extend(waker);
             if let Some(reason) = reason {
+                stream.channel.ended("finished");
                 streams.remove(&stream_id);
                 ended.push((stream_id, reason));
             }
@@ -298,7 +305,9 @@ impl<W> Router<W> {
                 .get(&stream_id)
                 .is_some_and(|s| s.serial == serial)
             {
-                self.streams.remove(&stream_id);
+                if let Some(stream) = self.streams.remove(&stream_id) {
+                    stream.channel.ended("cancelled");
+                }
                 report(stream_id);
             }
         }
@@ -308,6 +317,7 @@ impl<W> Router<W> {
     /// envelope as the body, whose HTTP status the reader then reports. Returns the waker.
     pub fn fail(&mut self, stream_id: u64, kind: ErrorKind, message: &str) -> Option<W> {
         let mut stream = self.streams.remove(&stream_id)?;
+        stream.channel.ended(kind.name());
         let protocol = &mut stream.protocol;
         stream
             .channel
@@ -541,6 +551,29 @@ mod tests {
     }
 
     const NONE: Ended = Vec::new();
+
+    #[test]
+    fn each_channel_tells_what_its_stream_came_to() {
+        let mut r = TestRouter::new(vocab(), 1 << 20);
+        let finished = open(&mut r, 1, true, &[], 3).unwrap();
+        let failed = open(&mut r, 2, true, &[], 10).unwrap();
+        let cancelled = open(&mut r, 3, true, &[], 10).unwrap();
+        assert_eq!(finished.outcome().end, "running");
+        assert_eq!(finished.outcome().prompt_tokens, 3);
+        assert_eq!(finished.outcome().first_token, None);
+        step(&mut r, &[1, 2, 3], &[1, 2, 1]);
+        assert!(finished.outcome().first_token.is_some());
+        step(&mut r, &[1, 1], &[2, 8]);
+        assert_eq!((finished.outcome().end, finished.tokens()), ("finished", 3));
+        r.fail(2, ErrorKind::Unavailable, "the server is shutting down");
+        assert_eq!((failed.outcome().end, failed.tokens()), ("unavailable", 1));
+        cancelled.cancel();
+        r.cancelled(&mut Vec::new());
+        assert_eq!(
+            (cancelled.outcome().end, cancelled.tokens()),
+            ("cancelled", 1)
+        );
+    }
 
     fn open_openai(r: &mut TestRouter, id: u64, stream: bool, stops: &[&str]) -> Arc<Channel<u32>> {
         let spec = StreamSpec {

@@ -310,6 +310,19 @@ class Reader:
     @property
     def stream_id(self) -> int: ...
     @property
+    def prompt_tokens(self) -> tuple[int, int]:
+        """(prompt tokens, of them from the prefix cache), as opened."""
+    @property
+    def output_tokens(self) -> int:
+        """Tokens generated so far (all of them once the stream ended)."""
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from the stream's opening to its first token; None before it."""
+    @property
+    def end(self) -> str:
+        """`running`, `finished`, `cancelled`, or the error kind that ended the stream
+        (`overloaded`, `unavailable`, `internal`, ...)."""
+    @property
     def status(self) -> int:
         """200, or the HTTP status of the error the stream ended with (`Router.fail`)."""
 

@@ -10,7 +10,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 
-from mlxgate import chat
+from mlxgate import chat, logs
 from mlxgate._native import Dialect, ErrorKind, Router, Vocab
 from mlxgate.api.anthropic import AnthropicAPI
 from mlxgate.api.drain import Drain
@@ -96,6 +96,8 @@ class App:
         dialect = route.dialect if route else _fallback_dialect(path)
         label = route.path if route and not route.prefix else "other"
         status = 0
+        started = time.monotonic()
+        streams = logs.OPENED.set([])
         request_id = f"req_{secrets.token_hex(12)}".encode()
         guard = self.guard
 
@@ -170,6 +172,17 @@ class App:
                 await send_bytes(send_tracked, error.status(dialect), error.body(dialect))
         finally:
             self.requests.labels(label, str(status or 499)).inc()
+            fields = {
+                "id": request_id.decode(),
+                "method": method,
+                "route": route.path if route else path,
+                "dialect": repr(dialect).removeprefix("Dialect.").lower(),
+                "model": self.models.served,
+                "status": status,
+                "duration_s": round(time.monotonic() - started, 4),
+            }
+            logs.request_ended(fields, logs.OPENED.get() or [])
+            logs.OPENED.reset(streams)
 
     def _route(self, scope: Scope, method: str, path: str) -> Route | None:
         for route in self.routes:
@@ -291,7 +304,5 @@ def _chosen(name: str, setting: str) -> str:
 def create_app() -> App:
     """The ASGI app factory: granian calls it in its worker process."""
     config = Config.from_env()
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(config.log_level, config.log_format)
     return build_app(config)

@@ -144,6 +144,13 @@ class Config:
         metavar="S",
     )
     log_level: str = setting("info", "log verbosity", choices=("debug", "info", "warning", "error"))
+    log_format: str = setting(
+        "text",
+        "text: human one-liners; json: one JSON object per line, and per request its id, "
+        "route, dialect, model, status, prompt / cached / output tokens, TTFT, duration and how "
+        "it ended (finished, cancelled, drained, stalled, error)",
+        choices=("text", "json"),
+    )
 
     def to_env(self) -> None:
         """Pass the settings to the app factory, which granian calls in its worker process."""

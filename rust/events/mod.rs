@@ -60,6 +60,21 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    /// The kind in words: "invalid_request", ..., "internal".
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::InvalidRequest => "invalid_request",
+            Self::Authentication => "authentication",
+            Self::Permission => "permission",
+            Self::NotFound => "not_found",
+            Self::RequestTooLarge => "request_too_large",
+            Self::RateLimited => "rate_limited",
+            Self::Overloaded => "overloaded",
+            Self::Unavailable => "unavailable",
+            Self::Internal => "internal",
+        }
+    }
+
     /// The plain HTTP status for the kind; a dialect may answer one kind differently.
     pub fn http_status(self) -> u16 {
         match self {

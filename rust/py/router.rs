@@ -72,6 +72,32 @@ impl PyReader {
         self.channel.status()
     }
 
+    /// (prompt tokens, of them from the prefix cache), as opened.
+    #[getter]
+    fn prompt_tokens(&self) -> (u64, u64) {
+        let outcome = self.channel.outcome();
+        (outcome.prompt_tokens, outcome.cached_tokens)
+    }
+
+    /// Tokens generated so far (all of them once the stream ended).
+    #[getter]
+    fn output_tokens(&self) -> u64 {
+        self.channel.tokens()
+    }
+
+    /// Seconds from the stream's opening to its first token; None before it.
+    #[getter]
+    fn ttft_s(&self) -> Option<f64> {
+        self.channel.outcome().first_token.map(|d| d.as_secs_f64())
+    }
+
+    /// `running`, `finished`, `cancelled`, or the error kind that ended the stream
+    /// (`overloaded`, `unavailable`, `internal`, ...).
+    #[getter]
+    fn end(&self) -> &'static str {
+        self.channel.outcome().end
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Reader(stream_id={}, unread_bytes={}, closed={})",

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from mlxgate import chat
+from mlxgate import chat, logs
 from mlxgate._native import Dialect, ErrorKind, Reader
 from mlxgate.api.errors import ApiError, invalid
 from mlxgate.api.http import Receive, Scope, Send
@@ -185,6 +185,8 @@ def admit_all(
 ) -> list[Reader]:
     """Hand the choices of one prompt to the engine (see `Generator.admit_all`)."""
     try:
-        return engine.admit_all(requests)
+        readers = engine.admit_all(requests)
     except AdmissionError as exc:
         raise errors[type(exc)](exc) from None
+    logs.opened(readers)
+    return readers

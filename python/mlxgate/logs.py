@@ -1,0 +1,85 @@
+"""The server's log: human one-liners, or one JSON object per line (`--log-format json`), and
+the line each request leaves when it ends (`request_ended`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextvars import ContextVar
+from typing import Any
+
+import orjson
+
+from mlxgate._native import Reader
+
+requests_log = logging.getLogger("mlxgate.requests")
+
+# The streams the current request opened (set per request by the app; the API adds to it).
+OPENED: ContextVar[list[Reader] | None] = ContextVar("mlxgate_opened", default=None)
+
+# A stream's end (`Reader.end`) as the request log words it.
+_ENDS = {
+    "finished": "finished",
+    "cancelled": "cancelled",
+    "running": "cancelled",  # the client left; the engine has not dropped the stream yet
+    "overloaded": "stalled",  # the client stopped reading
+    "unavailable": "drained",  # the server shut down first
+}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": self.formatTime(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if (fields := getattr(record, "fields", None)) is not None:
+            line.update(fields)
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(line).decode()
+
+
+def configure(level: str, form: str) -> None:
+    handler = logging.StreamHandler()
+    if form == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def opened(readers: Sequence[Reader]) -> None:
+    """Count `readers` as the current request's streams."""
+    if (streams := OPENED.get()) is not None:
+        streams.extend(readers)
+
+
+def request_ended(fields: dict[str, Any], readers: Sequence[Reader]) -> None:
+    """Log one request: `fields` (id, method, route, dialect, model, status, duration_s) and
+    what its streams came to."""
+    status = fields["status"]
+    if readers:
+        prompt, cached = readers[0].prompt_tokens
+        ttfts = [r.ttft_s for r in readers if r.ttft_s is not None]
+        ends = {_ENDS.get(r.end, "error") for r in readers}
+        fields |= {
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "output_tokens": sum(r.output_tokens for r in readers),
+            "ttft_s": round(min(ttfts), 4) if ttfts else None,
+            "end": min(ends, key=["error", "drained", "stalled", "cancelled", "finished"].index),
+        }
+    else:
+        fields["end"] = "finished" if 0 < status < 400 else "cancelled" if not status else "error"
+    text = f"{fields['method']} {fields['route']} {status or '-'} {fields['end']}"
+    if readers:
+        text += (
+            f": {fields['prompt_tokens']} prompt tokens ({fields['cached_tokens']} cached), "
+            f"{fields['output_tokens']} generated, first after {fields['ttft_s']} s,"
+        )
+    text += f" {fields['duration_s']:.3f} s [{fields['id']}]"
+    probe = fields["route"] in ("/health", "/metrics")  # polled: only at debug
+    requests_log.log(logging.DEBUG if probe else logging.INFO, text, extra={"fields": fields})
