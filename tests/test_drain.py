@@ -1,15 +1,18 @@
-"""Graceful shutdown of the real server (granian, embedded model): SIGTERM with streams open."""
+"""The real server (granian, embedded model) starting and stopping: 503 while the model loads,
+a graceful drain on SIGTERM."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from conftest import start_server
+from conftest import REPO, free_port, start_server
 
 DRAIN_S = 8
 
@@ -90,3 +93,37 @@ def test_sigterm_lets_streams_finish_or_end_them_with_an_error(tmp_path: Path) -
     log = server.log()
     assert "refused to gracefully stop" not in log
     assert "stopping: 8 requests in flight" in log
+
+
+def test_while_the_model_loads_health_says_loading_and_requests_get_503(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "server.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlxgate", "serve", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
+    try:
+        answers = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                health = httpx.get(url + "/health", timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.02)
+                continue
+            answers.append((health.status_code, health.json()["status"]))
+            if health.status_code == 200:
+                break
+            refused = httpx.post(url + "/v1/messages", json={"model": "m"}, timeout=5)
+            if httpx.get(url + "/health", timeout=5).status_code == 503:
+                assert refused.status_code == 503
+                assert refused.json()["error"]["message"] == "the model is loading"
+                assert refused.headers["retry-after"] == "2"
+        assert answers[0] == (503, "loading"), answers
+        assert answers[-1] == (200, "ok"), answers
+    finally:
+        process.terminate()
+        process.wait(30)

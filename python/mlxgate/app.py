@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import threading
 import time
@@ -39,6 +40,10 @@ from mlxgate.metrics import EngineCollector
 
 log = logging.getLogger("mlxgate")
 
+HTTP_REQUESTS = Counter(
+    "mlxgate_http_requests_total", "HTTP requests by route and status", ["route", "status"]
+)
+
 # Each dialect's routes; adding a dialect is one line here.
 DIALECTS = (AnthropicAPI, OpenAIAPI, ResponsesAPI)
 
@@ -50,9 +55,15 @@ class App:
     """
 
     def __init__(
-        self, engine: Generator, renderer: chat.Renderer, served: str, config: Config
+        self,
+        engine: Generator,
+        renderer: chat.Renderer,
+        served: str,
+        config: Config,
+        drain: Drain | None = None,
     ) -> None:
         self.engine = engine
+        self.renderer = renderer
         self.config = config
         self.models = ModelNames(
             served, config.model_aliases, strict=config.strict_models, model_arg=config.model
@@ -78,11 +89,8 @@ class App:
             max_per_client=config.max_per_client,
             rate_limit=config.rate_limit,
         )
-        self.drain = Drain(config.drain_timeout, self._stop_engine)
+        self.drain = drain or Drain(config.drain_timeout, self.stop_engine)
         self._engine_stopped = threading.Lock()
-        self.requests = Counter(
-            "mlxgate_http_requests_total", "HTTP requests by route and status", ["route", "status"]
-        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -171,7 +179,7 @@ class App:
                 )
                 await send_bytes(send_tracked, error.status(dialect), error.body(dialect))
         finally:
-            self.requests.labels(label, str(status or 499)).inc()
+            HTTP_REQUESTS.labels(label, str(status or 499)).inc()
             fields = {
                 "id": request_id.decode(),
                 "method": method,
@@ -198,7 +206,7 @@ class App:
             return
         await send_json(send, 200, {"status": "ok", "model": self.models.served})
 
-    def _stop_engine(self) -> None:
+    def stop_engine(self) -> None:
         """Stop the engine once (the drain and the lifespan's shutdown both ask)."""
         if self._engine_stopped.acquire(blocking=False):
             self.engine.stop()
@@ -213,7 +221,7 @@ class App:
                 self.drain.install()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                self._stop_engine()
+                self.stop_engine()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -224,7 +232,62 @@ def _fallback_dialect(path: str) -> Dialect:
     return Dialect.OPENAI if openai else Dialect.ANTHROPIC
 
 
-def build_app(config: Config) -> App:
+class Loading:
+    """The ASGI app granian serves: answers 503 while the model loads (`/health`: `loading`, so
+    an orchestrator waits), then hands every request to the App. A model that fails to load
+    stops the worker, and with it the server."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.app: App | None = None
+        self.drain = Drain(config.drain_timeout, self._stop_engine)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif self.app is not None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            path = scope["path"]
+            if path.rstrip("/").endswith("/health"):
+                await send_json(send, 503, {"status": "loading"}, [(b"retry-after", b"2")])
+                return
+            error = ApiError(ErrorKind.UNAVAILABLE, "the model is loading", retry_after_s=2)
+            dialect = _fallback_dialect(path)
+            await send_bytes(
+                send,
+                error.status(dialect),
+                error.body(dialect),
+                b"application/json",
+                error.headers(),
+            )
+
+    def _load(self) -> None:
+        try:
+            self.app = build_app(self.config, self.drain)
+        except BaseException:
+            log.exception("the model could not be loaded")
+            logging.shutdown()
+            os._exit(1)
+
+    def _stop_engine(self) -> None:
+        if self.app is not None:
+            self.app.stop_engine()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.drain.install()
+                threading.Thread(target=self._load, name="mlxgate-load", daemon=True).start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                self._stop_engine()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def build_app(config: Config, drain: Drain | None = None) -> App:
     from mlxgate import blas, models
 
     started = time.monotonic()
@@ -294,15 +357,15 @@ def build_app(config: Config) -> App:
         config.host,
         config.port,
     )
-    return App(engine, renderer, loaded.name, config)
+    return App(engine, renderer, loaded.name, config, drain)
 
 
 def _chosen(name: str, setting: str) -> str:
     return f"{name} ({'detected' if setting == 'auto' else 'set'})"
 
 
-def create_app() -> App:
+def create_app() -> Loading:
     """The ASGI app factory: granian calls it in its worker process."""
     config = Config.from_env()
     logs.configure(config.log_level, config.log_format)
-    return build_app(config)
+    return Loading(config)
