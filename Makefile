@@ -72,5 +72,16 @@ bench-stream: env ## 1,000 streaming clients on a fake engine: Rust router vs pu
 	$(PY) benches/stream_server.py $(ARGS)
 
 .PHONY: clean
+.PHONY: fuzz
+FUZZ_SECONDS ?= 600
+FUZZ_TARGETS = router jsonscan stop
+fuzz: ## run each libFuzzer target (fuzz/) for FUZZ_SECONDS from its committed corpus (nightly Rust)
+	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+	@for target in $(FUZZ_TARGETS); do \
+		echo "== $$target: $(FUZZ_SECONDS) s"; \
+		cargo +nightly fuzz run -O $$target fuzz/corpus/$$target -- \
+			-max_total_time=$(FUZZ_SECONDS) -max_len=512 -print_final_stats=1 || exit 1; \
+	done
+
 clean: ## remove build outputs and environments
 	rm -rf $(VENV) $(TOOLS) target python/mlxgate/*.so

@@ -294,7 +294,7 @@ enum Step {
 /// True if `text` is exactly one JSON value (surrounding whitespace allowed).
 pub fn is_valid(text: &str) -> bool {
     let mut scan = JsonScan::new();
-    text.trim_ascii()
+    text.trim_matches([' ', '\t', '\n', '\r']) // JSON's whitespace: no form feed
         .bytes()
         .all(|b| matches!(scan.push(b), Scan::More | Scan::Done))
         && scan.is_complete()
@@ -353,6 +353,12 @@ mod tests {
             assert_eq!(scan_all(text), Ok(true), "{text}");
             assert!(is_valid(text), "{text}");
         }
+    }
+
+    #[test]
+    fn only_json_whitespace_surrounds_a_value() {
+        assert!(is_valid(" \t\r\n1\n"));
+        assert!(!is_valid("\n1\u{c}")); // form feed (found by fuzz/jsonscan)
     }
 
     #[test]
