@@ -71,7 +71,6 @@ bench-router: env ## one router step of 1/32/256 streams: Rust vs pure Python (p
 bench-stream: env ## 1,000 streaming clients on a fake engine: Rust router vs pure Python (events/s)
 	$(PY) benches/stream_server.py $(ARGS)
 
-.PHONY: clean
 .PHONY: fuzz
 FUZZ_SECONDS ?= 600
 FUZZ_TARGETS = router jsonscan stop
@@ -83,5 +82,6 @@ fuzz: ## run each libFuzzer target (fuzz/) for FUZZ_SECONDS from its committed c
 			-max_total_time=$(FUZZ_SECONDS) -max_len=512 -print_final_stats=1 || exit 1; \
 	done
 
+.PHONY: clean
 clean: ## remove build outputs and environments
 	rm -rf $(VENV) $(TOOLS) target python/mlxgate/*.so
