@@ -41,6 +41,18 @@ def _post(server: RunningServer, path: str, body: dict[str, Any], **headers: str
     return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
 
 
+def _preflight(server: RunningServer, path: str, headers: str) -> httpx.Response:
+    """What a browser asks before a cross-origin POST from APP with `headers`."""
+    return httpx.options(
+        server.url + path,
+        headers={
+            "origin": APP,
+            "access-control-request-method": "POST",
+            "access-control-request-headers": headers,
+        },
+    )
+
+
 def test_a_rebinding_host_is_refused_in_each_dialect(server: RunningServer) -> None:
     """A page at evil.example whose DNS now says 127.0.0.1 sends Host: evil.example."""
     anthropic = _post(server, "/v1/messages", MESSAGE, host="evil.example:8080")
@@ -57,14 +69,7 @@ def test_a_rebinding_host_is_refused_in_each_dialect(server: RunningServer) -> N
 
 
 def test_without_cors_origins_a_web_page_is_refused(server: RunningServer) -> None:
-    preflight = httpx.options(
-        f"{server.url}/v1/messages",
-        headers={
-            "origin": APP,
-            "access-control-request-method": "POST",
-            "access-control-request-headers": "content-type,x-api-key",
-        },
-    )
+    preflight = _preflight(server, "/v1/messages", "content-type,x-api-key")
     assert preflight.status_code == 403
     assert "access-control-allow-origin" not in preflight.headers
     # A "simple" cross-origin POST is not preflighted: it must not run either.
@@ -74,14 +79,7 @@ def test_without_cors_origins_a_web_page_is_refused(server: RunningServer) -> No
 
 
 def test_an_allowed_origin_gets_its_preflight_and_cors_headers(open_server: RunningServer) -> None:
-    preflight = httpx.options(
-        f"{open_server.url}/v1/chat/completions",
-        headers={
-            "origin": APP,
-            "access-control-request-method": "POST",
-            "access-control-request-headers": "authorization,content-type",
-        },
-    )
+    preflight = _preflight(open_server, "/v1/chat/completions", "authorization,content-type")
     assert preflight.status_code == 204
     assert preflight.headers["access-control-allow-origin"] == APP
     assert "POST" in preflight.headers["access-control-allow-methods"]
