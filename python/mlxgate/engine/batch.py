@@ -44,7 +44,7 @@ TRIM_COLUMNS = 32
 BAND_PADDING = 512
 MAX_BANDS = 4
 
-_GREEDY = Sampler(SamplingParams())
+GREEDY = Sampler(SamplingParams())  # a free slot's, and every draft-model row's
 
 
 class DecodeBatch:
@@ -398,7 +398,7 @@ class _Band:
             return
         self.stream_ids[ended] = FREE
         for slot in np.flatnonzero(ended).tolist():
-            self.samplers[slot] = _GREEDY
+            self.samplers[slot] = GREEDY
         live = int(np.count_nonzero(self.stream_ids))
         if live == 0:
             self._empty()

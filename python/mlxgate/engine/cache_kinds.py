@@ -305,21 +305,17 @@ def snapshot(cache: Any) -> Any:
     return out
 
 
-def cut(cache: KVCache, length: int) -> KVCache:
-    """A new single-sequence attention cache holding the first `length` tokens of `cache`."""
+def cut(cache: Any, length: int) -> Any:
+    """A new single-sequence cache of attention layers (a CacheList of them too) holding the
+    first `length` tokens of `cache`."""
+    if type(cache) is CacheList:
+        return CacheList(*(cut(sub, length) for sub in cache.caches))
     assert cache.keys is not None and cache.values is not None
     out = KVCache()
     out.keys = cache.keys[..., :length, :]
     out.values = cache.values[..., :length, :]
     out.offset = length
     return out
-
-
-def prefix(cache: Any, length: int) -> Any:
-    """A single-sequence cache of attention layers cut to its first `length` tokens."""
-    if type(cache) is CacheList:
-        return CacheList(*(prefix(sub, length) for sub in cache.caches))
-    return cut(cache, length)
 
 
 def nbytes(cache: Any) -> int:

@@ -23,17 +23,13 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxgate.engine import batch_check, cache_kinds
-from mlxgate.engine.batch import FREE, DecodeBatch
+from mlxgate.engine.batch import FREE, GREEDY, DecodeBatch
 from mlxgate.engine.cache_kinds import CacheLayout, UnsupportedCache
-from mlxgate.engine.contract import SamplingParams
 from mlxgate.engine.prefix_cache import PrefixCache
-from mlxgate.engine.sampling import Sampler
 from mlxgate.models.adapter import ModelAdapter
 
 # A row to guess for: (stream id, its prompt and output so far, how many tokens to guess).
 Row = tuple[int, np.ndarray, int]
-
-_GREEDY = Sampler(SamplingParams())
 
 
 class DraftModel:
@@ -135,7 +131,7 @@ class DraftModel:
             [cache_kinds.batch_of_one(c) for c in caches],
             [len(prefix)],
             [stream_id],
-            [_GREEDY],
+            [GREEDY],
             [int(tokens[-1])],
         )
         self.cached[stream_id] = len(prefix)

@@ -405,14 +405,18 @@ class Engine:
         """A prompt whose clients left during its prefill: what it prefilled goes to the prefix
         cache, so that the same request sent again (as Claude Code does after a stalled
         stream) resumes there."""
-        done = pending.done
-        if pending.caches is None or done == 0:
-            return
-        prompt = pending.request.prompt_ids[:done]
+        if pending.done and (caches := self._finished_part(pending)) is not None:
+            self.prefix_cache.store(pending.request.prompt_ids[: pending.done], caches)
+
+    def _finished_part(self, pending: _Pending) -> list[Any] | None:
+        """Caches holding just the `done` prompt tokens a prefill finished: after a torn pass, cut
+        back to them; None where a torn recurrent state or window cannot be."""
+        if not pending.torn:
+            return pending.caches
         if self.layout.cuttable:
-            self.prefix_cache.store(prompt, [cache_kinds.prefix(c, done) for c in pending.caches])
-        elif not pending.torn:  # a recurrent state or a window cannot be cut back
-            self.prefix_cache.store(prompt, pending.caches)
+            assert pending.caches is not None
+            return [cache_kinds.cut(c, pending.done) for c in pending.caches]
+        return None
 
     def _decode(self) -> None:
         """One token per running row, or more for rows whose guesses the step confirms."""
@@ -607,11 +611,9 @@ class Engine:
     def _mend(self, pending: _Pending) -> None:
         """A torn prefill that goes on (another choice of its prompt leads now): its caches are
         cut back to what it finished, or it starts over where they cannot be."""
-        assert pending.caches is not None
-        if self.layout.cuttable:
-            pending.caches = [cache_kinds.prefix(c, pending.done) for c in pending.caches]
-        else:
-            pending.caches, pending.done = None, 0
+        pending.caches = self._finished_part(pending)
+        if pending.caches is None:
+            pending.done = 0
         pending.torn = False
 
     def _start_prefill(self, pending: _Pending) -> None:
