@@ -27,6 +27,7 @@ from mlxgate.api.http import (
     header,
     read_body,
     send_bytes,
+    send_error,
     send_json,
 )
 from mlxgate.api.models import ModelNames
@@ -163,12 +164,9 @@ class App:
             else:
                 await route.handler(scope, receive, send_tracked, body)
         except ApiError as exc:
-            await send_bytes(
-                send_tracked, exc.status(dialect), exc.body(dialect), extra_headers=exc.headers()
-            )
+            await send_error(send_tracked, exc, dialect)
         except BodyTooLarge as exc:
-            error = ApiError(ErrorKind.REQUEST_TOO_LARGE, str(exc))
-            await send_bytes(send_tracked, error.status(dialect), error.body(dialect))
+            await send_error(send_tracked, ApiError(ErrorKind.REQUEST_TOO_LARGE, str(exc)), dialect)
         except ClientGone:
             pass
         except Exception:
@@ -177,7 +175,7 @@ class App:
                 error = ApiError(
                     ErrorKind.INTERNAL, "internal server error (the server log has the details)"
                 )
-                await send_bytes(send_tracked, error.status(dialect), error.body(dialect))
+                await send_error(send_tracked, error, dialect)
         finally:
             HTTP_REQUESTS.labels(label, str(status or 499)).inc()
             fields = {
@@ -253,14 +251,7 @@ class Loading:
                 await send_json(send, 503, {"status": "loading"}, [(b"retry-after", b"2")])
                 return
             error = ApiError(ErrorKind.UNAVAILABLE, "the model is loading", retry_after_s=2)
-            dialect = _fallback_dialect(path)
-            await send_bytes(
-                send,
-                error.status(dialect),
-                error.body(dialect),
-                b"application/json",
-                error.headers(),
-            )
+            await send_error(send, error, _fallback_dialect(path))
 
     def _load(self) -> None:
         try:

@@ -31,7 +31,7 @@ class Drain:
         self.stop_engine = stop_engine
         self.draining = False
         self.in_flight = 0
-        self._finish: list[asyncio.Handle] = []  # granian's own handlers, to run at the end
+        self._stop_serving: asyncio.Handle | None = None  # granian's own handler, run at the end
         self._task: asyncio.Future[None] | None = None
 
     def install(self) -> None:
@@ -39,12 +39,12 @@ class Drain:
         startup, which granian runs after installing them)."""
         loop = asyncio.get_running_loop()
         handlers = getattr(loop, "_signal_handlers", {})
+        if not all(sig in handlers for sig in SIGNALS):
+            log.warning("no signal handler of granian's to wrap: shutdown will not drain")
+            return
+        # granian sets one event for either signal: one of its handlers stops the worker.
+        self._stop_serving = handlers[signal.SIGTERM]
         for sig in SIGNALS:
-            original = handlers.get(sig)
-            if original is None:
-                log.warning("no signal handler of granian's to wrap: shutdown will not drain")
-                return
-            self._finish.append(original)
             loop.add_signal_handler(sig, self._begin)
 
     def _begin(self) -> None:
@@ -69,4 +69,5 @@ class Drain:
         flushed = time.monotonic() + FLUSH_S
         while self.in_flight and time.monotonic() < flushed:
             await asyncio.sleep(POLL_S)
-        self._finish[0]._run()  # granian's: the worker stops serving
+        assert self._stop_serving is not None
+        self._stop_serving._run()  # the worker stops serving

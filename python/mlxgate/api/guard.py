@@ -49,6 +49,13 @@ def public_bind_refused(host: str, api_key: str | None, insecure_public: bool) -
     )
 
 
+def _keys(scope: Scope) -> tuple[str, str]:
+    """The keys a request presents: `x-api-key`, and the `Authorization` bearer token ("" for
+    none)."""
+    bearer = (header(scope, b"authorization") or "").removeprefix("Bearer ")
+    return header(scope, b"x-api-key") or "", bearer
+
+
 def _host_name(value: str) -> str:
     """The host of a Host header: `[::1]:8080` -> `::1`, `example.com:80` -> `example.com`."""
     if value.startswith("["):
@@ -94,10 +101,9 @@ class Guard:
         if not self.api_key:
             return True
         key = self.api_key.encode()
-        given = header(scope, b"x-api-key")
-        bearer = (header(scope, b"authorization") or "").removeprefix("Bearer ")
+        given, bearer = _keys(scope)
         # Both compared, whatever the first gives: the time does not tell which header was right.
-        by_header = hmac.compare_digest((given or "").encode("latin-1"), key)
+        by_header = hmac.compare_digest(given.encode("latin-1"), key)
         by_bearer = hmac.compare_digest(bearer.encode("latin-1"), key)
         return by_header | by_bearer
 
@@ -137,11 +143,8 @@ class Guard:
     @staticmethod
     def client(scope: Scope) -> str:
         """Who a request counts against: its API key, else its address."""
-        return (
-            header(scope, b"x-api-key")
-            or (header(scope, b"authorization") or "").removeprefix("Bearer ")
-            or str((scope.get("client") or ("?",))[0])
-        )
+        given, bearer = _keys(scope)
+        return given or bearer or str((scope.get("client") or ("?",))[0])
 
     def take_token(self, client: str, now: float | None = None) -> None:
         """Count a request against the client's rate (`rate_limit` a minute, bursts up to as

@@ -71,6 +71,13 @@ async def send_bytes(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+async def send_error(send: Send, error: ApiError, dialect: Dialect) -> None:
+    """`error` as a whole response in `dialect`'s envelope, with the headers clients act on."""
+    await send_bytes(
+        send, error.status(dialect), error.body(dialect), extra_headers=error.headers()
+    )
+
+
 async def send_json(
     send: Send, status: int, payload: Any, extra_headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
