@@ -71,9 +71,13 @@ bench-router: env ## one router step of 1/32/256 streams: Rust vs pure Python (p
 bench-stream: env ## 1,000 streaming clients on a fake engine: Rust router vs pure Python (events/s)
 	$(PY) benches/stream_server.py $(ARGS)
 
+.PHONY: soak
+soak: env ## 30 minutes of mixed load on one server: failures, RSS, ITL drift (benches/soak.py)
+	$(PY) benches/soak.py $(ARGS)
+
 .PHONY: fuzz
 FUZZ_SECONDS ?= 600
-FUZZ_TARGETS = router jsonscan stop
+FUZZ_TARGETS = router jsonscan stop sse
 fuzz: ## run each libFuzzer target (fuzz/) for FUZZ_SECONDS from its committed corpus (nightly Rust)
 	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 	@for target in $(FUZZ_TARGETS); do \

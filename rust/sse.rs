@@ -1,4 +1,5 @@
-//! SSE framing: `event: <type>\ndata: <json>\n\n`, JSON written straight into the output buffer.
+//! SSE framing: `event: <type>\ndata: <json>\n\n`, JSON written straight into the output buffer,
+//! and the `id:` line each event gets on its way to the client.
 
 use serde::Serialize;
 
@@ -23,6 +24,35 @@ pub fn write_comment(out: &mut Vec<u8>, text: &str) {
     out.extend_from_slice(b": ");
     out.extend_from_slice(text.as_bytes());
     out.extend_from_slice(b"\n\n");
+}
+
+/// Copies whole SSE frames into `out`, giving each event an `id: N` line first, N counting up
+/// from `next_id`; a comment frame (a keep-alive, `: ...`) gets none. A trailing part without its
+/// blank line is copied as it is. Returns the id the next event gets.
+pub fn number_events(frames: &[u8], mut next_id: u64, out: &mut Vec<u8>) -> u64 {
+    out.reserve(frames.len() + 16);
+    let mut rest = frames;
+    while !rest.is_empty() {
+        let end = find_frame_end(rest).unwrap_or(rest.len());
+        let (frame, after) = rest.split_at(end);
+        if !frame.starts_with(b":") && frame != b"\n\n" {
+            out.extend_from_slice(b"id: ");
+            out.extend_from_slice(next_id.to_string().as_bytes());
+            out.push(b'\n');
+            next_id += 1;
+        }
+        out.extend_from_slice(frame);
+        rest = after;
+    }
+    next_id
+}
+
+/// The length of the first frame in `bytes`, its blank line included.
+fn find_frame_end(bytes: &[u8]) -> Option<usize> {
+    bytes
+        .windows(2)
+        .position(|pair| pair == b"\n\n")
+        .map(|at| at + 2)
 }
 
 #[cfg(test)]
@@ -52,5 +82,26 @@ mod tests {
             String::from_utf8(out).unwrap(),
             "event: delta\ndata: {\"type\":\"text_delta\",\"text\":\"a\\n\\\"b\\\"\"}\n\n: keep-alive\n\n"
         );
+    }
+
+    #[test]
+    fn numbers_events_but_not_comments() {
+        let frames = b"event: a\ndata: {}\n\n: keep-alive\n\ndata: {\"x\":1}\n\ndata: [DONE]\n\n";
+        let mut out = Vec::new();
+        assert_eq!(number_events(frames, 9, &mut out), 12);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "id: 9\nevent: a\ndata: {}\n\n: keep-alive\n\nid: 10\ndata: {\"x\":1}\n\n\
+             id: 11\ndata: [DONE]\n\n"
+        );
+    }
+
+    #[test]
+    fn numbering_nothing_or_a_partial_frame() {
+        let mut out = Vec::new();
+        assert_eq!(number_events(b"", 1, &mut out), 1);
+        assert!(out.is_empty());
+        assert_eq!(number_events(b"data: 1", 1, &mut out), 2);
+        assert_eq!(out, b"id: 1\ndata: 1");
     }
 }

@@ -184,7 +184,7 @@ def broken_render(*args: Any, **kwargs: Any) -> None:
 
 
 async def broken_after_first_frames(reader: Any) -> AsyncIterator[bytes]:
-    """Stands in for `mlxgate.api.http.chunks`: a bug after the response's headers."""
+    """Stands in for `mlxgate.api.event_streams.chunks`: a bug after the response's headers."""
     from mlxgate.streams import chunks
 
     async for data in chunks(reader):
@@ -193,5 +193,11 @@ async def broken_after_first_frames(reader: Any) -> AsyncIterator[bytes]:
 
 
 def last_frames(sse: str, count: int) -> list[str]:
-    """The last `count` frames of an SSE body."""
-    return [frame for frame in sse.split("\n\n") if frame][-count:]
+    """The last `count` frames of an SSE body, without their `id:` lines."""
+    return [without_id(frame) for frame in sse.split("\n\n") if frame][-count:]
+
+
+def without_id(frame: str) -> str:
+    """An SSE frame without the `id:` line every event starts with."""
+    assert frame.startswith(("id: ", ":")), frame
+    return frame.split("\n", 1)[1] if frame.startswith("id: ") else frame

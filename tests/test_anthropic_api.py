@@ -161,7 +161,7 @@ def test_claude_code_message_shapes_are_accepted(
             seen += chunk
             if b"content_block_delta" in seen or b"message_stop" in seen:
                 break  # max_tokens 128000 was clamped and accepted; no need to wait it out
-    assert seen.startswith(b"event: message_start")
+    assert seen.startswith(b"id: 1\nevent: message_start")
     # The billing header varies per session: it must not change the prompt.
     other = json.loads(json.dumps(body))
     other["system"][0]["text"] = (

@@ -88,13 +88,15 @@ def test_system_as_string_or_blocks_renders_the_same(client: anthropic.Anthropic
 
 
 def _events(raw: bytes) -> list[tuple[str, dict[str, object]]]:
+    """Each frame's event and data, checked to be numbered 1, 2, ... (SSE `id:`)."""
     events = []
     for frame in raw.decode().split("\n\n"):
         if not frame.strip():
             continue
         lines = frame.split("\n")
-        assert lines[0].startswith("event: ") and lines[1].startswith("data: "), frame
-        events.append((lines[0][len("event: ") :], orjson.loads(lines[1][len("data: ") :])))
+        assert lines[0] == f"id: {len(events) + 1}", frame
+        assert lines[1].startswith("event: ") and lines[2].startswith("data: "), frame
+        events.append((lines[1][len("event: ") :], orjson.loads(lines[2][len("data: ") :])))
     return events
 
 

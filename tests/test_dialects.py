@@ -24,7 +24,7 @@ from conftest import (
     last_frames,
 )
 from mlxgate import chat
-from mlxgate.api import http
+from mlxgate.api import event_streams
 from mlxgate.engine import GenerationRequest
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -271,8 +271,9 @@ def test_a_client_over_its_share_is_rate_limited(
             stream=True,
         )
         assert other.status_code == 200
-        first = next(other.iter_lines())
-        assert first.startswith(dialect.first_line)
+        lines = other.iter_lines()
+        assert next(lines) == "id: 1"
+        assert next(lines).startswith(dialect.first_line)
         for response in [*busy, other]:
             response.close()
 
@@ -369,10 +370,10 @@ async def test_unexpected_errors_before_and_after_headers(
     dialect.error(before, "internal")
 
     with monkeypatch.context() as patch:
-        patch.setattr(http, "chunks", broken_after_first_frames)
+        patch.setattr(event_streams, "chunks", broken_after_first_frames)
         after = await _post(in_process, dialect, max_tokens=8, stream=True)
     assert after.status_code == 200
-    assert after.text.startswith(dialect.first_line)
+    assert after.text.startswith("id: 1\n" + dialect.first_line)
     dialect.stream_error(after.text, "internal")
 
     assert (await _post(in_process, dialect, max_tokens=8)).status_code == 200

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import REPO, free_port, start_server
+from conftest import REPO, free_port, last_frames, start_server
 
 DRAIN_S = 8
 
@@ -80,7 +80,7 @@ def test_sigterm_lets_streams_finish_or_end_them_with_an_error(tmp_path: Path) -
         assert out, f"{path}: the stream was cut"
         text = out[0]
         if path == "/v1/messages":
-            last = [frame for frame in text.split("\n\n") if frame.strip()][-1]
+            last = last_frames(text, 1)[0]
             if short:
                 assert last.startswith("event: message_stop"), last
             else:

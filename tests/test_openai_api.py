@@ -73,8 +73,10 @@ def test_raw_stream_ends_with_done(server: RunningServer) -> None:
     body = {"model": "m", "messages": QUESTION, "max_tokens": 8, "stream": True}
     raw = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).text
     frames = [f for f in raw.split("\n\n") if f]
-    assert all(f.startswith("data: ") for f in frames) and "event:" not in raw
-    assert frames[-1] == "data: [DONE]"
+    assert "event:" not in raw
+    for number, frame in enumerate(frames, 1):
+        assert frame.startswith(f"id: {number}\ndata: "), frame
+    assert frames[-1].endswith("\ndata: [DONE]")
 
 
 def test_length_and_stop_sequences(client: openai.OpenAI) -> None:

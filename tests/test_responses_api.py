@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import RunningServer
+from conftest import RunningServer, without_id
 from mlxgate._native import reasoning_from_encrypted
 from mlxgate.api.responses.requests import Item, ResponsesRequest, messages, tools
 from mlxgate.formats.reasoning import FIELD as REASONING
@@ -53,7 +53,7 @@ def sse_events(body: str) -> list[dict[str, Any]]:
     for frame in body.split("\n\n"):
         if not frame:
             continue
-        event_line, data_line = frame.split("\n")
+        event_line, data_line = without_id(frame).split("\n")
         data = json.loads(data_line.removeprefix("data: "))
         assert event_line == f"event: {data['type']}"
         events.append(data)

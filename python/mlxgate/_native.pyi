@@ -39,6 +39,7 @@ __all__ = [
     "Router",
     "StreamSpec",
     "Vocab",
+    "number_events",
     "reasoning_from_encrypted",
 ]
 
@@ -381,3 +382,7 @@ class Router:
 def reasoning_from_encrypted(encrypted: str) -> str | None:
     """The reasoning text inside an `encrypted_content` this server handed out (None for any other
     string), so a replayed reasoning item renders exactly as the model wrote it."""
+
+def number_events(frames: bytes, next_id: int) -> tuple[bytes, int]:
+    """`frames` (whole SSE frames) with an `id: N` line on each event, N counting up from
+    `next_id` (keep-alive comments get none), and the id the next event gets."""

@@ -16,6 +16,7 @@ from mlxgate._native import Dialect, ErrorKind, Router, Vocab
 from mlxgate.api.anthropic import AnthropicAPI
 from mlxgate.api.drain import Drain
 from mlxgate.api.errors import ApiError
+from mlxgate.api.event_streams import Resumable
 from mlxgate.api.guard import Guard
 from mlxgate.api.http import (
     BodyTooLarge,
@@ -69,6 +70,7 @@ class App:
         self.models = ModelNames(
             served, config.model_aliases, strict=config.strict_models, model_arg=config.model
         )
+        self.resumable = Resumable(config.resume_window) if config.resume_window > 0 else None
         services = Services(
             engine=engine,
             renderer=renderer,
@@ -76,9 +78,11 @@ class App:
             default_sampling=SamplingParams(config.temperature, config.top_p, config.top_k),
             config=config,
             max_output_tokens=config.max_output_tokens,
+            resumable=self.resumable,
         )
         self.routes: list[Route] = [
             *(route for api in DIALECTS for route in api(services).routes()),
+            *(self.resumable.routes() if self.resumable is not None else []),
             Route("GET", "/health", Dialect.OPENAI, self._health),
             Route("HEAD", "/health", Dialect.OPENAI, self._health),
             Route("GET", "/metrics", Dialect.OPENAI, self._metrics),
@@ -108,6 +112,7 @@ class App:
         started = time.monotonic()
         streams = logs.OPENED.set([])
         request_id = f"req_{secrets.token_hex(12)}".encode()
+        scope["mlxgate.request_id"] = request_id.decode()
         guard = self.guard
 
         async def send_tracked(message: Message) -> None:

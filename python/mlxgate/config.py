@@ -143,6 +143,13 @@ class Config:
         "with retry-after, /health says draining); the rest then end with an error event",
         metavar="S",
     )
+    resume_window: float = setting(
+        0.0,
+        "keep a dropped stream generating for S seconds: GET /v1/streams/{request-id} with "
+        "Last-Event-ID replays what the client missed and follows the rest",
+        metavar="S",
+        default_text="off",
+    )
     log_level: str = setting("info", "log verbosity", choices=("debug", "info", "warning", "error"))
     log_format: str = setting(
         "text",

@@ -45,6 +45,11 @@ class EngineCollector(Collector):
         for name, doc in _COUNTERS.items():
             yield CounterMetricFamily(f"mlxgate_engine_{name}", doc, value=snapshot[name])
         yield GaugeMetricFamily(
+            "mlxgate_engine_open_streams",
+            "streams the engine still holds (generating, or waiting to be read)",
+            value=len(self.engine.router),
+        )
+        yield GaugeMetricFamily(
             "mlxgate_prefix_cache_bytes",
             "memory held by the prefix KV cache",
             value=self.engine.prefix_cache.nbytes,

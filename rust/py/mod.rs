@@ -3,6 +3,7 @@
 mod events;
 mod markup;
 mod router;
+mod sse;
 mod vocab;
 
 use pyo3::create_exception;
@@ -65,5 +66,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<router::PyReader>()?;
     m.add_class::<router::PyRouter>()?;
     m.add_function(wrap_pyfunction!(events::reasoning_from_encrypted, m)?)?;
+    m.add_function(wrap_pyfunction!(sse::number_events, m)?)?;
     Ok(())
 }

@@ -1,4 +1,4 @@
-"""ASGI plumbing shared by the API dialects: bodies, JSON responses, streamed responses."""
+"""ASGI plumbing shared by the API dialects: bodies, headers, whole responses, disconnects."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from mlxgate._native import Dialect, ErrorKind, Reader
+from mlxgate._native import Dialect, Reader
 from mlxgate.api.errors import ApiError
 from mlxgate.streams import chunks
 
@@ -84,7 +84,7 @@ async def send_json(
     await send_bytes(send, status, orjson.dumps(payload), extra_headers=extra_headers)
 
 
-async def _wait_disconnect(receive: Receive) -> None:
+async def wait_disconnect(receive: Receive) -> None:
     # granian drops writes after a disconnect silently; only receive() reports it.
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -95,7 +95,7 @@ async def unless_disconnected(
 ) -> Any:
     """Run `work`; if the client disconnects first, cancel the generations and return None."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    watcher = asyncio.ensure_future(wait_disconnect(receive))
     try:
         await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -106,10 +106,6 @@ async def unless_disconnected(
         watcher.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
     return task.result() if not task.cancelled() else None
-
-
-# Sees every chunk of a response body as it goes out.
-Tap = Callable[[bytes], object]
 
 
 async def start_event_stream(send: Send) -> None:
@@ -126,53 +122,6 @@ async def start_event_stream(send: Send) -> None:
             ],
         }
     )
-
-
-async def _stream(send: Send, reader: Reader, dialect: Dialect, tap: Tap | None) -> None:
-    await start_event_stream(send)
-    try:
-        async for data in chunks(reader):
-            if tap is not None:
-                tap(data)
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-    except Exception:
-        # The status line is out: the client learns of the failure from a last error event.
-        log.exception("stream %d failed after its headers were sent", reader.stream_id)
-        reader.cancel()
-        error = ApiError(
-            ErrorKind.INTERNAL, "the stream failed inside the server (the server log has details)"
-        )
-        last = error.body(dialect, stream=True)
-        await send({"type": "http.response.body", "body": last, "more_body": True})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def send_event_stream(
-    send: Send, receive: Receive, reader: Reader, dialect: Dialect, tap: Tap | None = None
-) -> None:
-    """Stream SSE frames as the engine produces them; a disconnect cancels the generation."""
-    await unless_disconnected(receive, [reader], _stream(send, reader, dialect, tap))
-
-
-async def respond(
-    send: Send,
-    receive: Receive,
-    reader: Reader,
-    dialect: Dialect,
-    *,
-    stream: bool,
-    tap: Tap | None = None,
-) -> None:
-    """Answer with the generation: SSE as it happens, or the whole body with the status its end
-    implies (an error's, if the generation failed). `tap` sees what is sent, chunk by chunk."""
-    if stream:
-        await send_event_stream(send, receive, reader, dialect, tap)
-        return
-    body = await collect(receive, reader)
-    if body is not None:
-        if tap is not None:
-            tap(body)
-        await send_bytes(send, reader.status, body)
 
 
 async def join(reader: Reader) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -27,6 +27,9 @@ from mlxgate.engine import (
     QueueFull,
     SamplingParams,
 )
+
+if TYPE_CHECKING:
+    from mlxgate.api.event_streams import Resumable
 
 Handler = Callable[[Scope, Receive, Send, bytes], Awaitable[None]]
 Model = TypeVar("Model", bound=BaseModel)
@@ -92,6 +95,8 @@ class Services:
     # The server's settings, for the ones only one dialect reads.
     config: Config
     max_output_tokens: int | None = None
+    # Where streams go to be resumable (`--resume-window`); None: they are not.
+    resumable: Resumable | None = None
 
 
 def _validation_message(exc: ValidationError) -> str:

@@ -8,7 +8,8 @@ from typing import Any
 
 from mlxgate._native import Dialect, StreamSpec
 from mlxgate.api.anthropic.requests import CountTokensRequest, MessagesRequest, conversation
-from mlxgate.api.http import Receive, Scope, Send, respond, send_json
+from mlxgate.api.event_streams import respond
+from mlxgate.api.http import Receive, Scope, Send, send_json
 from mlxgate.api.shared import (
     COMMON_ADMISSION_ERRORS,
     AdmissionErrors,
@@ -84,7 +85,15 @@ class AnthropicAPI:
             speculate=request.speculative_decoding,
         )
         reader = admit(services.engine, generation, ADMISSION_ERRORS)
-        await respond(send, receive, reader, ANTHROPIC, stream=request.stream)
+        await respond(
+            scope,
+            send,
+            receive,
+            reader,
+            ANTHROPIC,
+            stream=request.stream,
+            resumable=services.resumable,
+        )
 
     async def count_tokens(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(CountTokensRequest, body)

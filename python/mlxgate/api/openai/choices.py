@@ -11,24 +11,25 @@ from typing import Any
 import orjson
 
 from mlxgate._native import Reader
-from mlxgate.api.http import (
-    Receive,
-    Send,
-    join,
-    send_bytes,
-    start_event_stream,
-    unless_disconnected,
-)
+from mlxgate.api.event_streams import Produce, Resumable, Write, stream_events
+from mlxgate.api.http import Receive, Scope, Send, join, send_bytes, unless_disconnected
 from mlxgate.streams import chunks
 
 DONE = b"data: [DONE]\n\n"
 
 
 async def respond_choices(
-    send: Send, receive: Receive, readers: list[Reader], *, stream: bool
+    scope: Scope,
+    send: Send,
+    receive: Receive,
+    readers: list[Reader],
+    *,
+    stream: bool,
+    resumable: Resumable | None,
 ) -> None:
     if stream:
-        await unless_disconnected(receive, readers, _stream(send, readers))
+        produce = _merged(readers)
+        await stream_events(scope, send, receive, readers, produce, resumable)
         return
     bodies = await unless_disconnected(receive, readers, asyncio.gather(*map(join, readers)))
     if bodies is None:
@@ -44,35 +45,37 @@ async def respond_choices(
     await send_bytes(send, 200, orjson.dumps(merged))
 
 
-async def _stream(send: Send, readers: list[Reader]) -> None:
-    await start_event_stream(send)
-    arrived: asyncio.Queue[bytes | None] = asyncio.Queue()
+def _merged(readers: list[Reader]) -> Produce:
+    async def produce(write: Write) -> None:
+        arrived: asyncio.Queue[bytes | None] = asyncio.Queue()
 
-    async def pump(reader: Reader) -> None:
+        async def pump(reader: Reader) -> None:
+            try:
+                async for data in chunks(reader):
+                    await arrived.put(data)
+            finally:
+                await arrived.put(None)
+
+        pumps = [asyncio.ensure_future(pump(reader)) for reader in readers]
+        usage: dict[str, Any] | None = None
+        open_choices = len(readers)
         try:
-            async for data in chunks(reader):
-                await arrived.put(data)
+            while open_choices:
+                data = await arrived.get()
+                if data is None:
+                    open_choices -= 1
+                    continue
+                if data.endswith(DONE):  # a choice's last frames: its usage chunk, if any, [DONE]
+                    data, usage = _without_ending(data, usage)
+                if data:
+                    await write(data)
         finally:
-            await arrived.put(None)
+            for task in pumps:
+                task.cancel()
+        tail = b"data: " + orjson.dumps(usage) + b"\n\n" if usage is not None else b""
+        await write(tail + DONE)
 
-    pumps = [asyncio.ensure_future(pump(reader)) for reader in readers]
-    usage: dict[str, Any] | None = None
-    open_choices = len(readers)
-    try:
-        while open_choices:
-            data = await arrived.get()
-            if data is None:
-                open_choices -= 1
-                continue
-            if data.endswith(DONE):  # a choice's last frames: its usage chunk, if any, and [DONE]
-                data, usage = _without_ending(data, usage)
-            if data:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-    finally:
-        for task in pumps:
-            task.cancel()
-    tail = b"data: " + orjson.dumps(usage) + b"\n\n" if usage is not None else b""
-    await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
+    return produce
 
 
 def _without_ending(

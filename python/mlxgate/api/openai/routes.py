@@ -10,7 +10,8 @@ from typing import Any, Literal
 from mlxgate import chat
 from mlxgate._native import Dialect, ErrorKind, StreamSpec
 from mlxgate.api.errors import ApiError, invalid
-from mlxgate.api.http import Receive, Scope, Send, respond, send_json
+from mlxgate.api.event_streams import respond
+from mlxgate.api.http import Receive, Scope, Send, send_json
 from mlxgate.api.openai.choices import respond_choices
 from mlxgate.api.openai.requests import (
     ChatCompletionRequest,
@@ -61,6 +62,7 @@ class OpenAIAPI:
         grammar = request.grammar()
         prompt = render(self.services.renderer, conversation(request))
         await self._generate(
+            scope,
             receive,
             send,
             request,
@@ -85,10 +87,11 @@ class OpenAIAPI:
                 f"prompt: must be at least 2 tokens long; this one is {len(ids)}", param="prompt"
             )
         max_tokens = output_limit(self.services, request.max_tokens)
-        await self._generate(receive, send, request, ids, max_tokens, kind="completion")
+        await self._generate(scope, receive, send, request, ids, max_tokens, kind="completion")
 
     async def _generate(
         self,
+        scope: Scope,
         receive: Receive,
         send: Send,
         request: _Sampling,
@@ -133,9 +136,19 @@ class OpenAIAPI:
         ]
         readers = admit_all(services.engine, generations, ADMISSION_ERRORS)
         if len(readers) == 1:
-            await respond(send, receive, readers[0], OPENAI, stream=request.stream)
+            await respond(
+                scope,
+                send,
+                receive,
+                readers[0],
+                OPENAI,
+                stream=request.stream,
+                resumable=services.resumable,
+            )
         else:
-            await respond_choices(send, receive, readers, stream=request.stream)
+            await respond_choices(
+                scope, send, receive, readers, stream=request.stream, resumable=services.resumable
+            )
 
     def _entry(self, name: str) -> dict[str, Any]:
         created = self.services.models.created

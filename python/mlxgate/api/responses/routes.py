@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 
 from mlxgate._native import Dialect, StreamSpec
-from mlxgate.api.http import Receive, Scope, Send, respond, send_bytes, send_json
+from mlxgate.api.event_streams import respond
+from mlxgate.api.http import Receive, Scope, Send, send_bytes, send_json
 from mlxgate.api.responses.requests import Item, ResponsesRequest, conversation, tools
 from mlxgate.api.responses.store import ResponseStore, StoredResponse
 from mlxgate.api.shared import (
@@ -107,7 +108,16 @@ class ResponsesAPI:
         def keep_last(chunk: bytes) -> None:
             last[0] = chunk
 
-        await respond(send, receive, reader, RESPONSES, stream=request.stream, tap=keep_last)
+        await respond(
+            scope,
+            send,
+            receive,
+            reader,
+            RESPONSES,
+            stream=request.stream,
+            resumable=services.resumable,
+            tap=keep_last,
+        )
         if request.store and last[0]:
             response = final_response(last[0], request.stream)
             if response is not None:

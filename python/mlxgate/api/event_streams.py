@@ -1,0 +1,358 @@
+"""Streamed responses: SSE events numbered (`id:`) in one place on their way to the client,
+sent straight to the connection or, with `--resume-window S`, through a resumable `EventLog`.
+
+A resumable stream's events go into its log, which the connection follows; when the client drops,
+the generation goes on into the log for S seconds, and `GET /v1/streams/{request-id}` with
+`Last-Event-ID` replays the events after that id and follows the rest live. Nothing is lost or
+sent twice across a reconnect: a reconnect starts at the event after the one the client names."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from itertools import islice
+
+from mlxgate._native import Dialect, ErrorKind, Reader, number_events
+from mlxgate.api.errors import ApiError, invalid
+from mlxgate.api.http import (
+    Receive,
+    Scope,
+    Send,
+    collect,
+    header,
+    send_bytes,
+    start_event_stream,
+    unless_disconnected,
+    wait_disconnect,
+)
+from mlxgate.api.shared import Route, path_tail
+from mlxgate.streams import chunks
+
+log = logging.getLogger("mlxgate")
+
+# A log holds at most this much not yet handed to a connection (beyond it the generation waits,
+# and the engine ends it as stalled if nobody reads), and as much again already handed out, for
+# replay (the bytes a dropped connection may have lost in flight).
+BUFFER_BYTES = 4 << 20
+
+# Where a stream's frames go: awaited per chunk of whole frames.
+Write = Callable[[bytes], Awaitable[None]]
+# Writes a stream's frames, from its readers, until they end.
+Produce = Callable[[Write], Awaitable[None]]
+# Sees every chunk of a response body as it goes out.
+Tap = Callable[[bytes], object]
+
+END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+def request_id(scope: Scope) -> str:
+    """The id the app gave the request (its `request-id` header); a stream's id too."""
+    return str(scope["mlxgate.request_id"])
+
+
+async def stream_events(
+    scope: Scope,
+    send: Send,
+    receive: Receive,
+    readers: Sequence[Reader],
+    produce: Produce,
+    resumable: Resumable | None,
+) -> None:
+    """Answer with an SSE stream of what `produce` writes, every event numbered; without a resume
+    window a disconnect cancels the generation at once."""
+    if resumable is not None:
+        await resumable.stream(request_id(scope), send, receive, readers, produce)
+        return
+    await start_event_stream(send)
+    next_id = 1
+
+    async def write(data: bytes) -> None:
+        nonlocal next_id
+        numbered, next_id = number_events(data, next_id)
+        await send({"type": "http.response.body", "body": numbered, "more_body": True})
+
+    await unless_disconnected(receive, readers, produce(write))
+    await send(END)
+
+
+async def respond(
+    scope: Scope,
+    send: Send,
+    receive: Receive,
+    reader: Reader,
+    dialect: Dialect,
+    *,
+    stream: bool,
+    resumable: Resumable | None,
+    tap: Tap | None = None,
+) -> None:
+    """Answer with the generation: SSE as it happens, or the whole body with the status its end
+    implies (an error's, if the generation failed). `tap` sees what is sent, chunk by chunk
+    (before the events are numbered)."""
+    if stream:
+        produce = _relay(reader, dialect, tap)
+        await stream_events(scope, send, receive, [reader], produce, resumable)
+        return
+    body = await collect(receive, reader)
+    if body is not None:
+        if tap is not None:
+            tap(body)
+        await send_bytes(send, reader.status, body)
+
+
+def _relay(reader: Reader, dialect: Dialect, tap: Tap | None) -> Produce:
+    async def produce(write: Write) -> None:
+        try:
+            async for data in chunks(reader):
+                if tap is not None:
+                    tap(data)
+                await write(data)
+        except Exception:
+            # The status line is out: the client learns of the failure from a last error event.
+            log.exception("stream %d failed after its headers were sent", reader.stream_id)
+            reader.cancel()
+            error = ApiError(
+                ErrorKind.INTERNAL,
+                "the stream failed inside the server (the server log has details)",
+            )
+            await write(error.body(dialect, stream=True))
+
+    return produce
+
+
+class Resumable:
+    """The resumable streams of one app: each request's `EventLog` by its id, for as long as
+    the window keeps it, and the route that reconnects to one."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._logs: dict[str, EventLog] = {}
+
+    def routes(self) -> list[Route]:
+        return [
+            Route(
+                "GET",
+                "/v1/streams/",
+                Dialect.ANTHROPIC,
+                self.reconnect,
+                prefix=True,
+                header=b"anthropic-version",
+            ),
+            Route("GET", "/v1/streams/", Dialect.OPENAI, self.reconnect, prefix=True),
+        ]
+
+    async def stream(
+        self,
+        stream_id: str,
+        send: Send,
+        receive: Receive,
+        readers: Sequence[Reader],
+        produce: Produce,
+    ) -> None:
+        """Stream through a log this connection follows; when it leaves, the generation goes on
+        (this returns when it ends) for a reconnect to pick up within the window."""
+        log = EventLog(stream_id, readers, self.window_s, self._logs.pop)
+        self._logs[stream_id] = log
+
+        async def write(data: bytes) -> None:
+            numbered, next_id = number_events(data, log.next_id)
+            await log.append(numbered, next_id)
+
+        async def run() -> None:
+            try:
+                await produce(write)
+            finally:
+                log.close()
+
+        producer = asyncio.ensure_future(run())
+        try:
+            await log.follow(send, receive, 0)
+            await producer
+        finally:
+            if not producer.done():  # this handler itself was cancelled (the server stops)
+                for reader in readers:
+                    reader.cancel()
+                producer.cancel()
+
+    async def reconnect(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        """`GET /v1/streams/{id}`: the events after `Last-Event-ID` (all of them without one),
+        then the rest as they come."""
+        stream_id = path_tail(scope, "/v1/streams/").strip("/")
+        log = self._logs.get(stream_id)
+        if log is None:
+            raise ApiError(
+                ErrorKind.NOT_FOUND,
+                f"no stream {stream_id!r} to resume: it never was, or it ended or was dropped "
+                f"more than {self.window_s:g} s ago",
+            )
+        last = header(scope, b"last-event-id") or "0"
+        if not last.isdigit():
+            raise invalid(f"Last-Event-ID must be an event id (a number), not {last!r}")
+        seq = log.replay_from(int(last))
+        await log.follow(send, receive, seq, skip_to=int(last) + 1)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    seq: int  # the chunk's place in the log
+    first_id: int  # the id of its first event
+    next_id: int  # the id after its last event (== first_id: no event, e.g. a keep-alive)
+    data: bytes  # numbered frames
+
+
+class EventLog:
+    """One stream's numbered frames, bounded, followed by at most one connection at a time."""
+
+    def __init__(
+        self,
+        stream_id: str,
+        readers: Sequence[Reader],
+        window_s: float,
+        forget: Callable[[str], object],
+    ) -> None:
+        self.stream_id = stream_id
+        self.readers = readers
+        self.window_s = window_s
+        self._forget = forget
+        self._chunks: deque[_Chunk] = deque()
+        self._next_seq = 0
+        self.next_id = 1
+        self._sent_seq = 0  # the follower's place: chunks before it were handed to a connection
+        self._held_bytes = 0
+        self._unsent_bytes = 0
+        self.closed = False
+        self._follower: object | None = None
+        self._changed = asyncio.get_running_loop().create_future()
+        self._expiry: asyncio.TimerHandle | None = None
+
+    # The producer's side.
+
+    async def append(self, data: bytes, next_id: int) -> None:
+        """Add numbered frames whose events end before `next_id`; waits while the log holds
+        `BUFFER_BYTES` nobody has been handed."""
+        while self._unsent_bytes >= BUFFER_BYTES and not self.closed:
+            await self._changed
+        self._chunks.append(_Chunk(self._next_seq, self.next_id, next_id, data))
+        self._next_seq += 1
+        self.next_id = next_id
+        self._held_bytes += len(data)
+        self._unsent_bytes += len(data)
+        self._trim()
+        self._notify()
+
+    def close(self) -> None:
+        self.closed = True
+        self._notify()
+
+    # A connection's side.
+
+    def replay_from(self, last_event_id: int) -> int:
+        """The seq to follow from for a client that has the events up to `last_event_id`."""
+        if last_event_id >= self.next_id:
+            raise invalid(
+                f"Last-Event-ID {last_event_id}: stream {self.stream_id} has sent events up to "
+                f"{self.next_id - 1}"
+            )
+        oldest = self._chunks[0].first_id if self._chunks else self.next_id
+        if last_event_id + 1 < oldest:
+            raise ApiError(
+                ErrorKind.NOT_FOUND,
+                f"stream {self.stream_id} no longer holds the events after {last_event_id}",
+            )
+        for chunk in self._chunks:
+            if chunk.next_id > last_event_id + 1:
+                return chunk.seq
+        return self._next_seq
+
+    async def follow(self, send: Send, receive: Receive, seq: int, skip_to: int = 0) -> None:
+        """Answer with the chunks from `seq` on (the first from the event with id `skip_to`),
+        then each as it comes, until the stream ends, the client leaves or another connection
+        takes the stream over. A connection that leaves starts the window."""
+        token = self._attach(seq)
+        left = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await start_event_stream(send)
+            while self._follower is token and not left.done():
+                fresh = self._since(seq)
+                if fresh:
+                    seq = fresh[-1].seq + 1
+                    self._handed(fresh)
+                    data = b"".join(_from_event(chunk, skip_to) for chunk in fresh)
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                elif self.closed:
+                    await send(END)
+                    return
+                else:
+                    changed = self._changed
+                    await asyncio.wait([changed, left], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            if self._follower is token:
+                self._follower = None
+                self._expire_in(self.window_s)
+
+    # The log's own bookkeeping.
+
+    def _attach(self, seq: int) -> object:
+        """Make a new connection, reading from `seq`, the one follower."""
+        token = object()
+        self._follower = token
+        self._notify()  # a previous follower sees it is no longer one and returns
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._sent_seq = seq
+        self._unsent_bytes = sum(len(chunk.data) for chunk in self._since(seq))
+        return token
+
+    def _since(self, seq: int) -> list[_Chunk]:
+        """The chunks from `seq` on (the follower's place is never trimmed)."""
+        count = self._next_seq - seq
+        return list(islice(reversed(self._chunks), count))[::-1] if count > 0 else []
+
+    def _handed(self, chunks: list[_Chunk]) -> None:
+        self._unsent_bytes -= sum(len(chunk.data) for chunk in chunks)
+        self._sent_seq = chunks[-1].seq + 1
+        self._trim()
+        self._notify()
+
+    def _trim(self) -> None:
+        """Drop the oldest chunks handed out beyond `BUFFER_BYTES` of them."""
+        while self._chunks and self._chunks[0].seq < self._sent_seq:
+            if self._held_bytes - self._unsent_bytes <= BUFFER_BYTES:
+                break
+            self._held_bytes -= len(self._chunks.popleft().data)
+
+    def _notify(self) -> None:
+        if not self._changed.done():
+            self._changed.set_result(None)
+        self._changed = asyncio.get_running_loop().create_future()
+
+    def _expire_in(self, seconds: float) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry = asyncio.get_running_loop().call_later(seconds, self._expire)
+
+    def _expire(self) -> None:
+        """Nobody came back within the window: end the generation and forget the stream."""
+        if self._follower is not None:
+            return
+        if not self.closed:
+            log.info(
+                "stream %s: no reconnect within %g s; cancelling it", self.stream_id, self.window_s
+            )
+        for reader in self.readers:
+            reader.cancel()
+        self.close()
+        self._forget(self.stream_id)
+
+
+def _from_event(chunk: _Chunk, event_id: int) -> bytes:
+    """`chunk`'s frames from the one with id `event_id` on (all of them if it starts later)."""
+    if event_id <= chunk.first_id:
+        return chunk.data
+    mark = b"id: %d\n" % event_id
+    at = chunk.data.find(b"\n\n" + mark)
+    return chunk.data[at + 2 :] if at >= 0 else b""
