@@ -1,0 +1,430 @@
+"""Soak run: a long mixed load on one fresh mlxgate server (loopback only), to show that nothing
+fails, memory stays flat and latency does not drift.
+
+    .venv/bin/python benches/soak.py                      # 30 minutes, 6 clients
+    .venv/bin/python benches/soak.py --minutes 3 --window-minutes 1    # a smoke run
+
+The clients loop over a mix: streams in the Anthropic, OpenAI and Responses dialects, whole
+(non-streamed) answers, streams cancelled at a random point, a client that never reads its
+stream, malformed requests (each must get a 4xx), agents that share a long system prompt (the
+prefix cache's case) and streams cut and resumed (`--resume-window`). Every 10 s it samples the
+server's RSS (its process tree), the prefix cache's bytes and the engine's open streams.
+
+Reported (printed, and written to benches/results/soak-<timestamp>.md and .json): requests and
+failures by kind, RSS growth after the warm-up (the first window), ITL p95 per window and its
+drift from the first window after the warm-up, and the open streams once the load stops (must
+be 0). Never run it beside tests or another benchmark: it measures latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from loadgen import (
+    Prompt,
+    RequestResult,
+    check_loopback,
+    make_client,
+    percentile,
+    story_prompt,
+    stream_one,
+)
+from report import publish
+from servers import ROOT, Server, free_port, process_tree, server_command
+
+RESUME_WINDOW_S = 10
+SAMPLE_EVERY_S = 10.0
+AGENT_SYSTEM = "You are a careful coding agent working in a large repository. " + " ".join(
+    f"Rule {i}: read the file before you change it, keep the change small, run the tests "
+    f"for module number {i} and report what you changed in one short paragraph."
+    for i in range(40)
+)  # about 1,500 tokens, the same for every agent: the prefix cache serves it
+AGENT_TASKS = (
+    "Rename the function parse_args to parse_arguments everywhere.",
+    "Add a docstring to the class Config.",
+    "Explain what the module scheduler does.",
+    "Find where the cache is cleared and say why.",
+)
+# (kind, weight): how often each kind of request is in the mix.
+MIX = (
+    ("stream_anthropic", 18),
+    ("stream_openai", 14),
+    ("stream_responses", 10),
+    ("whole", 10),
+    ("cancelled", 14),
+    ("agent", 16),
+    ("malformed", 10),
+    ("resumed", 6),
+    ("never_reading", 2),
+)
+MALFORMED = (
+    ("/v1/messages", b"{not json"),
+    ("/v1/messages", b'{"model": "m", "max_tokens": "many", "messages": []}'),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": 5}]}'),
+    ("/v1/chat/completions", b'{"model": "m", "max_tokens": -3, "messages": []}'),
+    ("/v1/responses", b'{"model": "m", "input": [{"type": "no_such_item"}]}'),
+    (
+        "/v1/messages",
+        b'{"model": "m", "max_tokens": 4, "messages": [{"role": "user", '
+        b'"content": [{"type": "hologram"}]}]}',
+    ),
+)
+
+
+@dataclass
+class Outcome:
+    kind: str
+    started: float
+    ended: float
+    failure: str | None = None  # why it failed, if it did
+    gaps: list[tuple[float, float]] = field(default_factory=list)  # (arrival, ITL)
+
+
+@dataclass
+class Sample:
+    at_s: float
+    rss_mb: float
+    prefix_cache_mb: float
+    open_streams: int
+    running: int
+
+
+class Soak:
+    def __init__(
+        self, url: str, command: list[str], minutes: float, clients: int, seed: int
+    ) -> None:
+        self.url = url
+        self.command = command
+        self.deadline = time.monotonic() + minutes * 60
+        self.started = time.monotonic()
+        self.clients = clients
+        self.rng = random.Random(seed)
+        self.outcomes: list[Outcome] = []
+        self.samples: list[Sample] = []
+        self.first_agent_done = float("inf")  # from then on, agents' prompts must be cached
+
+    async def run(self, server_pid: int) -> None:
+        sampler = asyncio.ensure_future(self._sample_loop(server_pid))
+        async with make_client(self.clients * 2, stall_s=600) as client:
+            await asyncio.gather(*(self._client_loop(client, i) for i in range(self.clients)))
+        sampler.cancel()
+
+    async def _client_loop(self, client: httpx.AsyncClient, number: int) -> None:
+        kinds, weights = zip(*MIX, strict=True)
+        count = 0
+        while time.monotonic() < self.deadline:
+            kind = self.rng.choices(kinds, weights)[0]
+            count += 1
+            outcome = Outcome(kind, time.monotonic(), 0.0)
+            try:
+                await getattr(self, f"_{kind}")(client, outcome, number * 100_000 + count)
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                outcome.failure = f"{type(exc).__name__}: {exc}"[:200]
+            outcome.ended = time.monotonic()
+            self.outcomes.append(outcome)
+
+    # The kinds of request.
+
+    def _record(self, outcome: Outcome, result: RequestResult) -> None:
+        if result.error is not None:
+            outcome.failure = result.error[:200]
+        outcome.gaps = [(t, g) for t, g in zip(result.delta_times[1:], result.gaps, strict=True)]
+
+    async def _stream_anthropic(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
+        result = await stream_one(
+            client, self.url, "anthropic", story_prompt(n), 96, model="m", timeout_s=600
+        )
+        self._record(outcome, result)
+
+    async def _stream_openai(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
+        result = await stream_one(
+            client, self.url, "openai", story_prompt(n), 96, model="m", timeout_s=600
+        )
+        self._record(outcome, result)
+
+    async def _agent(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
+        prompt = Prompt(AGENT_TASKS[n % len(AGENT_TASKS)], system=AGENT_SYSTEM)
+        result = await stream_one(
+            client, self.url, "anthropic", prompt, 64, model="m", timeout_s=600
+        )
+        self._record(outcome, result)
+        if result.error is None:
+            if not result.cached_tokens and outcome.started > self.first_agent_done:
+                outcome.failure = "an agent's shared system prompt was not served from the cache"
+            self.first_agent_done = min(self.first_agent_done, time.monotonic())
+
+    async def _cancelled(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
+        dialect = self.rng.choice(("anthropic", "openai"))
+        result = await stream_one(
+            client,
+            self.url,
+            dialect,
+            story_prompt(n),
+            200,
+            model="m",
+            close_when=asyncio.sleep(self.rng.uniform(0.05, 3.0)),
+            timeout_s=600,
+        )
+        self._record(outcome, result)
+
+    async def _stream_responses(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
+        body = {
+            "model": "m",
+            "stream": True,
+            "max_output_tokens": 96,
+            "temperature": 0,
+            "input": story_prompt(n).user,
+        }
+        last = None
+        arrivals = []
+        async with client.stream("POST", self.url + "/v1/responses", json=body) as response:
+            if response.status_code != 200:
+                outcome.failure = f"HTTP {response.status_code}"
+                return
+            async for line in response.aiter_lines():
+                if line.startswith("event: "):
+                    last = line[7:]
+                    if last == "response.output_text.delta":
+                        arrivals.append(time.monotonic())
+        if last not in ("response.completed", "response.incomplete"):
+            outcome.failure = f"a Responses stream ended with {last}"
+        outcome.gaps = [(b, b - a) for a, b in itertools.pairwise(arrivals)]
+
+    async def _whole(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
+        dialect = self.rng.choice(("anthropic", "openai"))
+        path = "/v1/messages" if dialect == "anthropic" else "/v1/chat/completions"
+        body = {
+            "model": "m",
+            "max_tokens": 48,
+            "messages": [{"role": "user", "content": story_prompt(n).user}],
+        }
+        response = await client.post(self.url + path, json=body)
+        if response.status_code != 200:
+            outcome.failure = f"HTTP {response.status_code}: {response.text[:120]}"
+        elif "usage" not in response.json():
+            outcome.failure = "a whole answer without usage"
+
+    async def _malformed(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
+        path, body = MALFORMED[n % len(MALFORMED)]
+        response = await client.post(
+            self.url + path, content=body, headers={"content-type": "application/json"}
+        )
+        if not 400 <= response.status_code < 500 or "error" not in response.json():
+            outcome.failure = f"malformed request answered {response.status_code}"
+
+    async def _never_reading(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
+        body = {
+            "model": "m",
+            "max_tokens": 400,
+            "stream": True,
+            "messages": [{"role": "user", "content": story_prompt(n).user}],
+        }
+        async with client.stream("POST", self.url + "/v1/messages", json=body) as response:
+            if response.status_code != 200:
+                outcome.failure = f"HTTP {response.status_code}"
+                return
+            await asyncio.sleep(20)  # holds the connection, reads nothing
+
+    async def _resumed(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
+        body = {
+            "model": "m",
+            "max_tokens": 96,
+            "stream": True,
+            "messages": [{"role": "user", "content": story_prompt(n).user}],
+        }
+        frames = b""
+        async with client.stream("POST", self.url + "/v1/messages", json=body) as response:
+            if response.status_code != 200:
+                outcome.failure = f"HTTP {response.status_code}"
+                return
+            stream_id = response.headers["request-id"]
+            async for chunk in response.aiter_raw():
+                frames += chunk
+                if frames.count(b"\n\n") >= self.rng.randint(3, 12):
+                    break
+        whole = frames[: frames.rfind(b"\n\n") + 2]
+        last = whole.rsplit(b"\nid: ", 1)[-1] if b"\nid: " in whole else whole[4:]
+        last_id = last[: last.index(b"\n")].decode()
+        resumed = await client.get(
+            self.url + f"/v1/streams/{stream_id}", headers={"last-event-id": last_id}
+        )
+        text = (whole + resumed.content).decode()
+        ids = [int(line[4:]) for line in text.splitlines() if line.startswith("id: ")]
+        if resumed.status_code != 200:
+            outcome.failure = f"resume answered {resumed.status_code}"
+        elif ids != list(range(1, len(ids) + 1)) or "event: message_stop" not in text:
+            outcome.failure = "a resumed stream lost or repeated events"
+
+    # Sampling the server.
+
+    async def _sample_loop(self, pid: int) -> None:
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+            while True:
+                self.samples.append(await sample(client, self.url, pid, self.started))
+                await asyncio.sleep(SAMPLE_EVERY_S)
+
+
+def rss_mb(pid: int) -> float:
+    total = 0
+    for member in process_tree(pid):
+        try:
+            status = Path(f"/proc/{member}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total / 1024
+
+
+def metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+async def sample(client: httpx.AsyncClient, url: str, pid: int, started: float) -> Sample:
+    scraped = metrics((await client.get(url + "/metrics")).text)
+    return Sample(
+        at_s=round(time.monotonic() - started, 1),
+        rss_mb=round(rss_mb(pid), 1),
+        prefix_cache_mb=round(scraped["mlxgate_prefix_cache_bytes"] / 2**20, 1),
+        open_streams=int(scraped["mlxgate_engine_open_streams"]),
+        running=int(scraped["mlxgate_engine_running"]),
+    )
+
+
+def windows(soak: Soak, window_s: float) -> list[dict[str, Any]]:
+    """Per window of the run: requests, failures, ITL p95 and the RSS at its end."""
+    out = []
+    total = max(o.ended for o in soak.outcomes) - soak.started
+    for i in range(max(1, round(total / window_s))):
+        lo, hi = soak.started + i * window_s, soak.started + (i + 1) * window_s
+        gaps = [g for o in soak.outcomes for t, g in o.gaps if lo <= t < hi]
+        ended = [o for o in soak.outcomes if lo <= o.ended < hi]
+        rss = [s.rss_mb for s in soak.samples if lo - soak.started <= s.at_s < hi - soak.started]
+        out.append(
+            {
+                "window": i + 1,
+                "requests": len(ended),
+                "failures": sum(o.failure is not None for o in ended),
+                "itl_p95_ms": round(1000 * (percentile(gaps, 95) or 0), 1),
+                "rss_mb": rss[-1] if rss else None,
+            }
+        )
+    return out
+
+
+async def drain_check(url: str, pid: int, started: float) -> Sample:
+    """The server once the load has stopped: waits (up to the resume window and a margin) for
+    every stream to be let go."""
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+        deadline = time.monotonic() + RESUME_WINDOW_S + 30
+        while True:
+            after = await sample(client, url, pid, started)
+            if (after.open_streams == 0 and after.running == 0) or time.monotonic() > deadline:
+                return after
+            await asyncio.sleep(1)
+
+
+def report(soak: Soak, window_s: float, after: Sample, args: argparse.Namespace) -> Path:
+    per_window = windows(soak, window_s)
+    steady = [w for w in per_window[1:] if w["rss_mb"]]  # the first window is the warm-up
+    base_rss = per_window[0]["rss_mb"] or steady[0]["rss_mb"]
+    peak_rss = max(s.rss_mb for s in soak.samples if s.at_s >= window_s)
+    rss_growth = (peak_rss - base_rss) / base_rss
+    itl = [w["itl_p95_ms"] for w in per_window[1:]]
+    drift = max(abs(value / itl[0] - 1) for value in itl) if len(itl) > 1 else 0.0
+    failures = Counter(o.failure.split(":")[0] for o in soak.outcomes if o.failure)
+    kinds = Counter(o.kind for o in soak.outcomes)
+    failed_kinds = Counter(o.kind for o in soak.outcomes if o.failure)
+    lines = [
+        f"# Soak: {args.minutes:g} minutes, {args.clients} clients, mixed load",
+        "",
+        f"`{' '.join(sys.argv)}`, server `{' '.join(soak.command)}`.",
+        "",
+        f"- requests: {len(soak.outcomes)}, unexpected failures: {sum(failures.values())}",
+        f"- RSS at the end of the warm-up (window 1): {base_rss:.0f} MB; peak after it: "
+        f"{peak_rss:.0f} MB; growth {100 * rss_growth:+.1f}% (must stay under 5%)",
+        f"- ITL p95 drift from window 2 over the later windows: {100 * drift:.1f}% (must stay "
+        "under 10%)",
+        f"- after the load: {after.open_streams} open streams, {after.running} running "
+        f"(must be 0), prefix cache {after.prefix_cache_mb:.0f} MB",
+        "",
+        "| kind | requests | failures |",
+        "| --- | ---: | ---: |",
+        *(f"| {kind} | {kinds[kind]} | {failed_kinds[kind]} |" for kind, _ in MIX),
+        "",
+        "| window | requests | failures | ITL p95 (ms) | RSS at end (MB) |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+        *(
+            f"| {w['window']} | {w['requests']} | {w['failures']} | {w['itl_p95_ms']} | "
+            f"{w['rss_mb']} |"
+            for w in per_window
+        ),
+        "",
+    ]
+    if failures:
+        lines += ["Failures:", "", *(f"- {count} x {why}" for why, count in failures.items()), ""]
+    lines += [
+        "RSS and prefix cache over time (MB):",
+        "",
+        "| at (s) | RSS | prefix cache | open |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {s.at_s:.0f} | {s.rss_mb} | {s.prefix_cache_mb} | {s.open_streams} |"
+        for s in soak.samples[:: max(1, len(soak.samples) // 30)]
+    ]
+    path = publish(lines, args.out, "soak")
+    raw = {
+        "windows": per_window,
+        "samples": [asdict(s) for s in soak.samples],
+        "failures": dict(failures),
+        "kinds": dict(kinds),
+        "after": asdict(after),
+    }
+    path.with_suffix(".json").write_text(json.dumps(raw, indent=1))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--window-minutes", type=float, default=5.0)
+    parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mlxgate-args", default="", help="extra server flags, one string")
+    parser.add_argument("--out", type=Path, default=ROOT / "benches" / "results")
+    args = parser.parse_args()
+    port = free_port()
+    extra = ["--resume-window", str(RESUME_WINDOW_S), *args.mlxgate_args.split()]
+    command = server_command("mlxgate", port, ROOT, extra)
+    server = Server("mlxgate", command, port, ROOT / "benches" / ".cache" / "logs" / "soak.log")
+    server.start()
+    check_loopback(server.url)
+    try:
+        soak = Soak(server.url, command, args.minutes, args.clients, args.seed)
+        asyncio.run(soak.run(server.pid))
+        after = asyncio.run(drain_check(server.url, server.pid, soak.started))
+        report(soak, args.window_minutes * 60, after, args)
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
