@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import json
 import random
+import statistics
 import sys
 import time
 from collections import Counter
@@ -31,19 +32,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from loadgen import (
-    Prompt,
-    RequestResult,
-    check_loopback,
-    make_client,
-    percentile,
-    story_prompt,
-    stream_one,
-)
+from loadgen import stream_one
 from report import publish
 from servers import ROOT, Server, free_port, process_tree, server_command
 
+from mlxgate.bench.figures import percentile
+from mlxgate.bench.load import Prompt, check_loopback, make_client, story_prompt
+from mlxgate.bench.records import Record
+
 RESUME_WINDOW_S = 10
+WARM_UP_WINDOWS = 2  # the prefix cache (1 GB) and MLX's buffer cache fill in about 10 minutes
 SAMPLE_EVERY_S = 10.0
 AGENT_SYSTEM = "You are a careful coding agent working in a large repository. " + " ".join(
     f"Rule {i}: read the file before you change it, keep the change small, run the tests "
@@ -96,6 +94,8 @@ class Sample:
     at_s: float
     rss_mb: float
     prefix_cache_mb: float
+    mlx_active_mb: float  # live arrays
+    mlx_cache_mb: float  # MLX's pool of freed buffers
     open_streams: int
     running: int
 
@@ -136,7 +136,7 @@ class Soak:
 
     # The kinds of request.
 
-    def _record(self, outcome: Outcome, result: RequestResult) -> None:
+    def _record(self, outcome: Outcome, result: Record) -> None:
         if result.error is not None:
             outcome.failure = result.error[:200]
         outcome.gaps = [(t, g) for t, g in zip(result.delta_times[1:], result.gaps, strict=True)]
@@ -303,27 +303,34 @@ async def sample(client: httpx.AsyncClient, url: str, pid: int, started: float) 
         at_s=round(time.monotonic() - started, 1),
         rss_mb=round(rss_mb(pid), 1),
         prefix_cache_mb=round(scraped["mlxgate_prefix_cache_bytes"] / 2**20, 1),
+        mlx_active_mb=round(scraped["mlxgate_mlx_active_bytes"] / 2**20, 1),
+        mlx_cache_mb=round(scraped["mlxgate_mlx_cache_bytes"] / 2**20, 1),
         open_streams=int(scraped["mlxgate_engine_open_streams"]),
         running=int(scraped["mlxgate_engine_running"]),
     )
 
 
 def windows(soak: Soak, window_s: float) -> list[dict[str, Any]]:
-    """Per window of the run: requests, failures, ITL p95 and the RSS at its end."""
+    """Per window of the run: requests, failures, ITL p95, RSS (median and peak) and MLX's
+    buffer cache (median)."""
     out = []
     total = max(o.ended for o in soak.outcomes) - soak.started
     for i in range(max(1, round(total / window_s))):
         lo, hi = soak.started + i * window_s, soak.started + (i + 1) * window_s
         gaps = [g for o in soak.outcomes for t, g in o.gaps if lo <= t < hi]
         ended = [o for o in soak.outcomes if lo <= o.ended < hi]
-        rss = [s.rss_mb for s in soak.samples if lo - soak.started <= s.at_s < hi - soak.started]
+        inside = [s for s in soak.samples if lo - soak.started <= s.at_s < hi - soak.started]
         out.append(
             {
                 "window": i + 1,
                 "requests": len(ended),
                 "failures": sum(o.failure is not None for o in ended),
                 "itl_p95_ms": round(1000 * (percentile(gaps, 95) or 0), 1),
-                "rss_mb": rss[-1] if rss else None,
+                "rss_mb": statistics.median(s.rss_mb for s in inside) if inside else None,
+                "rss_max_mb": max((s.rss_mb for s in inside), default=None),
+                "mlx_cache_mb": statistics.median(s.mlx_cache_mb for s in inside)
+                if inside
+                else None,
             }
         )
     return out
@@ -343,12 +350,11 @@ async def drain_check(url: str, pid: int, started: float) -> Sample:
 
 def report(soak: Soak, window_s: float, after: Sample, args: argparse.Namespace) -> Path:
     per_window = windows(soak, window_s)
-    steady = [w for w in per_window[1:] if w["rss_mb"]]  # the first window is the warm-up
-    base_rss = per_window[0]["rss_mb"] or steady[0]["rss_mb"]
-    peak_rss = max(s.rss_mb for s in soak.samples if s.at_s >= window_s)
-    rss_growth = (peak_rss - base_rss) / base_rss
-    itl = [w["itl_p95_ms"] for w in per_window[1:]]
-    drift = max(abs(value / itl[0] - 1) for value in itl) if len(itl) > 1 else 0.0
+    steady = per_window[WARM_UP_WINDOWS:]
+    base, last = steady[0], steady[-1]
+    rss_growth = (last["rss_mb"] - base["rss_mb"]) / base["rss_mb"]
+    peak_rss = max(w["rss_max_mb"] for w in steady)
+    drift = max(abs(w["itl_p95_ms"] / base["itl_p95_ms"] - 1) for w in steady)
     failures = Counter(o.failure.split(":")[0] for o in soak.outcomes if o.failure)
     kinds = Counter(o.kind for o in soak.outcomes)
     failed_kinds = Counter(o.kind for o in soak.outcomes if o.failure)
@@ -358,10 +364,13 @@ def report(soak: Soak, window_s: float, after: Sample, args: argparse.Namespace)
         f"`{' '.join(sys.argv)}`, server `{' '.join(soak.command)}`.",
         "",
         f"- requests: {len(soak.outcomes)}, unexpected failures: {sum(failures.values())}",
-        f"- RSS at the end of the warm-up (window 1): {base_rss:.0f} MB; peak after it: "
-        f"{peak_rss:.0f} MB; growth {100 * rss_growth:+.1f}% (must stay under 5%)",
-        f"- ITL p95 drift from window 2 over the later windows: {100 * drift:.1f}% (must stay "
-        "under 10%)",
+        f"- warm-up: the first {WARM_UP_WINDOWS} windows (the prefix cache and MLX's buffer "
+        "cache fill); after it:",
+        f"- RSS (median per window) {base['rss_mb']:.0f} MB in window {base['window']}, "
+        f"{last['rss_mb']:.0f} MB in window {last['window']}: growth {100 * rss_growth:+.1f}% "
+        f"(must stay under 5%); the highest sample {peak_rss:.0f} MB",
+        f"- ITL p95 drift from window {base['window']} over the later windows: "
+        f"{100 * drift:.1f}% (must stay under 10%)",
         f"- after the load: {after.open_streams} open streams, {after.running} running "
         f"(must be 0), prefix cache {after.prefix_cache_mb:.0f} MB",
         "",
@@ -369,11 +378,12 @@ def report(soak: Soak, window_s: float, after: Sample, args: argparse.Namespace)
         "| --- | ---: | ---: |",
         *(f"| {kind} | {kinds[kind]} | {failed_kinds[kind]} |" for kind, _ in MIX),
         "",
-        "| window | requests | failures | ITL p95 (ms) | RSS at end (MB) |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        "| window | requests | failures | ITL p95 (ms) | RSS median / peak (MB) "
+        "| MLX buffer cache (MB) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
         *(
             f"| {w['window']} | {w['requests']} | {w['failures']} | {w['itl_p95_ms']} | "
-            f"{w['rss_mb']} |"
+            f"{w['rss_mb']} / {w['rss_max_mb']} | {w['mlx_cache_mb']} |"
             for w in per_window
         ),
         "",
@@ -381,13 +391,14 @@ def report(soak: Soak, window_s: float, after: Sample, args: argparse.Namespace)
     if failures:
         lines += ["Failures:", "", *(f"- {count} x {why}" for why, count in failures.items()), ""]
     lines += [
-        "RSS and prefix cache over time (MB):",
+        "Memory over time (MB) and the streams the engine holds:",
         "",
-        "| at (s) | RSS | prefix cache | open |",
-        "| ---: | ---: | ---: | ---: |",
+        "| at (s) | RSS | MLX live arrays | MLX buffer cache | prefix cache | open |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines += [
-        f"| {s.at_s:.0f} | {s.rss_mb} | {s.prefix_cache_mb} | {s.open_streams} |"
+        f"| {s.at_s:.0f} | {s.rss_mb} | {s.mlx_active_mb} | {s.mlx_cache_mb} "
+        f"| {s.prefix_cache_mb} | {s.open_streams} |"
         for s in soak.samples[:: max(1, len(soak.samples) // 30)]
     ]
     path = publish(lines, args.out, "soak")

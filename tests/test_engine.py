@@ -281,6 +281,34 @@ def test_choices_of_one_prompt_prefill_once_and_outlive_a_cancelled_one(engine: 
     assert answers == [text(body(submit(engine, ids, 12)))] * 2
 
 
+def test_a_choice_that_takes_over_a_torn_prefill_goes_on_from_its_finished_chunks(
+    engine: Engine,
+) -> None:
+    """The lead choice's client leaves in the middle of a prefill pass: the next choice takes
+    the prefill over from the chunks already finished (the torn pass cut back, not redone from
+    the start) and decodes exactly what it would have."""
+    ids = prompt_ids(engine, "word " * 3000 + QUESTIONS[1])
+    spec = StreamSpec.anthropic(
+        model="m", message_id="msg_n", stream=False, eos_ids=sorted(engine.loaded.tokenizer.eos_ids)
+    )
+    engine.prefix_cache.max_bytes, saved = 0, engine.prefix_cache.max_bytes  # computed in full
+    try:
+        alone = text(body(submit(engine, ids, 8)))
+    finally:
+        engine.prefix_cache.max_bytes = saved
+    chunk = engine.settings.max_prefill_chunk
+    prefilled = engine.metrics.prefill_tokens
+    readers = engine.admit_all([GenerationRequest(ids, spec, 8) for _ in range(2)])
+    wait_until(lambda: engine.metrics.prefill_tokens - prefilled >= 2 * chunk, 60.0)
+    readers[0].cancel()  # lands in the pass under way: it stops part way through the layers
+    answer = text(body(readers[1]))
+    wait_until(lambda: idle(engine), 10.0)
+    # At most the torn pass is computed again; starting over would redo two chunks or more.
+    assert engine.metrics.prefill_tokens - prefilled < len(ids) + chunk
+    assert readers[0].end == "cancelled"
+    assert answer == alone
+
+
 def test_cancel_while_queued(engine: Engine) -> None:
     blockers = [submit(engine, prompt_ids(engine, "word " * 1500), 5) for _ in range(2)]
     queued = submit(engine, prompt_ids(engine, QUESTIONS[1]), 5)

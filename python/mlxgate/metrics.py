@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import mlx.core as mx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -48,6 +49,16 @@ class EngineCollector(Collector):
             "mlxgate_engine_open_streams",
             "streams the engine still holds (generating, or waiting to be read)",
             value=len(self.engine.router),
+        )
+        yield GaugeMetricFamily(
+            "mlxgate_mlx_active_bytes",
+            "memory MLX holds in live arrays (weights, KV caches, activations)",
+            value=mx.get_active_memory(),
+        )
+        yield GaugeMetricFamily(
+            "mlxgate_mlx_cache_bytes",
+            "memory MLX keeps from freed arrays for reuse (its buffer cache)",
+            value=mx.get_cache_memory(),
         )
         yield GaugeMetricFamily(
             "mlxgate_prefix_cache_bytes",
