@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import loadgen
-from loadgen import Prompt, RequestResult, stream_one, summarize
+from loadgen import Prompt, stream_one, summarize
 from servers import CpuSampler
 from tokenizers import Tokenizer
+
+from mlxgate.bench.load import make_client, story_prompt
+from mlxgate.bench.records import Record
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ def long_prompt(model_dir: Path, tokens: int, seed: str) -> Prompt:
 async def concurrency(target: Target, sizes: Sizes, c: int) -> dict[str, Any]:
     """C clients, each request a different story prompt, `max_tokens` output tokens asked."""
     requests, max_tokens = getattr(sizes, f"c{c}")
-    prompts = [loadgen.story_prompt(i) for i in range(requests)]
+    prompts = [story_prompt(i) for i in range(requests)]
     run = await loadgen.run_load(
         target.url,
         target.dialect,
@@ -191,7 +194,7 @@ async def head_of_line(target: Target, sizes: Sizes, model_dir: Path, nonce: str
     The prefill window runs from sending the long prompt to its first content delta. A gap
     counts if it overlaps the window, so the gap that ends when the stall ends is included.
     """
-    async with loadgen.make_client(sizes.hol_streams + 1, sizes.stall_s) as client:
+    async with make_client(sizes.hol_streams + 1, sizes.stall_s) as client:
         started = [asyncio.Event() for _ in range(sizes.hol_streams)]
         streams = [
             asyncio.create_task(
@@ -199,7 +202,7 @@ async def head_of_line(target: Target, sizes: Sizes, model_dir: Path, nonce: str
                     client,
                     target.url,
                     target.dialect,
-                    loadgen.story_prompt(i),
+                    story_prompt(i),
                     sizes.hol_output,
                     index=i,
                     model=target.model,
@@ -221,7 +224,7 @@ async def head_of_line(target: Target, sizes: Sizes, model_dir: Path, nonce: str
             model=target.model,
             timeout_s=sizes.request_timeout_s,
         )
-        results: list[RequestResult] = await asyncio.gather(*streams)
+        results: list[Record] = await asyncio.gather(*streams)
     window_start = long.sent_at
     window_end = long.delta_times[0] if long.delta_times else long.ended_at
     during = [
@@ -252,7 +255,7 @@ async def head_of_line(target: Target, sizes: Sizes, model_dir: Path, nonce: str
 
 
 async def _all_started(
-    events: list[asyncio.Event], tasks: list[asyncio.Task[RequestResult]], limit_s: float
+    events: list[asyncio.Event], tasks: list[asyncio.Task[Record]], limit_s: float
 ) -> None:
     """Wait until every stream has its first delta, one has ended without one, or `limit_s`."""
     deadline = time.monotonic() + limit_s
@@ -267,7 +270,7 @@ async def prefix(target: Target, sizes: Sizes, model_dir: Path, nonce: str) -> d
     system = f"Reference notes {nonce}:\n{filler(model_dir, sizes.prefix_tokens, nonce)}"
     questions = ("What is the first word of the notes?", "How many sentences do the notes have?")
     results = []
-    async with loadgen.make_client(1, sizes.stall_s) as client:
+    async with make_client(1, sizes.stall_s) as client:
         for i, question in enumerate(questions):
             results.append(
                 await stream_one(
@@ -310,7 +313,7 @@ async def _close_and_watch(
                 await first.wait()
             await asyncio.sleep(sizes.disconnect_close_s)
 
-        async with loadgen.make_client(1, sizes.stall_s) as client:
+        async with make_client(1, sizes.stall_s) as client:
             result = await stream_one(
                 client,
                 target.url,
@@ -354,7 +357,7 @@ async def wait_idle(pid: int, limit_s: float) -> float | None:
 async def disconnect(target: Target, sizes: Sizes, model_dir: Path, nonce: str) -> dict[str, Any]:
     """Close a long generation mid-decode, then a long prompt mid-prefill; time to server idle."""
     decode = await _close_and_watch(
-        target, loadgen.story_prompt(0), sizes.disconnect_output, "after-first-delta", sizes
+        target, story_prompt(0), sizes.disconnect_output, "after-first-delta", sizes
     )
     settle = await wait_idle(target.pid, min(300.0, sizes.request_timeout_s))
     prompt = long_prompt(model_dir, sizes.disconnect_prompt, nonce)

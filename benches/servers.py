@@ -15,9 +15,10 @@ from pathlib import Path
 
 import httpx
 
+from mlxgate.bench.machine import CLK_TCK, cpu_ticks, process_tree
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # Which API dialects each server speaks, and the model name its requests carry.
 # `mlxgate_plain` is mlxgate without speculative decoding, the baseline speculation is held to.
@@ -158,36 +159,6 @@ def stop_all() -> None:
     """Stop every server this process started (for exit paths)."""
     for server in list(_RUNNING):
         server.stop(grace_s=5.0)
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and all its descendants (granian runs the app in a worker process)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command name may contain spaces and parentheses: split after the last ')'.
-        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    tree = [root]
-    for pid in tree:  # grows while iterating: breadth-first
-        tree.extend(child for child, parent in parents.items() if parent == pid)
-    return tree
-
-
-def cpu_ticks(pids: list[int]) -> int:
-    """utime + stime of the given processes, in clock ticks (all their threads included)."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone
-        total += int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
-    return total
 
 
 @dataclass

@@ -44,6 +44,9 @@ from servers import (
     stop_all,
 )
 
+from mlxgate.bench.load import make_client, story_prompt
+from mlxgate.bench.records import PATHS, Record
+
 BENCHES = Path(__file__).resolve().parent
 SCENARIOS = ("edit", "c1", "c8", "c32", "long", "hol", "prefix", "disconnect")
 THROUGHPUT = ("edit", "c1", "c8", "c32")
@@ -93,13 +96,13 @@ async def _run_scenario(
     raise ValueError(f"unknown scenario {name!r}")
 
 
-async def _warm_up(target: Target) -> loadgen.RequestResult:
-    async with loadgen.make_client(1, 600.0) as client:
+async def _warm_up(target: Target) -> Record:
+    async with make_client(1, 600.0) as client:
         return await loadgen.stream_one(
             client,
             target.url,
             target.dialect,
-            loadgen.story_prompt(99),
+            story_prompt(99),
             8,
             model=target.model,
             timeout_s=600.0,
@@ -124,7 +127,7 @@ def run_one(
         target = Target(server.url, dialect, MODEL_NAMES[server_name], server.pid)
         warm = asyncio.run(_warm_up(target))
         if warm.status == 404:
-            row["skipped"] = f"{LABELS[server_name]} answers 404 on {loadgen.PATHS[dialect]}"
+            row["skipped"] = f"{LABELS[server_name]} answers 404 on {PATHS[dialect]}"
             return row
         if not warm.ok:
             row["error"] = f"warm-up failed: {warm.error}"

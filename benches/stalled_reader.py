@@ -24,6 +24,9 @@ from pathlib import Path
 import loadgen
 from servers import Server, free_port, process_tree, server_command
 
+from mlxgate.bench.figures import percentile
+from mlxgate.bench.load import request_body, story_prompt
+
 BENCHES = Path(__file__).resolve().parent
 
 
@@ -46,9 +49,7 @@ def stalled_client(url: str, max_tokens: int) -> socket.socket:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect((host, int(port)))
-    body = json.dumps(
-        loadgen.request_body("anthropic", loadgen.story_prompt(7), max_tokens, "default")
-    ).encode()
+    body = json.dumps(request_body("anthropic", story_prompt(7), max_tokens, "default")).encode()
     head = (
         f"POST /v1/messages HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
         f"anthropic-version: 2023-06-01\r\ncontent-length: {len(body)}\r\n\r\n"
@@ -58,7 +59,7 @@ def stalled_client(url: str, max_tokens: int) -> socket.socket:
 
 
 async def measure(url: str, streams: int, tokens: int) -> dict[str, float]:
-    prompts = [loadgen.story_prompt(i) for i in range(streams)]
+    prompts = [story_prompt(i) for i in range(streams)]
     run = await loadgen.run_load(
         url, "anthropic", prompts, concurrency=streams, requests=streams, max_tokens=tokens
     )
@@ -66,7 +67,7 @@ async def measure(url: str, streams: int, tokens: int) -> dict[str, float]:
     return {
         "failed": sum(not r.ok for r in run.results),
         "itl_p50_s": statistics.median(gaps),
-        "itl_p95_s": loadgen.percentile(gaps, 95) or 0.0,
+        "itl_p95_s": percentile(gaps, 95) or 0.0,
         "output_tok_s": sum(r.output_tokens or 0 for r in run.results) / run.wall_s,
     }
 

@@ -120,6 +120,12 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="serve a model over the Anthropic and OpenAI APIs", formatter_class=_Help
     )
     _add_settings(serve)
+    commands.add_parser(
+        "bench",
+        help="measure running servers (any of the APIs) into a run directory; see "
+        "`mlxgate bench --help`",
+        add_help=False,
+    )
     return parser
 
 
@@ -132,7 +138,13 @@ def parse_config(argv: list[str]) -> Config:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from mlxgate.bench.cli import main as bench
+
+        bench(argv[1:])
+        return
+    config = parse_config(argv)
     if refused := public_bind_refused(config.host, config.api_key, config.insecure_public):
         sys.exit(f"mlxgate: {refused}")
     from mlxgate.server import serve

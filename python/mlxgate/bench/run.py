@@ -1,0 +1,194 @@
+"""A benchmark run: every target through the scenarios, interleaved level by level (A, B, then
+B, A, so a drift in the machine's speed falls on both), into a run directory:
+
+    records.jsonl   one line per request (its target, scenario, concurrency and `Record`)
+    summary.json    the machine, the targets and each run's figures
+    report.md       the figures as tables, with each target's ratio to the first
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from mlxgate.bench.figures import Slo, summarize
+from mlxgate.bench.load import Load, Prompt, run, story_prompt
+from mlxgate.bench.machine import cpu_seconds, load_average
+from mlxgate.bench.records import DIALECTS, Record
+
+
+@dataclass(frozen=True)
+class Target:
+    """A server under test: `NAME=URL[,dialect=anthropic|openai|responses][,pid=PID]`; with the
+    pid, its CPU time is read from /proc."""
+
+    name: str
+    url: str
+    dialect: str = "openai"
+    pid: int | None = None
+    model: str = "default_model"
+
+    @classmethod
+    def parse(cls, text: str) -> Target:
+        name, sep, rest = text.partition("=")
+        url, *options = rest.split(",")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"a target is NAME=URL[,dialect=...][,pid=...], not {text!r}")
+        target = cls(name, url.rstrip("/"))
+        for option in options:
+            key, _, value = option.partition("=")
+            if key == "dialect" and value in DIALECTS:
+                target = replace(target, dialect=value)
+            elif key == "pid" and value.isdigit():
+                target = replace(target, pid=int(value))
+            elif key == "model" and value:
+                target = replace(target, model=value)
+            else:
+                raise ValueError(f"{text!r}: unknown target option {option!r}")
+        return target
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The concurrency sweep: at each level C, C clients (or, with a rate, Poisson arrivals
+    with at most C in flight) send `requests_per_client` x C requests each."""
+
+    levels: tuple[int, ...] = (1, 2, 4, 8)
+    requests_per_client: int = 4
+    max_tokens: int = 128
+    rate: float | None = None
+
+
+def run_bench(
+    targets: list[Target],
+    sweep: Sweep,
+    slo: Slo,
+    out: Path,
+    prompt: Callable[[int], Prompt] = story_prompt,
+) -> dict[str, Any]:
+    """Measure every target, write the run directory `out`, return its summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_before": load_average(),
+        },
+        "targets": [asdict(t) for t in targets],
+        "sweep": asdict(sweep),
+        "runs": [],
+    }
+    started = time.monotonic()
+    total = sum(level * sweep.requests_per_client for level in sweep.levels) * len(targets)
+    with (out / "records.jsonl").open("w") as records, tqdm(total=total, desc="sweep") as bar:
+        for target in targets:
+            asyncio.run(run(_load(target, sweep, 1, 1, prompt)))  # warm-up, not counted
+        for step, level in enumerate(sweep.levels):
+            for target in targets if step % 2 == 0 else reversed(targets):
+                load = _load(target, sweep, level, level * sweep.requests_per_client, prompt)
+                cpu_before = cpu_seconds(target.pid) if target.pid else None
+                began = time.monotonic()
+                done = asyncio.run(run(load, on_done=lambda _: bar.update()))
+                wall_s = time.monotonic() - began
+                cpu_s = None
+                if target.pid is not None and cpu_before is not None:
+                    cpu_s = cpu_seconds(target.pid) - cpu_before
+                for record in done:
+                    record.target, record.scenario = target.name, "sweep"
+                    line = {**record.to_json(started), "concurrency": level}
+                    records.write(json.dumps(line) + "\n")
+                figures = summarize(done, wall_s, slo, cpu_s)
+                summary["runs"].append(
+                    {"target": target.name, "scenario": "sweep", "concurrency": level, **figures}
+                )
+    summary["machine"]["load_after"] = load_average()
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "report.md").write_text(report(summary))
+    return summary
+
+
+def _load(
+    target: Target, sweep: Sweep, level: int, requests: int, prompt: Callable[[int], Prompt]
+) -> Load:
+    return Load(
+        target.url,
+        target.dialect,
+        requests,
+        level,
+        sweep.max_tokens,
+        target.model,
+        rate=sweep.rate,
+        prompt=prompt,
+    )
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "-" if not value or not base else f"{value / base:.2f}x"
+
+
+def report(summary: dict[str, Any]) -> str:
+    """The run as markdown: one row per (concurrency, target), ratios against the first target
+    at the same concurrency."""
+    machine = summary["machine"]
+    sweep = summary["sweep"]
+    arrival = f"Poisson at {sweep['rate']}/s" if sweep["rate"] else "closed loop"
+    lines = [
+        "# mlxgate bench",
+        "",
+        f"{machine['platform']}, {machine['cpus']} CPUs; load average {machine['load_before']:.2f}"
+        f" before, {machine['load_after']:.2f} after. Sweep: {arrival}, "
+        f"{sweep['requests_per_client']} requests per client, {sweep['max_tokens']} output "
+        "tokens asked; tokens counted by the servers' usage.",
+        "",
+        "Targets: "
+        + ", ".join(f"`{t['name']}` ({t['url']}, {t['dialect']})" for t in summary["targets"]),
+        "",
+        "| C | target | requests | failed | out tok/s | ratio | per stream tok/s | goodput tok/s "
+        "| TTFT p50 / p95 / p99 (ms) | ratio | ITL p50 / p95 / p99 / max (ms) | e2e p50 (ms) "
+        "| cached | CPU s / token |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: |",
+    ]
+    first = summary["targets"][0]["name"]
+    runs = sorted(summary["runs"], key=lambda r: r["concurrency"])
+    for run_ in runs:
+        base = next(
+            r for r in runs if r["target"] == first and r["concurrency"] == run_["concurrency"]
+        )
+        ttft, itl = run_["ttft_s"], run_["itl_s"]
+        cached = "-" if run_["cached_share"] is None else f"{100 * run_['cached_share']:.0f}%"
+        cpu = run_["cpu_s_per_output_token"]
+        lines.append(
+            f"| {run_['concurrency']} | {run_['target']} | {run_['requests']} | {run_['failed']} "
+            f"| {run_['output_tok_s']:.1f} | {_ratio(run_['output_tok_s'], base['output_tok_s'])} "
+            f"| {run_['stream_tok_s_p50'] or 0:.1f} | {run_['goodput_tok_s']:.1f} "
+            f"| {_ms(ttft['p50'])} / {_ms(ttft['p95'])} / {_ms(ttft['p99'])} "
+            f"| {_ratio(ttft['p50'], base['ttft_s']['p50'])} "
+            f"| {_ms(itl['p50'])} / {_ms(itl['p95'])} / {_ms(itl['p99'])} / {_ms(itl['max'])} "
+            f"| {_ms(run_['e2e_s']['p50'])} | {cached} "
+            f"| {'-' if cpu is None else f'{cpu:.4f}'} |"
+        )
+    failures = [(r["target"], r["concurrency"], r["failures"]) for r in runs if r["failures"]]
+    if failures:
+        lines += ["", "Failures by kind:", ""]
+        lines += [f"- {name} at C={c}: {kinds}" for name, c, kinds in failures]
+    return "\n".join(lines) + "\n"
+
+
+def read_records(path: Path) -> list[Record]:
+    """The records of a run directory's `records.jsonl` (times from the run's start)."""
+    with path.open() as lines:
+        return [Record.from_json(json.loads(line)) for line in lines]

@@ -1,0 +1,327 @@
+"""The benchmark client (`mlxgate.bench`): the times it measures against a fake server whose
+timings are known, each dialect's stream and body read right (pings, keep-alives, errors), the
+JSONL record round trip, and the real server read in every dialect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import RunningServer
+from mlxgate.bench.client import send
+from mlxgate.bench.figures import Slo
+from mlxgate.bench.records import DIALECTS, PATHS, Record, Tally
+from mlxgate.bench.run import Target, read_records
+from mlxgate.cli import main as cli_main
+
+TTFT_S = 0.080
+GAPS_S = (0.010, 0.030, 0.020, 0.050, 0.015, 0.025)
+
+
+def _sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    """One frame as a server writes it (with an `id:` line, which a client skips)."""
+    payload = data if isinstance(data, str) else json.dumps(data)
+    return (f"id: 7\nevent: {event}\n" if event else "id: 7\n").encode() + (
+        f"data: {payload}\n\n".encode()
+    )
+
+
+def _frames(dialect: str) -> tuple[list[bytes], list[bytes], list[bytes]]:
+    """A dialect's stream as a real server writes it: the frames before the tokens (a ping or
+    keep-alive among them), one per token, and the frames after."""
+    tokens = len(GAPS_S) + 1
+    if dialect == "anthropic":
+        usage = {"input_tokens": 5, "cache_read_input_tokens": 3}
+        start = _sse({"type": "message_start", "message": {"usage": usage}}, "message_start")
+        ping = _sse({"type": "ping"}, "ping")
+        delta = {"type": "content_block_delta", "index": 0, "delta": {"text": "tok "}}
+        stop = {"stop_reason": "end_turn"}
+        end = {"type": "message_delta", "delta": stop, "usage": {"output_tokens": tokens}}
+        return (
+            [start, ping],
+            [_sse(delta, "content_block_delta")] * tokens,
+            [ping, _sse(end, "message_delta"), _sse({"type": "message_stop"}, "message_stop")],
+        )
+    if dialect == "openai":
+        delta = {"choices": [{"index": 0, "delta": {"content": "tok "}}]}
+        finish = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        usage = {
+            "prompt_tokens": 8,
+            "completion_tokens": tokens,
+            "prompt_tokens_details": {"cached_tokens": 3},
+        }
+        return (
+            [b": keep-alive\n\n"],
+            [_sse(delta)] * tokens,
+            [_sse(finish), _sse({"choices": [], "usage": usage}), _sse("[DONE]")],
+        )
+    delta = {"type": "response.output_text.delta", "delta": "tok "}
+    usage = {
+        "input_tokens": 8,
+        "output_tokens": tokens,
+        "input_tokens_details": {"cached_tokens": 3},
+    }
+    done = {"type": "response.completed", "response": {"status": "completed", "usage": usage}}
+    return (
+        [_sse({"type": "response.created", "response": {}}, "response.created")],
+        [_sse(delta, "response.output_text.delta")] * tokens,
+        [_sse(done, "response.completed")],
+    )
+
+
+class FakeServer:
+    """An HTTP server on loopback, in a thread of its own, that streams each dialect's frames
+    with known timings: the first token TTFT_S after the request, then GAPS_S apart. It keeps
+    when it wrote each token (the same clock as the client's)."""
+
+    def __init__(self) -> None:
+        self.written: list[list[float]] = []
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        self.ready.set()
+        self.loop.run_forever()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        path = head.split(b" ")[1].decode()
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        await reader.readexactly(length)
+        dialect = next(d for d in DIALECTS if path.endswith(PATHS[d]))
+        before, tokens, after = _frames(dialect)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+            + b"".join(before)
+        )
+        await writer.drain()
+        written: list[float] = []
+        due = time.monotonic() + TTFT_S
+        for frame, gap in zip(tokens, (0.0, *GAPS_S), strict=True):
+            due += gap
+            await asyncio.sleep(due - time.monotonic())
+            writer.write(frame)
+            await writer.drain()
+            written.append(time.monotonic())
+        writer.write(b"".join(after))
+        await writer.drain()
+        writer.close()
+        self.written.append(written)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeServer]:
+    server = FakeServer()
+    yield server
+    server.stop()
+
+
+async def _send_all(url: str, dialect: str, count: int) -> list[Record]:
+    records = []
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+        for index in range(count):
+            record = Record(index=index, dialect=dialect, sent_at=0.0)
+            records.append(await send(client, url, record, {"stream": True}))
+    return records
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_measured_times_match_the_servers_within_a_millisecond(
+    fake: FakeServer, dialect: str
+) -> None:
+    fake.written.clear()
+    records = asyncio.run(_send_all(fake.url, dialect, 7))
+    assert len(fake.written) == len(records)
+    for record in records:
+        assert record.ok, record.error
+        assert record.output_tokens == len(GAPS_S) + 1 == len(record.delta_times)
+        assert record.text == "tok " * (len(GAPS_S) + 1)
+        assert record.cached_tokens == 3
+    # The figures a report gives (medians over the run) against the truth the server kept.
+    ttft = statistics.median(r.ttft_s or 0 for r in records)
+    true_ttft = statistics.median(
+        w[0] - r.sent_at for r, w in zip(records, fake.written, strict=True)
+    )
+    assert abs(ttft - true_ttft) < 0.001
+    assert true_ttft >= TTFT_S
+    for i, gap in enumerate(GAPS_S):
+        measured = statistics.median(r.gaps[i] for r in records)
+        true = statistics.median(w[i + 1] - w[i] for w in fake.written)
+        assert abs(measured - true) < 0.001, (i, measured, true)
+        assert abs(true - gap) < 0.005  # the fake server kept its schedule
+
+
+def _tally(dialect: str, frames: list[tuple[str | None, Any]]) -> Record:
+    record = Record(index=0, dialect=dialect, sent_at=0.0)
+    tally = Tally(record)
+    for at, (event, data) in enumerate(frames, 1):
+        tally.frame(event, data, float(at))
+        if tally.ended:
+            break
+    return record
+
+
+def test_error_events_are_failures_in_every_dialect() -> None:
+    anthropic = _tally(
+        "anthropic",
+        [
+            ("ping", {"type": "ping"}),
+            ("content_block_delta", {"type": "content_block_delta", "delta": {"text": "a"}}),
+            ("error", {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}),
+        ],
+    )
+    assert (anthropic.error_kind, anthropic.error, anthropic.text) == ("error_event", "busy", "a")
+    assert anthropic.ttft_s == 2.0  # the ping is not a token
+    openai = _tally(
+        "openai",
+        [(None, {"error": {"message": "stream failed", "type": "server_error"}}), (None, "[DONE]")],
+    )
+    assert (openai.error_kind, openai.error) == ("error_event", "stream failed")
+    failed = {"type": "response.failed", "response": {"error": {"message": "no"}}}
+    responses = _tally("responses", [("response.failed", failed)])
+    assert (responses.error_kind, responses.error) == ("error_event", "no")
+    bad = _tally("openai", [(None, [1, 2])])
+    assert bad.error_kind == "bad_frame"
+
+
+def test_tool_call_arguments_and_reasoning_are_tokens() -> None:
+    openai = _tally(
+        "openai",
+        [
+            (None, {"choices": [{"delta": {"reasoning_content": "think"}}]}),
+            (None, {"choices": [{"delta": {"tool_calls": [{"function": {"arguments": "{}"}}]}}]}),
+        ],
+    )
+    assert openai.text == "think{}" and len(openai.delta_times) == 2
+    responses = _tally(
+        "responses",
+        [
+            (
+                "response.function_call_arguments.delta",
+                {"type": "response.function_call_arguments.delta", "delta": '{"a"'},
+            ),
+            ("response.output_item.done", {"type": "response.output_item.done", "item": {}}),
+        ],
+    )
+    assert responses.text == '{"a"' and len(responses.delta_times) == 1
+
+
+def test_records_round_trip_through_jsonl() -> None:
+    record = Record(
+        index=3,
+        dialect="responses",
+        sent_at=100.5,
+        status=200,
+        ttft_s=0.25,
+        delta_times=[100.75, 100.8],
+        output_tokens=2,
+        ended_at=101.0,
+        target="a",
+        scenario="sweep",
+    )
+    line = json.dumps(record.to_json(run_started=100.0))
+    assert json.loads(line)["delta_times"] == [0.25, 0.3]
+    again = Record.from_json(json.loads(line), run_started=100.0)
+    assert again == record
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_the_real_server_read_in_every_dialect(
+    server: RunningServer, dialect: str, stream: bool
+) -> None:
+    question = [{"role": "user", "content": "Name three colours."}]
+    body: dict[str, Any] = {"model": "m", "stream": stream, "temperature": 0}
+    if dialect == "responses":
+        body |= {"input": question, "max_output_tokens": 16}
+    else:
+        body |= {"messages": question, "max_tokens": 16}
+    if dialect == "openai" and stream:
+        body["stream_options"] = {"include_usage": True}
+
+    async def one() -> Record:
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            return await send(client, server.url, Record(0, dialect, 0.0), body)
+
+    record = asyncio.run(one())
+    assert record.ok, record.error
+    assert record.text and record.output_tokens and 0 < record.output_tokens <= 16
+    assert record.input_tokens and record.finish_reason
+    if stream:
+        assert 0 < len(record.delta_times) <= record.output_tokens
+        assert record.ttft_s is not None and record.ttft_s <= record.ended_at - record.sent_at
+
+
+def test_a_run_directory_is_complete(fake: FakeServer, tmp_path: Path) -> None:
+    """Two targets, interleaved over two levels: every request's record, every run's figures,
+    the report with ratios to the first target; through the CLI `mlxgate bench`."""
+    out = tmp_path / "run"
+    cli_main(
+        [
+            "bench",
+            "--target", f"first={fake.url},dialect=anthropic,pid={os.getpid()}",
+            "--target", f"second={fake.url},dialect=responses",
+            "--concurrency", "1,2",
+            "--requests-per-client", "2",
+            "--slo", "ttft=1s,itl=100ms",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["records.jsonl", "report.md", "summary.json"]
+    records = read_records(out / "records.jsonl")
+    assert len(records) == (1 + 2) * 2 * 2
+    assert {(r.target, r.dialect) for r in records} == {
+        ("first", "anthropic"),
+        ("second", "responses"),
+    }
+    assert all(r.ok and len(r.delta_times) == len(GAPS_S) + 1 for r in records)
+    summary = json.loads((out / "summary.json").read_text())
+    runs = {(r["target"], r["concurrency"]): r for r in summary["runs"]}
+    assert set(runs) == {("first", 1), ("second", 1), ("first", 2), ("second", 2)}
+    for figures in runs.values():
+        assert figures["failed"] == 0 and figures["output_tokens"] == 7 * figures["requests"]
+        assert figures["goodput_tok_s"] == pytest.approx(figures["output_tok_s"])  # all meet it
+        assert figures["cached_share"] == pytest.approx(3 / 8)
+        assert TTFT_S <= figures["ttft_s"]["p50"] < TTFT_S + 0.05
+        assert abs(figures["itl_s"]["max"] - max(GAPS_S)) < 0.01  # the schedule, give or take
+    assert runs[("first", 1)]["cpu_s_per_output_token"] is not None  # this process's pid
+    assert runs[("second", 1)]["cpu_s_per_output_token"] is None
+    report = (out / "report.md").read_text()
+    assert report.count("| first |") == 2 and report.count("| second |") == 2
+    assert "| 1.00x |" in report
+
+
+def test_targets_and_objectives_are_parsed_or_refused() -> None:
+    target = Target.parse("local=http://127.0.0.1:8080/,dialect=responses,pid=42,model=m")
+    assert target == Target("local", "http://127.0.0.1:8080", "responses", 42, "m")
+    for bad in ("http://x", "a=ftp://x", "a=http://x,dialect=soap", "a=http://x,color=red"):
+        with pytest.raises(ValueError):
+            Target.parse(bad)
+    assert Slo.parse("ttft=1.5s,itl=200ms") == Slo(1.5, 0.2)
+    assert Slo.parse("itl=50ms") == Slo(itl_s=0.05)
+    with pytest.raises(ValueError):
+        Slo.parse("ttft=fast")
