@@ -8,10 +8,11 @@ import os
 import secrets
 import threading
 import time
+from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 
-from mlxgate import chat, logs
+from mlxgate import chat, logs, trace
 from mlxgate._native import Dialect, ErrorKind, Router, Vocab
 from mlxgate.api.anthropic import AnthropicAPI
 from mlxgate.api.drain import Drain
@@ -95,6 +96,7 @@ class App:
             rate_limit=config.rate_limit,
         )
         self.drain = drain or Drain(config.drain_timeout, self.stop_engine)
+        self.recorder = trace.Recorder(Path(config.record_trace)) if config.record_trace else None
         self._engine_stopped = threading.Lock()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -160,12 +162,20 @@ class App:
                 guard.take_token(client)
                 body = await read_body(receive, self.config.max_body_bytes)
                 counting = label.endswith("count_tokens")  # generates nothing: no slot
+                session = None
+                if self.recorder is not None and not counting:
+                    session = trace.session_of(
+                        scope["headers"], str((scope.get("client") or ("?",))[0])
+                    )
+                    self.recorder.started(session, route.path, body)
                 self.drain.in_flight += 1
                 try:
                     with contextlib.nullcontext() if counting else guard.slot(client):
                         await route.handler(scope, receive, send_tracked, body)
                 finally:
                     self.drain.in_flight -= 1
+                    if session is not None and self.recorder is not None:
+                        self.recorder.ended(session)
             else:
                 await route.handler(scope, receive, send_tracked, body)
         except ApiError as exc:

@@ -150,6 +150,13 @@ class Config:
         metavar="S",
         default_text="off",
     )
+    record_trace: str | None = setting(
+        None,
+        "append every generation request to FILE, a JSONL agent trace (session, turn, timing, "
+        "body) that `mlxgate bench --trace FILE` replays",
+        metavar="FILE",
+        default_text="off",
+    )
     log_level: str = setting("info", "log verbosity", choices=("debug", "info", "warning", "error"))
     log_format: str = setting(
         "text",

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from mlxgate.bench.figures import Slo
-from mlxgate.bench.run import Sweep, Target, run_bench
+from mlxgate.bench.run import Replay, Sweep, Target, run_bench
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -15,6 +15,13 @@ def _levels(text: str) -> tuple[int, ...]:
     if not levels or min(levels) < 1:
         raise ValueError("concurrency levels are positive integers")
     return levels
+
+
+def _scenarios(text: str) -> tuple[str, ...]:
+    names = tuple(text.split(","))
+    if not set(names) <= {"sweep", "agent"}:
+        raise ValueError("scenarios are sweep and agent")
+    return names
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,6 +61,18 @@ def parser() -> argparse.ArgumentParser:
         help="the objective goodput counts replies against (default: ttft=2s,itl=250ms)",
     )  # fmt: skip
     bench.add_argument(
+        "--scenarios", type=_scenarios, default=("sweep",), metavar="sweep,agent",
+        help="sweep: the concurrency sweep; agent: replay --trace (default: sweep)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--trace", type=Path, default=None, metavar="FILE",
+        help="an agent trace (`mlxgate serve --record-trace FILE`) for the agent scenario",
+    )  # fmt: skip
+    bench.add_argument(
+        "--sessions", type=int, default=1, metavar="N",
+        help="agent sessions replayed at once (default: 1)",
+    )  # fmt: skip
+    bench.add_argument(
         "--out", type=Path, default=None, metavar="DIR",
         help="the run directory (default: bench-<time> here)",
     )  # fmt: skip
@@ -61,9 +80,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> None:
-    args = parser().parse_args(argv)
-    sweep = Sweep(args.concurrency, args.requests_per_client, args.max_tokens, args.rate)
+    bench = parser()
+    args = bench.parse_args(argv)
+    sweep = None
+    if "sweep" in args.scenarios:
+        sweep = Sweep(args.concurrency, args.requests_per_client, args.max_tokens, args.rate)
+    replay = None
+    if "agent" in args.scenarios:
+        if args.trace is None:
+            bench.error("the agent scenario replays a --trace FILE")
+        replay = Replay(args.trace, args.sessions)
     out = args.out or Path(f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_bench(args.target, sweep, args.slo, out)
+    run_bench(args.target, sweep, args.slo, out, replay=replay)
     print((out / "report.md").read_text())
     print(f"wrote {out}/")

@@ -13,17 +13,20 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from mlxgate.bench.figures import Slo, summarize
+from mlxgate.bench.figures import Slo, percentile, summarize
 from mlxgate.bench.load import Load, Prompt, run, story_prompt
 from mlxgate.bench.machine import cpu_seconds, load_average
 from mlxgate.bench.records import DIALECTS, Record
+from mlxgate.bench.replay import replay as replay_trace
+from mlxgate.trace import read as read_trace
+from mlxgate.trace import sessions
 
 
 @dataclass(frozen=True)
@@ -68,11 +71,21 @@ class Sweep:
     rate: float | None = None
 
 
+@dataclass(frozen=True)
+class Replay:
+    """The agent-trace scenario: `sessions` recorded sessions from `trace` at once."""
+
+    trace: Path
+    sessions: int = 1
+
+
 def run_bench(
     targets: list[Target],
-    sweep: Sweep,
+    sweep: Sweep | None,
     slo: Slo,
     out: Path,
+    *,
+    replay: Replay | None = None,
     prompt: Callable[[int], Prompt] = story_prompt,
 ) -> dict[str, Any]:
     """Measure every target, write the run directory `out`, return its summary."""
@@ -84,36 +97,67 @@ def run_bench(
             "load_before": load_average(),
         },
         "targets": [asdict(t) for t in targets],
-        "sweep": asdict(sweep),
+        "sweep": None if sweep is None else asdict(sweep),
+        "replay": None if replay is None else {**asdict(replay), "trace": str(replay.trace)},
         "runs": [],
     }
     started = time.monotonic()
-    total = sum(level * sweep.requests_per_client for level in sweep.levels) * len(targets)
-    with (out / "records.jsonl").open("w") as records, tqdm(total=total, desc="sweep") as bar:
+    with (out / "records.jsonl").open("w") as records:
+
+        def measured(
+            target: Target, scenario: str, concurrency: int, load: Coroutine[Any, Any, list[Record]]
+        ) -> None:
+            cpu_before = cpu_seconds(target.pid) if target.pid is not None else None
+            began = time.monotonic()
+            done = asyncio.run(load)
+            wall_s = time.monotonic() - began
+            cpu_s = None
+            if target.pid is not None and cpu_before is not None:
+                cpu_s = cpu_seconds(target.pid) - cpu_before
+            for record in done:
+                record.target, record.scenario = target.name, scenario
+                line = {**record.to_json(started), "concurrency": concurrency}
+                records.write(json.dumps(line) + "\n")
+            run_ = {"target": target.name, "scenario": scenario, "concurrency": concurrency}
+            figures = summarize(done, wall_s, slo, cpu_s)
+            if scenario == "agent":
+                figures["turn_ttft_s_p50"] = turn_ttfts(done)
+            summary["runs"].append({**run_, **figures})
+
         for target in targets:
-            asyncio.run(run(_load(target, sweep, 1, 1, prompt)))  # warm-up, not counted
-        for step, level in enumerate(sweep.levels):
-            for target in targets if step % 2 == 0 else reversed(targets):
-                load = _load(target, sweep, level, level * sweep.requests_per_client, prompt)
-                cpu_before = cpu_seconds(target.pid) if target.pid else None
-                began = time.monotonic()
-                done = asyncio.run(run(load, on_done=lambda _: bar.update()))
-                wall_s = time.monotonic() - began
-                cpu_s = None
-                if target.pid is not None and cpu_before is not None:
-                    cpu_s = cpu_seconds(target.pid) - cpu_before
-                for record in done:
-                    record.target, record.scenario = target.name, "sweep"
-                    line = {**record.to_json(started), "concurrency": level}
-                    records.write(json.dumps(line) + "\n")
-                figures = summarize(done, wall_s, slo, cpu_s)
-                summary["runs"].append(
-                    {"target": target.name, "scenario": "sweep", "concurrency": level, **figures}
-                )
+            asyncio.run(run(_load(target, sweep or Sweep(), 1, 1, prompt)))  # warm-up
+        if sweep is not None:
+            total = sum(level * sweep.requests_per_client for level in sweep.levels)
+            with tqdm(total=total * len(targets), desc="sweep") as bar:
+                for step, level in enumerate(sweep.levels):
+                    for target in targets if step % 2 == 0 else reversed(targets):
+                        requests = level * sweep.requests_per_client
+                        load = _load(target, sweep, level, requests, prompt)
+                        measured(target, "sweep", level, run(load, lambda _: bar.update()))
+        if replay is not None:
+            recorded = sessions(read_trace(replay.trace))
+            turns = sum(len(recorded[k % len(recorded)]) for k in range(replay.sessions))
+            with tqdm(total=turns * len(targets), desc="agent") as bar:
+                for target in targets:
+                    model = None if target.model == Target.model else target.model
+                    agents = replay_trace(
+                        target.url, recorded, replay.sessions, model=model,
+                        on_done=lambda _: bar.update(),
+                    )  # fmt: skip
+                    measured(target, "agent", replay.sessions, agents)
     summary["machine"]["load_after"] = load_average()
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "report.md").write_text(report(summary))
     return summary
+
+
+def turn_ttfts(records: list[Record]) -> list[float | None]:
+    """Median TTFT of each turn (0, 1, ...) over the sessions that reached it."""
+    turns = max((r.index for r in records), default=-1) + 1
+    return [
+        percentile([r.ttft_s for r in records if r.index == turn and r.ttft_s is not None], 50)
+        for turn in range(turns)
+    ]
 
 
 def _load(
@@ -140,22 +184,54 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 
 def report(summary: dict[str, Any]) -> str:
-    """The run as markdown: one row per (concurrency, target), ratios against the first target
-    at the same concurrency."""
+    """The run as markdown: per scenario, one row per (concurrency, target), with ratios to the
+    first target at the same concurrency."""
     machine = summary["machine"]
-    sweep = summary["sweep"]
-    arrival = f"Poisson at {sweep['rate']}/s" if sweep["rate"] else "closed loop"
     lines = [
         "# mlxgate bench",
         "",
         f"{machine['platform']}, {machine['cpus']} CPUs; load average {machine['load_before']:.2f}"
-        f" before, {machine['load_after']:.2f} after. Sweep: {arrival}, "
-        f"{sweep['requests_per_client']} requests per client, {sweep['max_tokens']} output "
-        "tokens asked; tokens counted by the servers' usage.",
+        f" before, {machine['load_after']:.2f} after. Tokens are counted by the servers' usage.",
         "",
         "Targets: "
         + ", ".join(f"`{t['name']}` ({t['url']}, {t['dialect']})" for t in summary["targets"]),
-        "",
+    ]
+    if (sweep := summary["sweep"]) is not None:
+        arrival = f"Poisson arrivals at {sweep['rate']}/s" if sweep["rate"] else "a closed loop"
+        lines += [
+            "",
+            f"## Concurrency sweep: {arrival}, {sweep['requests_per_client']} requests per "
+            f"client, {sweep['max_tokens']} output tokens asked",
+            "",
+            *_table(summary, "sweep"),
+        ]
+    if (replay := summary["replay"]) is not None:
+        lines += [
+            "",
+            f"## Agent replay: {replay['sessions']} sessions at once from `{replay['trace']}`",
+            "",
+            *_table(summary, "agent"),
+            "",
+            "TTFT p50 by turn (ms):",
+            "",
+        ]
+        lines += [
+            f"- {r['target']}: " + ", ".join(_ms(t) for t in r["turn_ttft_s_p50"])
+            for r in summary["runs"]
+            if r["scenario"] == "agent"
+        ]
+    failures = [r for r in summary["runs"] if r["failures"]]
+    if failures:
+        lines += ["", "Failures by kind:", ""]
+        lines += [
+            f"- {r['target']}, {r['scenario']} at C={r['concurrency']}: {r['failures']}"
+            for r in failures
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _table(summary: dict[str, Any], scenario: str) -> list[str]:
+    lines = [
         "| C | target | requests | failed | out tok/s | ratio | per stream tok/s | goodput tok/s "
         "| TTFT p50 / p95 / p99 (ms) | ratio | ITL p50 / p95 / p99 / max (ms) | e2e p50 (ms) "
         "| cached | CPU s / token |",
@@ -163,7 +239,8 @@ def report(summary: dict[str, Any]) -> str:
         "| ---: | ---: |",
     ]
     first = summary["targets"][0]["name"]
-    runs = sorted(summary["runs"], key=lambda r: r["concurrency"])
+    runs = [r for r in summary["runs"] if r["scenario"] == scenario]
+    runs.sort(key=lambda r: r["concurrency"])
     for run_ in runs:
         base = next(
             r for r in runs if r["target"] == first and r["concurrency"] == run_["concurrency"]
@@ -181,11 +258,7 @@ def report(summary: dict[str, Any]) -> str:
             f"| {_ms(run_['e2e_s']['p50'])} | {cached} "
             f"| {'-' if cpu is None else f'{cpu:.4f}'} |"
         )
-    failures = [(r["target"], r["concurrency"], r["failures"]) for r in runs if r["failures"]]
-    if failures:
-        lines += ["", "Failures by kind:", ""]
-        lines += [f"- {name} at C={c}: {kinds}" for name, c, kinds in failures]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def read_records(path: Path) -> list[Record]:
