@@ -1,6 +1,8 @@
 //! SSE framing: `event: <type>\ndata: <json>\n\n`, JSON written straight into the output buffer,
 //! and the `id:` line each event gets on its way to the client.
 
+use std::io::Write;
+
 use serde::Serialize;
 
 /// Appends one SSE frame; `data` is serialized compactly (one line: serde_json escapes newlines).
@@ -36,9 +38,8 @@ pub fn number_events(frames: &[u8], mut next_id: u64, out: &mut Vec<u8>) -> u64 
         let end = find_frame_end(rest).unwrap_or(rest.len());
         let (frame, after) = rest.split_at(end);
         if !frame.starts_with(b":") && frame != b"\n\n" {
-            out.extend_from_slice(b"id: ");
-            out.extend_from_slice(next_id.to_string().as_bytes());
-            out.push(b'\n');
+            // Writing into a Vec cannot fail.
+            writeln!(out, "id: {next_id}").expect("writing into a Vec failed");
             next_id += 1;
         }
         out.extend_from_slice(frame);

@@ -258,18 +258,19 @@ async def test_the_log_holds_a_bounded_amount(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(event_streams, "BUFFER_BYTES", 100)
     forgotten: list[str] = []
     log = EventLog("req_1", [], 0.05, forgotten.append)
-    frames = [number_events(b"data: %02d-padding-padding\n\n" % i, i + 1) for i in range(12)]
-    for data, next_id in frames[:4]:  # 4 x 31 bytes: past the bound
-        await log.append(data, next_id)
-    blocked = asyncio.ensure_future(log.append(*frames[4]))
+    raw = [b"data: %02d-padding-padding\n\n" % i for i in range(12)]
+    frames = [number_events(frame, i + 1) for i, frame in enumerate(raw)]  # as the log numbers
+    for frame in raw[:4]:  # 4 x 31 bytes: past the bound
+        await log.append(frame)
+    blocked = asyncio.ensure_future(log.append(raw[4]))
     await asyncio.sleep(0.01)
     assert not blocked.done()
 
     connection = _Connection()
     following = asyncio.ensure_future(log.follow(connection.send, connection.receive, 0))
     await asyncio.wait_for(blocked, 1)  # handed out: room again
-    for data, next_id in frames[5:]:
-        await log.append(data, next_id)
+    for frame in raw[5:]:
+        await log.append(frame)
     log.close()
     await asyncio.wait_for(following, 1)
     assert connection.body == b"".join(data for data, _ in frames)

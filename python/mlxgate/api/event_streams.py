@@ -157,13 +157,9 @@ class Resumable:
         log = EventLog(stream_id, readers, self.window_s, self._logs.pop)
         self._logs[stream_id] = log
 
-        async def write(data: bytes) -> None:
-            numbered, next_id = number_events(data, log.next_id)
-            await log.append(numbered, next_id)
-
         async def run() -> None:
             try:
-                await produce(write)
+                await produce(log.append)
             finally:
                 log.close()
 
@@ -230,11 +226,12 @@ class EventLog:
 
     # The producer's side.
 
-    async def append(self, data: bytes, next_id: int) -> None:
-        """Add numbered frames whose events end before `next_id`; waits while the log holds
+    async def append(self, frames: bytes) -> None:
+        """Add whole frames, their events numbered on from the last; waits while the log holds
         `BUFFER_BYTES` nobody has been handed."""
         while self._unsent_bytes >= BUFFER_BYTES and not self.closed:
-            await self._changed
+            await self._change()
+        data, next_id = number_events(frames, self.next_id)
         self._chunks.append(_Chunk(self._next_seq, self.next_id, next_id, data))
         self._next_seq += 1
         self.next_id = next_id
@@ -280,14 +277,14 @@ class EventLog:
                 if fresh:
                     seq = fresh[-1].seq + 1
                     self._handed(fresh)
-                    data = b"".join(_from_event(chunk, skip_to) for chunk in fresh)
+                    data = b"".join([_from_event(fresh[0], skip_to), *(c.data for c in fresh[1:])])
+                    skip_to = 0
                     await send({"type": "http.response.body", "body": data, "more_body": True})
                 elif self.closed:
                     await send(END)
                     return
                 else:
-                    changed = self._changed
-                    await asyncio.wait([changed, left], return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait([self._change(), left], return_when=asyncio.FIRST_COMPLETED)
         finally:
             left.cancel()
             if self._follower is token:
@@ -325,10 +322,15 @@ class EventLog:
                 break
             self._held_bytes -= len(self._chunks.popleft().data)
 
+    def _change(self) -> asyncio.Future[None]:
+        """What resolves at the log's next change (checked state first: it is not queued)."""
+        if self._changed.done():
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
+
     def _notify(self) -> None:
         if not self._changed.done():
             self._changed.set_result(None)
-        self._changed = asyncio.get_running_loop().create_future()
 
     def _expire_in(self, seconds: float) -> None:
         if self._expiry is not None:
