@@ -26,6 +26,7 @@ from mlxgate.api.http import (
     Receive,
     Scope,
     Send,
+    client_address,
     header,
     read_body,
     send_bytes,
@@ -164,9 +165,7 @@ class App:
                 counting = label.endswith("count_tokens")  # generates nothing: no slot
                 session = None
                 if self.recorder is not None and not counting:
-                    session = trace.session_of(
-                        scope["headers"], str((scope.get("client") or ("?",))[0])
-                    )
+                    session = trace.session_of(scope["headers"], client_address(scope))
                     self.recorder.started(session, route.path, body)
                 self.drain.in_flight += 1
                 try:

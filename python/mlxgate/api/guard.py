@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from mlxgate._native import ErrorKind
 from mlxgate.api.errors import ApiError
-from mlxgate.api.http import Scope, header
+from mlxgate.api.http import Scope, client_address, header
 
 LOOPBACK_NAMES = ("localhost", "localhost.")
 PREFLIGHT_MAX_AGE_S = 600
@@ -144,7 +144,7 @@ class Guard:
     def client(scope: Scope) -> str:
         """Who a request counts against: its API key, else its address."""
         given, bearer = _keys(scope)
-        return given or bearer or str((scope.get("client") or ("?",))[0])
+        return given or bearer or client_address(scope)
 
     def take_token(self, client: str, now: float | None = None) -> None:
         """Count a request against the client's rate (`rate_limit` a minute, bursts up to as

@@ -46,6 +46,11 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(parts)
 
 
+def client_address(scope: Scope) -> str:
+    """The address a request came from ("?" where the server does not say)."""
+    return str((scope.get("client") or ("?",))[0])
+
+
 def header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope["headers"]:
         if key == name:
