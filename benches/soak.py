@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import random
 import statistics
@@ -33,11 +32,14 @@ from typing import Any
 
 import httpx
 from loadgen import stream_one
+from prometheus_client.parser import text_string_to_metric_families
 from report import publish
-from servers import ROOT, Server, free_port, process_tree, server_command
+from servers import ROOT, Server, free_port, server_command
 
+from mlxgate.bench.client import send
 from mlxgate.bench.figures import percentile
-from mlxgate.bench.load import Prompt, check_loopback, make_client, story_prompt
+from mlxgate.bench.load import Prompt, check_loopback, make_client, request_body, story_prompt
+from mlxgate.bench.machine import rss_mb
 from mlxgate.bench.records import Record
 
 RESUME_WINDOW_S = 10
@@ -128,7 +130,11 @@ class Soak:
             count += 1
             outcome = Outcome(kind, time.monotonic(), 0.0)
             try:
-                await getattr(self, f"_{kind}")(client, outcome, number * 100_000 + count)
+                n = number * 100_000 + count
+                if kind.startswith("stream_"):
+                    await self._stream(client, outcome, n, kind.removeprefix("stream_"))
+                else:
+                    await getattr(self, f"_{kind}")(client, outcome, n)
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 outcome.failure = f"{type(exc).__name__}: {exc}"[:200]
             outcome.ended = time.monotonic()
@@ -141,15 +147,11 @@ class Soak:
             outcome.failure = result.error[:200]
         outcome.gaps = [(t, g) for t, g in zip(result.delta_times[1:], result.gaps, strict=True)]
 
-    async def _stream_anthropic(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
+    async def _stream(
+        self, client: httpx.AsyncClient, outcome: Outcome, n: int, dialect: str
+    ) -> None:
         result = await stream_one(
-            client, self.url, "anthropic", story_prompt(n), 96, model="m", timeout_s=600
-        )
-        self._record(outcome, result)
-
-    async def _stream_openai(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
-        result = await stream_one(
-            client, self.url, "openai", story_prompt(n), 96, model="m", timeout_s=600
+            client, self.url, dialect, story_prompt(n), 96, model="m", timeout_s=600
         )
         self._record(outcome, result)
 
@@ -178,42 +180,11 @@ class Soak:
         )
         self._record(outcome, result)
 
-    async def _stream_responses(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
-        body = {
-            "model": "m",
-            "stream": True,
-            "max_output_tokens": 96,
-            "temperature": 0,
-            "input": story_prompt(n).user,
-        }
-        last = None
-        arrivals = []
-        async with client.stream("POST", self.url + "/v1/responses", json=body) as response:
-            if response.status_code != 200:
-                outcome.failure = f"HTTP {response.status_code}"
-                return
-            async for line in response.aiter_lines():
-                if line.startswith("event: "):
-                    last = line[7:]
-                    if last == "response.output_text.delta":
-                        arrivals.append(time.monotonic())
-        if last not in ("response.completed", "response.incomplete"):
-            outcome.failure = f"a Responses stream ended with {last}"
-        outcome.gaps = [(b, b - a) for a, b in itertools.pairwise(arrivals)]
-
     async def _whole(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
         dialect = self.rng.choice(("anthropic", "openai"))
-        path = "/v1/messages" if dialect == "anthropic" else "/v1/chat/completions"
-        body = {
-            "model": "m",
-            "max_tokens": 48,
-            "messages": [{"role": "user", "content": story_prompt(n).user}],
-        }
-        response = await client.post(self.url + path, json=body)
-        if response.status_code != 200:
-            outcome.failure = f"HTTP {response.status_code}: {response.text[:120]}"
-        elif "usage" not in response.json():
-            outcome.failure = "a whole answer without usage"
+        body = request_body(dialect, story_prompt(n), 48, "m", stream=False)
+        record = Record(index=n, dialect=dialect, sent_at=time.monotonic())
+        self._record(outcome, await send(client, self.url, record, body, timeout_s=600))
 
     async def _malformed(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
         path, body = MALFORMED[n % len(MALFORMED)]
@@ -224,12 +195,7 @@ class Soak:
             outcome.failure = f"malformed request answered {response.status_code}"
 
     async def _never_reading(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
-        body = {
-            "model": "m",
-            "max_tokens": 400,
-            "stream": True,
-            "messages": [{"role": "user", "content": story_prompt(n).user}],
-        }
+        body = request_body("anthropic", story_prompt(n), 400, "m")
         async with client.stream("POST", self.url + "/v1/messages", json=body) as response:
             if response.status_code != 200:
                 outcome.failure = f"HTTP {response.status_code}"
@@ -237,12 +203,7 @@ class Soak:
             await asyncio.sleep(20)  # holds the connection, reads nothing
 
     async def _resumed(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
-        body = {
-            "model": "m",
-            "max_tokens": 96,
-            "stream": True,
-            "messages": [{"role": "user", "content": story_prompt(n).user}],
-        }
+        body = request_body("anthropic", story_prompt(n), 96, "m")
         frames = b""
         async with client.stream("POST", self.url + "/v1/messages", json=body) as response:
             if response.status_code != 200:
@@ -275,26 +236,13 @@ class Soak:
                 await asyncio.sleep(SAMPLE_EVERY_S)
 
 
-def rss_mb(pid: int) -> float:
-    total = 0
-    for member in process_tree(pid):
-        try:
-            status = Path(f"/proc/{member}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1])
-    return total / 1024
-
-
 def metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    """Each metric's (first) value in a Prometheus text exposition."""
+    return {
+        family.name: family.samples[0].value
+        for family in text_string_to_metric_families(text)
+        if family.samples
+    }
 
 
 async def sample(client: httpx.AsyncClient, url: str, pid: int, started: float) -> Sample:

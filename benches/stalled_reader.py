@@ -22,25 +22,13 @@ import time
 from pathlib import Path
 
 import loadgen
-from servers import Server, free_port, process_tree, server_command
+from servers import Server, free_port, server_command
 
 from mlxgate.bench.figures import percentile
 from mlxgate.bench.load import request_body, story_prompt
+from mlxgate.bench.machine import rss_mb
 
 BENCHES = Path(__file__).resolve().parent
-
-
-def rss_mb(root: int) -> float:
-    """Resident memory of the server's process tree, MB."""
-    total = 0
-    for pid in process_tree(root):
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
 
 
 def stalled_client(url: str, max_tokens: int) -> socket.socket:

@@ -91,24 +91,24 @@ async def _read(
             record.fail("http", f"HTTP {response.status_code}: {detail}")
             return
         if not body.get("stream"):
-            payload = await response.aread()
             try:
-                tally.body(json.loads(payload))
+                tally.body(json.loads(await response.aread()))
             except ValueError:
                 record.fail("bad_frame", "the body is not JSON")
-            return
-        async for event, data in sse_frames(response.aiter_lines()):
-            now = time.monotonic()
-            try:
-                parsed = data if data == "[DONE]" else json.loads(data)
-            except ValueError:
-                record.fail("bad_frame", f"a frame's data is not JSON: {data[:80]}")
                 return
-            tally.frame(event, parsed, now)
-            if first_token is not None and record.delta_times:
-                first_token.set()
-            if tally.ended:
-                break
+        else:
+            async for event, data in sse_frames(response.aiter_lines()):
+                now = time.monotonic()
+                try:
+                    parsed = data if data == "[DONE]" else json.loads(data)
+                except ValueError:
+                    record.fail("bad_frame", f"a frame's data is not JSON: {data[:80]}")
+                    return
+                tally.frame(event, parsed, now)
+                if first_token is not None and record.delta_times:
+                    first_token.set()
+                if tally.ended:
+                    break
     if not tally.ended:
         record.fail("truncated", "the stream ended without its end event")
     elif record.ok and record.output_tokens is None:

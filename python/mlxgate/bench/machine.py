@@ -44,6 +44,19 @@ def cpu_seconds(root: int) -> float:
     return cpu_ticks(process_tree(root)) / CLK_TCK
 
 
+def rss_mb(root: int) -> float:
+    """Resident memory of the process tree under `root`, MB."""
+    total = 0
+    for pid in process_tree(root):
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass  # gone
+    return total / 1024
+
+
 def load_average() -> float:
     """The machine's 1-minute load average (what else was running)."""
     return os.getloadavg()[0]

@@ -93,6 +93,11 @@ class Tally:
     def __init__(self, record: Record) -> None:
         self.record = record
         self.ended = False
+        self._event = {
+            "anthropic": self._anthropic,
+            "openai": self._openai,
+            "responses": self._responses,
+        }[record.dialect]
 
     def token(self, text: str, now: float) -> None:
         if text:
@@ -111,9 +116,7 @@ class Tally:
         if not isinstance(data, dict):
             self.record.fail("bad_frame", f"a frame's data is not an object: {str(data)[:80]}")
             return
-        {"anthropic": self._anthropic, "openai": self._openai, "responses": self._responses}[
-            self.record.dialect
-        ](data, now)
+        self._event(data, now)
 
     def body(self, data: Any) -> None:
         """A whole (non-streamed) answer."""
