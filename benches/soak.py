@@ -100,6 +100,8 @@ class Sample:
     mlx_cache_mb: float  # MLX's pool of freed buffers
     open_streams: int
     running: int
+    heap_trims: int  # times the server gave free heap pages back (engine/heap.py)
+    heap_trim_s: float
 
 
 class Soak:
@@ -255,6 +257,8 @@ async def sample(client: httpx.AsyncClient, url: str, pid: int, started: float) 
         mlx_cache_mb=round(scraped["mlxgate_mlx_cache_bytes"] / 2**20, 1),
         open_streams=int(scraped["mlxgate_engine_open_streams"]),
         running=int(scraped["mlxgate_engine_running"]),
+        heap_trims=int(scraped["mlxgate_engine_heap_trims"]),
+        heap_trim_s=round(scraped["mlxgate_engine_heap_trim_s"], 3),
     )
 
 
@@ -320,7 +324,10 @@ def report(soak: Soak, window_s: float, after: Sample, args: argparse.Namespace)
         f"- ITL p95 drift from window {base['window']} over the later windows: "
         f"{100 * drift:.1f}% (must stay under 10%)",
         f"- after the load: {after.open_streams} open streams, {after.running} running "
-        f"(must be 0), prefix cache {after.prefix_cache_mb:.0f} MB",
+        f"(must be 0), prefix cache {after.prefix_cache_mb:.0f} MB, MLX's live arrays "
+        f"{after.mlx_active_mb:.0f} MB",
+        f"- free heap pages given back {after.heap_trims} times, in "
+        f"{after.heap_trim_s:.2f} s all told",
         "",
         "| kind | requests | failures |",
         "| --- | ---: | ---: |",

@@ -17,6 +17,8 @@ import httpx
 import httpx2  # what the anthropic and openai SDKs are built on
 import pytest
 
+import mlxgate  # noqa: F401  (preloads OpenBLAS before any test module imports mlx.core)
+
 if TYPE_CHECKING:
     from mlxgate._native import Router
     from mlxgate.app import App

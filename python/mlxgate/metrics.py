@@ -32,6 +32,8 @@ _COUNTERS = {
     "drafted_tokens": "speculative decoding: tokens guessed (by prompt lookup or a draft model)",
     "accepted_tokens": "speculative decoding: guessed tokens the model confirmed",
     "busy_s": "seconds the engine spent in steps",
+    "heap_trims": "times the engine gave the C heap's free pages back to the system",
+    "heap_trim_s": "seconds the engine spent giving the C heap's free pages back",
 }
 
 

@@ -27,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxgate._native import ErrorKind, FinishReason, Reader, Router
-from mlxgate.engine import batch_check, cache_kinds
+from mlxgate.engine import batch_check, cache_kinds, heap
 from mlxgate.engine.batch import FREE, DecodeBatch
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.constraints import Vocabulary
@@ -167,6 +167,9 @@ class Engine:
         # Taken from the queue by this step's prefill and not yet in the batch.
         self._joining: list[_Pending] = []
         self._batch = DecodeBatch(self.layout, self._banded)
+        self._trim_heap = heap.trimmer()
+        self._heap_trimmed_at = 0.0
+        self._worked_since_trim = False
 
     def _make_speculation(self, draft_model: nn.Module | None) -> Speculation | None:
         s = self.settings
@@ -269,11 +272,30 @@ class Engine:
                 if not (self._incoming or self._waiting or len(self._batch)):
                     self._wakeup.wait(timeout=1.0)
             self._take_incoming()
+            working = bool(self._waiting or len(self._batch))
             try:
                 self._step()
             except Exception as exc:
                 log.exception("engine step failed; failing the affected streams")
                 self._fail_all(f"generation failed: {exc}")
+            self._worked_since_trim |= working
+            self._tidy_heap()
+
+    def _tidy_heap(self) -> None:
+        """Give the heap's free pages back every few seconds of work, and once more on going idle
+        (engine/heap.py)."""
+        if self._trim_heap is None or not self._worked_since_trim:
+            return
+        now = time.monotonic()
+        idle = not (self._incoming or self._waiting or len(self._batch))
+        if not idle and now - self._heap_trimmed_at < heap.TRIM_INTERVAL_S:
+            return
+        self._trim_heap()
+        self._heap_trimmed_at = time.monotonic()
+        self._worked_since_trim = not idle
+        with self.metrics.lock:
+            self.metrics.heap_trims += 1
+            self.metrics.heap_trim_s += self._heap_trimmed_at - now
 
     def _fail_all(self, message: str) -> None:
         held = [c.stream_id for p in (*self._joining, *self._waiting) for c in p.choices]

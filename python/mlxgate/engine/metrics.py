@@ -22,6 +22,8 @@ class EngineMetrics:
     verify_passes: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    heap_trims: int = 0  # free heap pages given back to the system (engine/heap.py)
+    heap_trim_s: float = 0.0
     last_step_s: float = 0.0
     busy_s: float = 0.0
     # Recent samples (seconds), bounded.
@@ -54,6 +56,8 @@ class EngineMetrics:
             if self.drafted_tokens
             else 0.0,
             "busy_s": self.busy_s,
+            "heap_trims": self.heap_trims,
+            "heap_trim_s": self.heap_trim_s,
             "ttft_p50_s": pct(ttft, 0.5),
             "ttft_p95_s": pct(ttft, 0.95),
             "step_p50_s": pct(steps, 0.5),

@@ -92,7 +92,7 @@ class PrefixCache:
         """Keep a copy of the state of `tokens` (each cache holds exactly those, one sequence)."""
         if self.max_bytes <= 0 or len(tokens) < self.min_tokens:
             return
-        layers = [cache_kinds.snapshot(cache) for cache in caches]
+        layers = [cache_kinds.snapshot(cache, owned=True) for cache in caches]
         mx.eval([cache_kinds.arrays(layer) for layer in layers])
         nbytes = sum(cache_kinds.nbytes(layer) for layer in layers)
         if nbytes > self.max_bytes:
