@@ -58,7 +58,15 @@ lint: env ## ruff, mypy, stub check and clippy
 	cargo clippy --features python --locked -- -D warnings
 
 .PHONY: bench
-bench: env ## run the benchmarks (criterion and pytest-benchmark)
+BENCH_OUT ?= benches/results/bench-$(shell date +%Y%m%d-%H%M%S)
+bench: env ## the standard comparison: mlxgate, mlx_lm.server, llama-server, every scenario (about an hour)
+	LLAMA_SERVER=$${LLAMA_SERVER:-benches/.cache/bin/llama-server} $(VENV)/bin/mlxgate bench \
+		--spawn mlxgate --spawn mlx_lm --spawn llama-server --concurrency 1,2,4,8,16,32 \
+		--scenarios sweep,long,hol,prefix,disconnect,agent \
+		--trace benches/traces/claude-code.jsonl --sessions 2 --out $(BENCH_OUT) $(ARGS)
+
+.PHONY: bench-micro
+bench-micro: env ## the microbenchmarks (criterion and pytest-benchmark)
 	cargo bench --locked
 	$(VENV)/bin/pytest benches --benchmark-enable $(ARGS)
 

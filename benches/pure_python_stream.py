@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from export_model import write_tokenizer
 from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
 
 from mlxgate._native import Dialect, ErrorKind, FinishReason, StreamSpec
+from mlxgate.models.export import write_tokenizer
 from mlxgate.models.tokenizer import ChatTokenizer
 
 CONTEXT_LENGTH = 8192  # only written into tokenizer_config.json

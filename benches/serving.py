@@ -31,13 +31,14 @@ import loadgen
 import scenarios
 from export_model import DEFAULT_DIR
 from prometheus_client.parser import text_string_to_metric_families
-from scenarios import Sizes, Target
+from scenarios import Sizes
 from servers import (
     DIALECTS,
     LABELS,
     MODEL_NAMES,
     PYTHON,
     Server,
+    blas,
     display,
     free_port,
     server_command,
@@ -46,6 +47,7 @@ from servers import (
 
 from mlxgate.bench.load import make_client, story_prompt
 from mlxgate.bench.records import PATHS, Record
+from mlxgate.bench.target import Target
 
 BENCHES = Path(__file__).resolve().parent
 SCENARIOS = ("edit", "c1", "c8", "c32", "long", "hol", "prefix", "disconnect")
@@ -78,21 +80,19 @@ def ensure_export(model_dir: Path) -> None:
         )
 
 
-async def _run_scenario(
-    name: str, target: Target, sizes: Sizes, model_dir: Path, nonce: str
-) -> dict[str, Any]:
+async def _run_scenario(name: str, target: Target, sizes: Sizes, nonce: str) -> dict[str, Any]:
     if name == "edit":
         return await scenarios.edit(target, sizes)
     if name in THROUGHPUT:
         return await scenarios.concurrency(target, sizes, int(name[1:]))
     if name == "long":
-        return await scenarios.long_prompts(target, sizes, model_dir, nonce)
+        return await scenarios.long_prompts(target, sizes, nonce)
     if name == "hol":
-        return await scenarios.head_of_line(target, sizes, model_dir, nonce)
+        return await scenarios.head_of_line(target, sizes, nonce)
     if name == "prefix":
-        return await scenarios.prefix(target, sizes, model_dir, nonce)
+        return await scenarios.prefix(target, sizes, nonce)
     if name == "disconnect":
-        return await scenarios.disconnect(target, sizes, model_dir, nonce)
+        return await scenarios.disconnect(target, sizes, nonce)
     raise ValueError(f"unknown scenario {name!r}")
 
 
@@ -123,8 +123,8 @@ def run_one(
     try:
         log(f"{scenario}: starting {LABELS[server_name]} ({dialect}) on port {port}")
         server.start()
-        row["blas"] = server.blas()
-        target = Target(server.url, dialect, MODEL_NAMES[server_name], server.pid)
+        row["blas"] = blas(server.pid)
+        target = Target(server_name, server.url, dialect, server.pid, MODEL_NAMES[server_name])
         warm = asyncio.run(_warm_up(target))
         if warm.status == 404:
             row["skipped"] = f"{LABELS[server_name]} answers 404 on {PATHS[dialect]}"
@@ -134,11 +134,7 @@ def run_one(
             return row
         log(f"{scenario}: running on {LABELS[server_name]} ({dialect})")
         started = time.monotonic()
-        row.update(
-            asyncio.run(
-                _run_scenario(scenario, target, sizes, args.model_dir, uuid.uuid4().hex[:8])
-            )
-        )
+        row.update(asyncio.run(_run_scenario(scenario, target, sizes, uuid.uuid4().hex[:8])))
         if server_name != PEER:
             row.update(speculation_figures(server.url))
         figures = {k: round(v, 3) for k, v in row.items() if isinstance(v, float)}

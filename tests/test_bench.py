@@ -18,11 +18,14 @@ import httpx
 import pytest
 
 from conftest import RunningServer
+from mlxgate.bench import spawn
 from mlxgate.bench.client import send
 from mlxgate.bench.figures import Slo
 from mlxgate.bench.records import DIALECTS, PATHS, Record, Tally
+from mlxgate.bench.replay import replay, replayable
 from mlxgate.bench.run import Target, read_records
 from mlxgate.cli import main as cli_main
+from mlxgate.trace import Turn
 
 TTFT_S = 0.080
 GAPS_S = (0.010, 0.030, 0.020, 0.050, 0.015, 0.025)
@@ -185,6 +188,39 @@ def _tally(dialect: str, frames: list[tuple[str | None, Any]]) -> Record:
     return record
 
 
+def test_a_side_call_is_replayed_beside_the_turn_it_came_during(fake: FakeServer) -> None:
+    """A recorded session: turn 0; turn 1 arrived 50 ms after it while it still ran (no
+    `after_s`: a side call); turn 2 came 100 ms after the last answer ended. The replay sends turn 1
+    50 ms after turn 0 without waiting for its answer, and turn 2 100 ms after both ended."""
+    body = {"model": "m", "max_tokens": 8, "stream": True, "messages": []}
+    turns = [
+        Turn("s", 0, 0.0, None, "/v1/messages", body),
+        Turn("s", 1, 0.05, None, "/v1/messages", body),
+        Turn("s", 2, 0.6, 0.1, "/v1/messages", body),
+    ]
+    first, side, later = sorted(asyncio.run(replay(fake.url, [turns], 1)), key=lambda r: r.index)
+    assert all(r.ok for r in (first, side, later))
+    assert abs(side.sent_at - first.sent_at - 0.05) < 0.02
+    assert side.sent_at < first.ended_at  # beside it, not after it
+    assert later.sent_at - max(first.ended_at, side.ended_at) == pytest.approx(0.1, abs=0.02)
+
+
+def test_a_replayed_reply_is_held_to_the_runs_max_tokens() -> None:
+    """Agents ask for up to 128,000 tokens; a replay holds each reply to `--max-tokens`, in each
+    dialect's own field, and leaves a smaller recorded limit alone."""
+    cases = [
+        ("/v1/messages", {"max_tokens": 128_000}, "max_tokens", 64),
+        ("/v1/responses", {}, "max_output_tokens", 64),
+        ("/v1/chat/completions", {"max_completion_tokens": 9000}, "max_completion_tokens", 64),
+        ("/v1/chat/completions", {"max_tokens": 16}, "max_tokens", 16),
+    ]
+    for path, recorded, key, expected in cases:
+        _, body = replayable(Turn("s", 0, 0.0, None, path, recorded), "m", 64)
+        assert body[key] == expected and body["model"] == "m"
+    _, body = replayable(Turn("s", 0, 0.0, None, "/v1/messages", {"max_tokens": 9}), None)
+    assert body == {"max_tokens": 9}  # nothing asked of it: the body as recorded
+
+
 def test_error_events_are_failures_in_every_dialect() -> None:
     anthropic = _tally(
         "anthropic",
@@ -291,7 +327,12 @@ def test_a_run_directory_is_complete(fake: FakeServer, tmp_path: Path) -> None:
             "--out", str(out),
         ]
     )  # fmt: skip
-    assert sorted(p.name for p in out.iterdir()) == ["records.jsonl", "report.md", "summary.json"]
+    report = (out / "report.md").read_text()
+    assert sorted(p.name for p in out.iterdir()) == [
+        "latency.png", "records.jsonl", "report.md", "summary.json", "throughput.png"
+    ]  # fmt: skip
+    for plot in ("latency.png", "throughput.png"):
+        assert (out / plot).read_bytes().startswith(b"\x89PNG") and f"({plot})" in report
     records = read_records(out / "records.jsonl")
     assert len(records) == (1 + 2) * 2 * 2
     assert {(r.target, r.dialect) for r in records} == {
@@ -310,9 +351,73 @@ def test_a_run_directory_is_complete(fake: FakeServer, tmp_path: Path) -> None:
         assert abs(figures["itl_s"]["max"] - max(GAPS_S)) < 0.01  # the schedule, give or take
     assert runs[("first", 1)]["cpu_s_per_output_token"] is not None  # this process's pid
     assert runs[("second", 1)]["cpu_s_per_output_token"] is None
-    report = (out / "report.md").read_text()
     assert report.count("| first |") == 2 and report.count("| second |") == 2
     assert "| 1.00x |" in report
+
+
+def test_the_scenarios_on_the_real_server(server: RunningServer, tmp_path: Path) -> None:
+    """Long prompts, head-of-line, prefix reuse and disconnect, small, through the CLI: each
+    scenario's figures say what the server did (mlxgate reuses the prefix and stops computing
+    for a client that left)."""
+    out = tmp_path / "run"
+    target = f"mlxgate={server.url},dialect=anthropic,pid={server.process.pid}"
+    cli_main(
+        [
+            "bench", "--target", target, "--scenarios", "long,hol,prefix,disconnect", "--quick",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    runs = {r["scenario"]: r for r in summary["runs"]}
+    assert set(runs) == {"long", "hol", "prefix", "disconnect"}
+    assert runs["long"]["requests"] == 2 and runs["long"]["failed"] == 0
+    assert all(300 < r.input_tokens < 700 for r in read_records(out / "records.jsonl")
+               if r.scenario == "long")  # fmt: skip
+    hol = runs["hol"]["scenario_figures"]
+    assert runs["hol"]["failed"] == 0 and hol["max_gap_during_s"] >= hol["median_gap_s"] > 0
+    assert hol["gaps_over_time"] and hol["window_s"][1] > 0
+    prefix = runs["prefix"]["scenario_figures"]
+    assert prefix["cached_tokens_second"] > 500  # the ~600-token system prompt, reused
+    disconnect = runs["disconnect"]["scenario_figures"]
+    for case in ("decode", "prefill"):
+        assert disconnect[case]["closed_early"]
+        assert disconnect[case]["idle_after_s"] is not None  # it stopped working for nobody
+    assert disconnect["prefill"]["closed_in_prefill"]
+    report = (out / "report.md").read_text()
+    for title in ("Long prompts", "Head-of-line", "Prefix reuse", "Disconnect"):
+        assert f"## {title}" in report
+    assert "longest gap during the" in report and "closed mid-prefill: idle" in report
+    assert summary["plots"] == ["hol.png"] and "![" in report and "(hol.png)" in report
+    assert (out / "hol.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_spawned_servers_are_measured_and_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--spawn mlxgate --spawn mlx_lm`: both start on the embedded model (mlx_lm.server on its
+    export), answer, get their CPU read, and are gone after the run; a missing llama-server is
+    named with the way to build one."""
+    monkeypatch.setattr(spawn, "EXPORT_DIR", tmp_path / "export")
+    out = tmp_path / "run"
+    cli_main(
+        [
+            "bench", "--spawn", "mlxgate", "--spawn", "mlx_lm", "--concurrency", "1",
+            "--requests-per-client", "2", "--max-tokens", "8", "--out", str(out),
+        ]
+    )  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert [t["name"] for t in summary["targets"]] == ["mlxgate", "mlx_lm"]
+    for run in summary["runs"]:
+        assert run["failed"] == 0 and run["output_tokens"] > 0
+        assert run["cpu_s_per_output_token"] > 0
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["mlx_lm.log", "mlxgate.log"]
+    assert not spawn.RUNNING
+    for target in summary["targets"]:
+        assert not Path(f"/proc/{target['pid']}").exists()
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"build_llama_server\.sh"):
+        spawn.command("llama-server", 8080, 4)
 
 
 def test_targets_and_objectives_are_parsed_or_refused() -> None:

@@ -85,5 +85,7 @@ def test_a_trace_recorded_by_the_server_replays_against_it(tmp_path: Path) -> No
         assert agent["requests"] == 5 and len(agent["turn_ttft_s_p50"]) == 2
         assert agent["cached_share"] > 0  # the second turn and the repeated sessions reuse KV
         assert "TTFT p50 by turn" in (out / "report.md").read_text()
+        assert summary["plots"] == ["turns.png"]
+        assert (out / "turns.png").read_bytes().startswith(b"\x89PNG")
     finally:
         stop_server(server)

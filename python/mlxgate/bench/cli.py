@@ -8,6 +8,8 @@ from pathlib import Path
 
 from mlxgate.bench.figures import Slo
 from mlxgate.bench.run import Replay, Sweep, Target, run_bench
+from mlxgate.bench.scenarios import SCENARIOS, Sizes
+from mlxgate.bench.spawn import SERVERS, spawn, stop_all
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -17,10 +19,13 @@ def _levels(text: str) -> tuple[int, ...]:
     return levels
 
 
+SCENARIO_NAMES = ("sweep", *SCENARIOS, "agent")
+
+
 def _scenarios(text: str) -> tuple[str, ...]:
     names = tuple(text.split(","))
-    if not set(names) <= {"sweep", "agent"}:
-        raise ValueError("scenarios are sweep and agent")
+    if not set(names) <= set(SCENARIO_NAMES):
+        raise ValueError(f"scenarios are {', '.join(SCENARIO_NAMES)}")
     return names
 
 
@@ -35,11 +40,16 @@ def parser() -> argparse.ArgumentParser:
         "--target",
         action="append",
         type=Target.parse,
-        required=True,
+        default=[],
         metavar="NAME=URL[,dialect=D][,pid=PID][,model=M]",
         help="a server to measure (repeatable); dialect anthropic, openai (default) or "
         "responses; with pid, its CPU time per output token is reported",
     )
+    bench.add_argument(
+        "--spawn", action="append", choices=SERVERS, default=[], metavar="SERVER",
+        help="start a known server on the embedded model for the run (repeatable): "
+        f"{', '.join(SERVERS)} (llama-server from the PATH or $LLAMA_SERVER)",
+    )  # fmt: skip
     bench.add_argument(
         "--concurrency", type=_levels, default=Sweep.levels, metavar="C,C,...",
         help="the sweep's levels (default: 1,2,4,8)",
@@ -54,15 +64,22 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument(
         "--max-tokens", type=int, default=Sweep.max_tokens, metavar="N",
-        help="output tokens each request asks for (default: 128)",
+        help="output tokens each request asks for; an agent replay's at most (default: 128)",
     )  # fmt: skip
     bench.add_argument(
         "--slo", type=Slo.parse, default=Slo(), metavar="ttft=2s,itl=250ms",
         help="the objective goodput counts replies against (default: ttft=2s,itl=250ms)",
     )  # fmt: skip
     bench.add_argument(
-        "--scenarios", type=_scenarios, default=("sweep",), metavar="sweep,agent",
-        help="sweep: the concurrency sweep; agent: replay --trace (default: sweep)",
+        "--scenarios", type=_scenarios, default=("sweep",), metavar="S,S,...",
+        help="sweep: the concurrency sweep; long: long prompts at once; hol: running streams' "
+        "gaps while a long prompt lands; prefix: a long system prompt asked twice; disconnect: "
+        "the server's CPU after a client goes (needs pid=); agent: replay --trace "
+        "(default: sweep)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--quick", action="store_true",
+        help="small scenario sizes, for a smoke run",
     )  # fmt: skip
     bench.add_argument(
         "--trace", type=Path, default=None, metavar="FILE",
@@ -89,8 +106,18 @@ def main(argv: list[str]) -> None:
     if "agent" in args.scenarios:
         if args.trace is None:
             bench.error("the agent scenario replays a --trace FILE")
-        replay = Replay(args.trace, args.sessions)
+        replay = Replay(args.trace, args.sessions, args.max_tokens)
+    if not args.target and not args.spawn:
+        bench.error("name a --target to measure, or --spawn a server")
     out = args.out or Path(f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_bench(args.target, sweep, args.slo, out, replay=replay)
+    extra = tuple(name for name in args.scenarios if name in SCENARIOS)
+    sizes = Sizes.quick() if args.quick else Sizes()
+    slots = max([*args.concurrency, sizes.long_prompts, sizes.hol_streams + 1, args.sessions])
+    try:
+        spawned = [spawn(name, slots, out / "logs").target() for name in args.spawn]
+        targets = [*args.target, *spawned]
+        run_bench(targets, sweep, args.slo, out, replay=replay, scenarios=extra, sizes=sizes)
+    finally:
+        stop_all()
     print((out / "report.md").read_text())
     print(f"wrote {out}/")

@@ -4,6 +4,9 @@ tree: granian runs the app in a worker) and the load average around a run."""
 from __future__ import annotations
 
 import os
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -57,6 +60,74 @@ def rss_mb(root: int) -> float:
     return total / 1024
 
 
+def blas(root: int) -> str:
+    """Which BLAS the process tree under `root` has mapped (checked, not assumed)."""
+    for pid in process_tree(root):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        if "libopenblas" in maps:
+            return "OpenBLAS"
+    return "reference BLAS (no libopenblas mapped)"
+
+
 def load_average() -> float:
     """The machine's 1-minute load average (what else was running)."""
     return os.getloadavg()[0]
+
+
+@dataclass
+class CpuSampler:
+    """Samples a process tree's CPU time every `interval_s` on a thread of its own."""
+
+    root_pid: int
+    interval_s: float = 0.05
+    limit_s: float = 600.0
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (monotonic, ticks)
+
+    def __post_init__(self) -> None:
+        self._pids = process_tree(self.root_pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.limit_s
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            self.samples.append((time.monotonic(), cpu_ticks(self._pids)))
+            self._stop.wait(self.interval_s)
+
+    def usage(self, start: float, end: float) -> float | None:
+        """Mean CPU use in cores between two monotonic times, from the samples that span it."""
+        inside = [s for s in list(self.samples) if start <= s[0] <= end]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return None
+        (t0, c0), (t1, c1) = inside[0], inside[-1]
+        return (c1 - c0) / CLK_TCK / (t1 - t0)
+
+    def idle_since(
+        self, after: float, window_s: float = 0.5, threshold: float = 0.05
+    ) -> float | None:
+        """The first sample time >= `after` that starts a `window_s` of < `threshold` cores.
+
+        A clock tick is 10 ms, so one sample interval cannot resolve 5% of a core; a window of
+        several samples can.
+        """
+        samples = list(self.samples)
+        for i, (t_i, c_i) in enumerate(samples):
+            if t_i < after:
+                continue
+            for t_j, c_j in samples[i + 1 :]:
+                if t_j - t_i >= window_s:
+                    if (c_j - c_i) / CLK_TCK / (t_j - t_i) < threshold:
+                        return t_i
+                    break
+        return None

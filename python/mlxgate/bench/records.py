@@ -54,6 +54,7 @@ class Record:
     ended_at: float = 0.0
     target: str = ""
     scenario: str = ""
+    concurrency: int = 0  # the clients of the run it was part of
     session: str = ""  # an agent replay's session (`index` is then its turn)
 
     @property

@@ -1,10 +1,13 @@
 """The agent-trace scenario: recorded agent sessions (`mlxgate.trace`) replayed against a
 target, N sessions at once, each turn sent when the session's previous response has ended and
-the recorded time between turns has passed (the agent's own work: tools, thinking)."""
+the recorded time between turns has passed (the agent's own work: tools, thinking). A turn that
+arrived while an earlier one was still running (Claude Code's side calls: a title, a summary)
+is sent as long after that one as it was, beside it."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,13 +19,23 @@ from mlxgate.trace import Turn
 DIALECT_OF = {path: dialect for dialect, path in PATHS.items()}
 
 
-def replayable(turn: Turn, model: str | None) -> tuple[str, dict[str, Any]]:
+# Where each dialect's body says how many tokens the reply may have.
+MAX_TOKENS = {"anthropic": "max_tokens", "openai": "max_tokens", "responses": "max_output_tokens"}
+
+
+def replayable(
+    turn: Turn, model: str | None, max_tokens: int | None = None
+) -> tuple[str, dict[str, Any]]:
     """A recorded turn's dialect and body as it is sent again: the target's model name if one
-    is given, and an OpenAI stream asks for its usage (the token count)."""
+    is given, the reply held to `max_tokens` (agents ask for up to 128,000; a model other than
+    the recorded one may take them all), and an OpenAI stream asks for its usage."""
     dialect = DIALECT_OF[turn.path]
     body = dict(turn.body)
     if model is not None:
         body["model"] = model
+    if max_tokens is not None:
+        key = "max_completion_tokens" if "max_completion_tokens" in body else MAX_TOKENS[dialect]
+        body[key] = min(body.get(key) or max_tokens, max_tokens)
     if dialect == "openai" and body.get("stream"):
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     return dialect, body
@@ -34,6 +47,7 @@ async def replay(
     sessions: int,
     *,
     model: str | None = None,
+    max_tokens: int | None = None,
     timeout_s: float = 1800.0,
     stall_s: float = 600.0,
     on_done: Callable[[Record], object] = lambda _: None,
@@ -41,17 +55,31 @@ async def replay(
     """`sessions` sessions at once, session k replaying recorded session k % len(recorded)."""
     check_loopback(url)
 
+    async def one(number: int, turn: Turn) -> Record:
+        dialect, body = replayable(turn, model, max_tokens)
+        record = Record(index=turn.turn, dialect=dialect, sent_at=0.0, session=str(number))
+        await send(client, url, record, body, timeout_s=timeout_s)
+        on_done(record)
+        return record
+
     async def session(number: int, turns: list[Turn]) -> list[Record]:
-        records = []
+        in_flight: list[asyncio.Future[Record]] = []
+        done: list[Record] = []
+        previous: tuple[float, float] | None = None  # the last send: (our clock, its at_s)
         for turn in turns:
-            if turn.after_s:
-                await asyncio.sleep(turn.after_s)
-            dialect, body = replayable(turn, model)
-            record = Record(index=turn.turn, dialect=dialect, sent_at=0.0, session=str(number))
-            await send(client, url, record, body, timeout_s=timeout_s)
-            records.append(record)
-            on_done(record)
-        return records
+            if previous is not None and turn.after_s is None:
+                # It came while the previous request was still running (a side call): it goes
+                # as long after that one's send as it did, without waiting for its answer.
+                sent, at_s = previous
+                await asyncio.sleep(max(0.0, turn.at_s - at_s - (time.monotonic() - sent)))
+            else:
+                done += await asyncio.gather(*in_flight)
+                in_flight = []
+                if turn.after_s:
+                    await asyncio.sleep(turn.after_s)
+            previous = (time.monotonic(), turn.at_s)
+            in_flight.append(asyncio.ensure_future(one(number, turn)))
+        return done + list(await asyncio.gather(*in_flight))
 
     async with make_client(sessions, stall_s) as client:
         done = await asyncio.gather(

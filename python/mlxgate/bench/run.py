@@ -13,51 +13,24 @@ import json
 import os
 import platform
 import time
+import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from mlxgate.bench import plots
 from mlxgate.bench.figures import Slo, percentile, summarize
 from mlxgate.bench.load import Load, Prompt, run, story_prompt
 from mlxgate.bench.machine import cpu_seconds, load_average
-from mlxgate.bench.records import DIALECTS, Record
+from mlxgate.bench.records import Record
 from mlxgate.bench.replay import replay as replay_trace
+from mlxgate.bench.scenarios import SCENARIOS, Outcome, Sizes
+from mlxgate.bench.target import Target
 from mlxgate.trace import read as read_trace
 from mlxgate.trace import sessions
-
-
-@dataclass(frozen=True)
-class Target:
-    """A server under test: `NAME=URL[,dialect=anthropic|openai|responses][,pid=PID]`; with the
-    pid, its CPU time is read from /proc."""
-
-    name: str
-    url: str
-    dialect: str = "openai"
-    pid: int | None = None
-    model: str = "default_model"
-
-    @classmethod
-    def parse(cls, text: str) -> Target:
-        name, sep, rest = text.partition("=")
-        url, *options = rest.split(",")
-        if not sep or not name or not url.startswith(("http://", "https://")):
-            raise ValueError(f"a target is NAME=URL[,dialect=...][,pid=...], not {text!r}")
-        target = cls(name, url.rstrip("/"))
-        for option in options:
-            key, _, value = option.partition("=")
-            if key == "dialect" and value in DIALECTS:
-                target = replace(target, dialect=value)
-            elif key == "pid" and value.isdigit():
-                target = replace(target, pid=int(value))
-            elif key == "model" and value:
-                target = replace(target, model=value)
-            else:
-                raise ValueError(f"{text!r}: unknown target option {option!r}")
-        return target
 
 
 @dataclass(frozen=True)
@@ -71,12 +44,23 @@ class Sweep:
     rate: float | None = None
 
 
+# The clients each scenario has at once.
+CONCURRENCY: dict[str, Callable[[Sizes], int]] = {
+    "long": lambda sizes: sizes.long_prompts,
+    "hol": lambda sizes: sizes.hol_streams + 1,
+    "prefix": lambda sizes: 1,
+    "disconnect": lambda sizes: 1,
+}
+
+
 @dataclass(frozen=True)
 class Replay:
-    """The agent-trace scenario: `sessions` recorded sessions from `trace` at once."""
+    """The agent-trace scenario: `sessions` recorded sessions from `trace` at once, each reply
+    held to `max_tokens` where the recorded request allowed more."""
 
     trace: Path
     sessions: int = 1
+    max_tokens: int | None = None
 
 
 def run_bench(
@@ -86,10 +70,14 @@ def run_bench(
     out: Path,
     *,
     replay: Replay | None = None,
+    scenarios: tuple[str, ...] = (),
+    sizes: Sizes | None = None,
     prompt: Callable[[int], Prompt] = story_prompt,
 ) -> dict[str, Any]:
-    """Measure every target, write the run directory `out`, return its summary."""
+    """Measure every target (the sweep, then each of `scenarios`, then the replay), write the run
+    directory `out`, return its summary."""
     out.mkdir(parents=True, exist_ok=True)
+    sizes = sizes or Sizes()
     summary: dict[str, Any] = {
         "machine": {
             "platform": platform.platform(),
@@ -99,29 +87,44 @@ def run_bench(
         "targets": [asdict(t) for t in targets],
         "sweep": None if sweep is None else asdict(sweep),
         "replay": None if replay is None else {**asdict(replay), "trace": str(replay.trace)},
+        "scenarios": list(scenarios),
+        "sizes": asdict(sizes),
         "runs": [],
     }
     started = time.monotonic()
+    measured_records: list[Record] = []
     with (out / "records.jsonl").open("w") as records:
 
         def measured(
-            target: Target, scenario: str, concurrency: int, load: Coroutine[Any, Any, list[Record]]
+            target: Target,
+            scenario: str,
+            concurrency: int,
+            load: Coroutine[Any, Any, list[Record] | Outcome],
         ) -> None:
             cpu_before = cpu_seconds(target.pid) if target.pid is not None else None
             began = time.monotonic()
-            done = asyncio.run(load)
+            outcome = asyncio.run(load)
             wall_s = time.monotonic() - began
+            if not isinstance(outcome, Outcome):
+                outcome = Outcome(outcome)
+            done = outcome.records
             cpu_s = None
             if target.pid is not None and cpu_before is not None:
                 cpu_s = cpu_seconds(target.pid) - cpu_before
             for record in done:
-                record.target, record.scenario = target.name, scenario
-                line = {**record.to_json(started), "concurrency": concurrency}
-                records.write(json.dumps(line) + "\n")
+                record.target, record.scenario, record.concurrency = (
+                    target.name,
+                    scenario,
+                    concurrency,
+                )
+                records.write(json.dumps(record.to_json(started)) + "\n")
+            measured_records.extend(done)
             run_ = {"target": target.name, "scenario": scenario, "concurrency": concurrency}
             figures = summarize(done, wall_s, slo, cpu_s)
             if scenario == "agent":
                 figures["turn_ttft_s_p50"] = turn_ttfts(done)
+            if outcome.figures:
+                figures["scenario_figures"] = outcome.figures
             summary["runs"].append({**run_, **figures})
 
         for target in targets:
@@ -134,6 +137,13 @@ def run_bench(
                         requests = level * sweep.requests_per_client
                         load = _load(target, sweep, level, requests, prompt)
                         measured(target, "sweep", level, run(load, lambda _: bar.update()))
+        nonce = uuid.uuid4().hex[:8]  # prompts no earlier run has left in a server's cache
+        for step, name in enumerate(scenarios):
+            with tqdm(total=len(targets), desc=name) as bar:
+                for target in targets if step % 2 == 0 else reversed(targets):
+                    scenario = SCENARIOS[name](target, sizes, nonce)
+                    measured(target, name, CONCURRENCY[name](sizes), scenario)
+                    bar.update()
         if replay is not None:
             recorded = sessions(read_trace(replay.trace))
             turns = sum(len(recorded[k % len(recorded)]) for k in range(replay.sessions))
@@ -142,10 +152,11 @@ def run_bench(
                     model = None if target.model == Target.model else target.model
                     agents = replay_trace(
                         target.url, recorded, replay.sessions, model=model,
-                        on_done=lambda _: bar.update(),
+                        max_tokens=replay.max_tokens, on_done=lambda _: bar.update(),
                     )  # fmt: skip
                     measured(target, "agent", replay.sessions, agents)
     summary["machine"]["load_after"] = load_average()
+    summary["plots"] = plots.draw(summary, measured_records, out) if plots.available() else None
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "report.md").write_text(report(summary))
     return summary
@@ -220,6 +231,18 @@ def report(summary: dict[str, Any]) -> str:
             for r in summary["runs"]
             if r["scenario"] == "agent"
         ]
+    for name in summary.get("scenarios", []):
+        lines += ["", f"## {TITLES[name]}", "", *_table(summary, name), ""]
+        lines += [
+            f"- {r['target']}: {_FIGURES[name](r['scenario_figures'])}"
+            for r in summary["runs"]
+            if r["scenario"] == name and "scenario_figures" in r
+        ]
+    if summary.get("plots") is None:
+        lines += ["", "(No plots: `pip install 'mlxgate[bench]'` adds matplotlib.)"]
+    else:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{plots.TITLES[name]}]({name})" for name in summary["plots"]]
     failures = [r for r in summary["runs"] if r["failures"]]
     if failures:
         lines += ["", "Failures by kind:", ""]
@@ -265,3 +288,52 @@ def read_records(path: Path) -> list[Record]:
     """The records of a run directory's `records.jsonl` (times from the run's start)."""
     with path.open() as lines:
         return [Record.from_json(json.loads(line)) for line in lines]
+
+
+TITLES = {
+    "long": "Long prompts at once: how long each waits for its first token",
+    "hol": "Head-of-line: the gaps of running streams while a long prompt lands",
+    "prefix": "Prefix reuse: a long system prompt asked about twice",
+    "disconnect": "Disconnect: the server's CPU after the client goes",
+}
+
+
+def _hol(figures: dict[str, Any]) -> str:
+    return (
+        f"longest gap during the {figures['prefill_s']:.2f} s prefill of "
+        f"{figures['long_prompt_tokens']} tokens {_ms(figures['max_gap_during_s'])} ms against a "
+        f"median gap of {_ms(figures['median_gap_s'])} ms "
+        f"({_ratio(figures['max_gap_during_s'], figures['median_gap_s'])}); streams still "
+        f"decoding at its end: {figures['streams_alive']}"
+    )
+
+
+def _prefix(figures: dict[str, Any]) -> str:
+    return (
+        f"{figures['prompt_tokens']} prompt tokens; TTFT {_ms(figures['ttft_first_s'])} ms, then "
+        f"{_ms(figures['ttft_second_s'])} ms "
+        f"({_ratio(figures['ttft_second_s'], figures['ttft_first_s'])}); the second reused "
+        f"{figures['cached_tokens_second'] or 0} tokens"
+    )
+
+
+def _disconnect(figures: dict[str, Any]) -> str:
+    if "skipped" in figures:
+        return f"skipped: {figures['skipped']}"
+
+    def idle(part: dict[str, Any]) -> str:
+        if part["idle_after_s"] is None:
+            return f"still busy {part['observed_s']:.0f} s after"
+        return f"idle {part['idle_after_s']:.2f} s after"
+
+    return (
+        f"closed mid-decode: {idle(figures['decode'])}; closed mid-prefill: "
+        f"{idle(figures['prefill'])}"
+    )
+
+
+_FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "hol": _hol,
+    "prefix": _prefix,
+    "disconnect": _disconnect,
+}

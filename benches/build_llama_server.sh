@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-server from the copy vendored in llama-cpp-python's sdist (PyPI), for
+# `mlxgate bench --spawn llama-server` (make bench). Not run by CI: it compiles for minutes.
+#
+#   benches/build_llama_server.sh [LLAMA_CPP_PYTHON_VERSION]  ->  benches/.cache/bin/llama-server
+#
+# CPU only, native instructions (-DGGML_NATIVE=ON), OpenMP threads; cmake comes from PyPI.
+set -euo pipefail
+version=${1:-0.3.16}
+here=$(cd "$(dirname "$0")" && pwd)
+work=$here/.cache/llama-build
+bin=$here/.cache/bin
+uv=$here/../.tools/bin/uv
+mkdir -p "$work" "$bin"
+[ -x "$uv" ] || make -C "$here/.." .tools/bin/uv
+cd "$work"
+if [ ! -d "llama_cpp_python-$version" ]; then
+    "$uv" run --no-project --with pip python -m pip download --quiet --no-deps --no-binary :all: \
+        "llama-cpp-python==$version" -d .
+    tar xzf "llama_cpp_python-$version.tar.gz"
+fi
+source=$work/llama_cpp_python-$version/vendor/llama.cpp
+"$uv" run --no-project --with cmake cmake -S "$source" -B build -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
+"$uv" run --no-project --with cmake cmake --build build --target llama-server -j "$(nproc)"
+cp build/bin/llama-server "$bin/llama-server"
+"$bin/llama-server" --version 2>&1 | head -2
+echo "built $bin/llama-server: LLAMA_SERVER=$bin/llama-server mlxgate bench --spawn llama-server"

@@ -1,0 +1,89 @@
+"""Records the agent traces `make bench` replays (benches/traces/): the real Claude Code and Codex
+CLIs, each asked to write a nonce to a file, against `mlxgate serve --record-trace` with a
+forced-output model (tests/forced.py: it calls the agent's shell tool, then answers once the
+tool's result is in its prompt), so a session is the same every time it is recorded.
+
+    .venv/bin/python benches/record_traces.py
+
+Claude Code runs with its default settings (its ~12k-token system prompt and tools), then `-c`
+continues the session; Codex runs `codex exec` with its defaults (~10k tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+BENCHES = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHES.parent / "tests"))
+
+from agents import run_claude_code, run_codex  # noqa: E402  (the tests' own drivers)
+from conftest import start_server, stop_server  # noqa: E402
+from forced import (  # noqa: E402
+    TOOL_RESULT,
+    Script,
+    answer,
+    bash_call,
+    forced_model_dir,
+    serve_args,
+    tool_call,
+)
+
+FAMILY = "qwen3"
+NONCE = "5eed5eed5eed5eed"
+TASK = "Write the nonce to the file."
+TRACES = BENCHES / "traces"
+
+
+def record(agent: str, tmp: Path) -> Path:
+    workdir = tmp / "work"
+    workdir.mkdir(parents=True)
+    command = f"echo '<{NONCE}>' > nonce.txt"
+    call = (
+        bash_call(FAMILY, command, timeout=5000)
+        if agent == "claude-code"
+        else tool_call(FAMILY, "exec_command", {"cmd": command})
+    )
+    model = forced_model_dir(
+        tmp,
+        FAMILY,
+        [Script(answer(FAMILY, "The nonce is written."), when=TOOL_RESULT[FAMILY]), Script(call)],
+    )
+    trace = tmp / "trace.jsonl"
+    server = start_server(tmp, *serve_args(model), "--record-trace", str(trace))
+    try:
+        if agent == "claude-code":
+            args = ("--allowedTools", "Bash", "--output-format", "json")
+            first = run_claude_code(server, workdir, "-p", TASK, *args)
+            again = run_claude_code(server, workdir, "-c", "-p", "Thanks.", *args)
+            for run in (first, again):
+                if run.returncode != 0:
+                    raise RuntimeError(f"claude failed: {run.stdout}{run.stderr}")
+        else:
+            codex = run_codex(server, TASK, workdir)
+            if codex.returncode != 0:
+                raise RuntimeError(f"codex failed: {codex.stderr}")
+    finally:
+        stop_server(server)
+    if (workdir / "nonce.txt").read_text().strip() != f"<{NONCE}>":
+        raise RuntimeError(f"{agent} did not run the model's command")
+    out = TRACES / f"{agent}.jsonl"
+    shutil.copy(trace, out)
+    return out
+
+
+def main() -> None:
+    TRACES.mkdir(exist_ok=True)
+    for agent in ("claude-code", "codex"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = record(agent, Path(tmp))
+        turns = [json.loads(line) for line in out.read_text().splitlines()]
+        sessions = {turn["session"] for turn in turns}
+        print(f"{out}: {len(turns)} requests in {len(sessions)} session(s)")
+
+
+if __name__ == "__main__":
+    main()

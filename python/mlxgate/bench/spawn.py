@@ -1,0 +1,163 @@
+"""`mlxgate bench --spawn NAME`: a known server started on the embedded model (SmolLM2-135M
+Instruct), on a free loopback port, for the run:
+
+- `mlxgate`: `mlxgate serve`;
+- `mlx_lm`: `mlx_lm.server` on the same float32 weights exported as an mlx-lm directory (made
+  once, under `~/.cache/mlxgate/`), with OpenBLAS preloaded as mlxgate does it;
+- `llama-server`: llama.cpp's server on the GGUF the package ships (`llama-server` on the PATH,
+  or `$LLAMA_SERVER`; benches/build_llama_server.sh builds one from llama-cpp-python's sdist),
+  with as many slots as the run's highest concurrency and continuous batching.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from mlxgate.bench.target import Target
+
+SERVERS = ("mlxgate", "mlx_lm", "llama-server")
+EXPORT_DIR = Path.home() / ".cache" / "mlxgate" / "smollm2-mlx"
+# What each speaks best, and the model name its requests carry.
+DIALECT = {"mlxgate": "anthropic", "mlx_lm": "openai", "llama-server": "openai"}
+MODEL = {"mlxgate": "SmolLM2-135M-Instruct", "mlx_lm": "default_model", "llama-server": "smollm2"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def mlxgate_command(port: int | str, extra: Sequence[str] = ()) -> list[str]:
+    python = sys.executable
+    return [python, "-m", "mlxgate", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
+
+
+def mlx_lm_command(model_dir: Path, port: int | str, extra: Sequence[str] = ()) -> list[str]:
+    argv = ["mlx_lm.server", "--model", str(model_dir), "--host", "127.0.0.1"]
+    argv += ["--port", str(port), *extra]
+    # OpenBLAS must be in the process before mlx.core is imported, as mlxgate does it.
+    code = (
+        "import mlxgate.blas as b; b.preload_openblas(); import runpy, sys; "
+        f"sys.argv = {argv!r}; runpy.run_module('mlx_lm.server', run_name='__main__')"
+    )
+    return [sys.executable, "-c", code]
+
+
+def command(name: str, port: int, slots: int) -> list[str]:
+    """The command line that serves the embedded model as `name` on `port`."""
+    if name == "mlxgate":
+        return mlxgate_command(port)
+    if name == "mlx_lm":
+        from mlxgate.models.export import export
+
+        return mlx_lm_command(export(EXPORT_DIR), port)
+    if name == "llama-server":
+        from mlxgate.models import default_model_path
+
+        binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+        if binary is None:
+            raise FileNotFoundError(
+                "no llama-server on the PATH (or in $LLAMA_SERVER): "
+                "benches/build_llama_server.sh builds one"
+            )
+        return [
+            binary, "--model", str(default_model_path()), "--host", "127.0.0.1",
+            "--port", str(port), "--alias", MODEL[name], "--ctx-size", str(8192 * slots),
+            "--parallel", str(slots), "--cont-batching", "--threads", str(os.cpu_count() or 1),
+        ]  # fmt: skip
+    raise ValueError(f"unknown server {name!r} (one of {', '.join(SERVERS)})")
+
+
+@dataclass(eq=False)  # identity: a started server is tracked in a set
+class Server:
+    """A server process in a session of its own (so that stopping it stops its workers too),
+    its output in `log_path`."""
+
+    name: str
+    command: list[str]
+    port: int
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def target(self) -> Target:
+        return Target(self.name, self.url, DIALECT[self.name], self.pid, MODEL[self.name])
+
+    def start(self, ready_timeout_s: float = 300.0) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        RUNNING.add(self)
+        deadline = time.monotonic() + ready_timeout_s
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name} exited with {self.process.returncode} while starting; "
+                        f"see {self.log_path}"
+                    )
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(
+            f"{self.name} not ready after {ready_timeout_s:.0f} s; see {self.log_path}"
+        )
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        process, self.process = self.process, None
+        RUNNING.discard(self)
+        if process is None or process.poll() is not None:
+            return
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(5.0)
+
+
+RUNNING: set[Server] = set()
+
+
+def stop_all() -> None:
+    """Stop every server this process started (for exit paths)."""
+    for server in list(RUNNING):
+        server.stop(grace_s=5.0)
+
+
+def spawn(name: str, slots: int, log_dir: Path) -> Server:
+    """Start `name` on a free port and wait until it answers /health."""
+    port = free_port()
+    server = Server(name, command(name, port, slots), port, log_dir / f"{name}.log")
+    server.start()
+    return server
