@@ -102,6 +102,13 @@ class Sample:
     running: int
     heap_trims: int  # times the server gave free heap pages back (engine/heap.py)
     heap_trim_s: float
+    # The engine's counters, for its step time and decode rate per window.
+    steps: int
+    busy_s: float
+    decode_tokens: int
+    # A fixed computation in this process, timed in CPU time: the machine's own speed, which
+    # drifts (a slower window with a slower probe is the machine, not the server).
+    probe_ms: float
 
 
 class Soak:
@@ -259,7 +266,22 @@ async def sample(client: httpx.AsyncClient, url: str, pid: int, started: float) 
         running=int(scraped["mlxgate_engine_running"]),
         heap_trims=int(scraped["mlxgate_engine_heap_trims"]),
         heap_trim_s=round(scraped["mlxgate_engine_heap_trim_s"], 3),
+        steps=int(scraped["mlxgate_engine_steps"]),
+        busy_s=scraped["mlxgate_engine_busy_s"],
+        decode_tokens=int(scraped["mlxgate_engine_decode_tokens"]),
+        probe_ms=round(probe_ms(), 2),
     )
+
+
+def probe_ms() -> float:
+    """CPU time (not wall time: the server's threads share the cores) of a fixed computation,
+    the fastest of three: it grows when the machine itself is slower."""
+    times = []
+    for _ in range(3):
+        started = time.thread_time()
+        sum(i * i for i in range(100_000))
+        times.append(time.thread_time() - started)
+    return 1000 * min(times)
 
 
 def windows(soak: Soak, window_s: float) -> list[dict[str, Any]]:
@@ -272,6 +294,19 @@ def windows(soak: Soak, window_s: float) -> list[dict[str, Any]]:
         gaps = [g for o in soak.outcomes for t, g in o.gaps if lo <= t < hi]
         ended = [o for o in soak.outcomes if lo <= o.ended < hi]
         inside = [s for s in soak.samples if lo - soak.started <= s.at_s < hi - soak.started]
+        first, last = (inside[0], inside[-1]) if inside else (None, None)
+        engine: dict[str, Any] = {}
+        if first is not None and last is not None and last.steps > first.steps:
+            engine = {
+                "step_ms": round(
+                    1000 * (last.busy_s - first.busy_s) / (last.steps - first.steps), 1
+                ),
+                "decode_tok_s": round(
+                    (last.decode_tokens - first.decode_tokens) / (last.at_s - first.at_s), 1
+                ),
+                "running": round(statistics.fmean(s.running for s in inside), 2),
+                "probe_ms": statistics.median(s.probe_ms for s in inside),
+            }
         out.append(
             {
                 "window": i + 1,
@@ -283,6 +318,7 @@ def windows(soak: Soak, window_s: float) -> list[dict[str, Any]]:
                 "mlx_cache_mb": statistics.median(s.mlx_cache_mb for s in inside)
                 if inside
                 else None,
+                **engine,
             }
         )
     return out
@@ -334,11 +370,14 @@ def report(soak: Soak, window_s: float, after: Sample, args: argparse.Namespace)
         *(f"| {kind} | {kinds[kind]} | {failed_kinds[kind]} |" for kind, _ in MIX),
         "",
         "| window | requests | failures | ITL p95 (ms) | RSS median / peak (MB) "
-        "| MLX buffer cache (MB) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| MLX buffer cache (MB) | engine step (ms) | decode tok/s | rows running "
+        "| machine probe (ms) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *(
             f"| {w['window']} | {w['requests']} | {w['failures']} | {w['itl_p95_ms']} | "
-            f"{w['rss_mb']} / {w['rss_max_mb']} | {w['mlx_cache_mb']} |"
+            f"{w['rss_mb']:.0f} / {w['rss_max_mb']:.0f} | {w['mlx_cache_mb']} | "
+            f"{w.get('step_ms', '-')} | {w.get('decode_tok_s', '-')} | {w.get('running', '-')} | "
+            f"{w.get('probe_ms', '-')} |"
             for w in per_window
         ),
         "",
