@@ -16,43 +16,15 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
-from mlxgate.bench.client import send
 from mlxgate.bench.figures import percentile
-from mlxgate.bench.load import Load, Prompt, request_body, run, story_prompt
+from mlxgate.bench.load import Load, Prompt, run, story_prompt
 from mlxgate.bench.records import Record
 
 DIALECTS = ("anthropic", "openai")
-
-
-async def stream_one(
-    client: httpx.AsyncClient,
-    base_url: str,
-    dialect: str,
-    prompt: Prompt,
-    max_tokens: int,
-    *,
-    index: int = 0,
-    model: str = "default_model",
-    first_delta: asyncio.Event | None = None,
-    close_when: Awaitable[Any] | None = None,
-    timeout_s: float | None = None,
-) -> Record:
-    """Send one streaming request and read it to the end, or close it once `close_when` is done.
-
-    `timeout_s` bounds the whole request; the client's own timeout bounds each wait for bytes.
-
-    `model` defaults to mlx_lm.server's name for the model it was started with; mlxgate
-    accepts any name.
-    """
-    body = request_body(dialect, prompt, max_tokens, model)
-    record = Record(index=index, dialect=dialect, sent_at=time.monotonic())
-    return await send(client, base_url, record, body, close_when=close_when, timeout_s=timeout_s)
 
 
 @dataclass

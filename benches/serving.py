@@ -45,7 +45,7 @@ from servers import (
     stop_all,
 )
 
-from mlxgate.bench.load import make_client, story_prompt
+from mlxgate.bench.load import make_client, send_prompt, story_prompt
 from mlxgate.bench.records import PATHS, Record
 from mlxgate.bench.target import Target
 
@@ -98,7 +98,7 @@ async def _run_scenario(name: str, target: Target, sizes: Sizes, nonce: str) -> 
 
 async def _warm_up(target: Target) -> Record:
     async with make_client(1, 600.0) as client:
-        return await loadgen.stream_one(
+        return await send_prompt(
             client,
             target.url,
             target.dialect,

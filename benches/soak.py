@@ -31,14 +31,20 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from loadgen import stream_one
 from prometheus_client.parser import text_string_to_metric_families
 from report import publish
 from servers import ROOT, Server, free_port, server_command
 
 from mlxgate.bench.client import send
 from mlxgate.bench.figures import percentile
-from mlxgate.bench.load import Prompt, check_loopback, make_client, request_body, story_prompt
+from mlxgate.bench.load import (
+    Prompt,
+    check_loopback,
+    make_client,
+    request_body,
+    send_prompt,
+    story_prompt,
+)
 from mlxgate.bench.machine import rss_mb
 from mlxgate.bench.records import Record
 
@@ -159,14 +165,14 @@ class Soak:
     async def _stream(
         self, client: httpx.AsyncClient, outcome: Outcome, n: int, dialect: str
     ) -> None:
-        result = await stream_one(
+        result = await send_prompt(
             client, self.url, dialect, story_prompt(n), 96, model="m", timeout_s=600
         )
         self._record(outcome, result)
 
     async def _agent(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
         prompt = Prompt(AGENT_TASKS[n % len(AGENT_TASKS)], system=AGENT_SYSTEM)
-        result = await stream_one(
+        result = await send_prompt(
             client, self.url, "anthropic", prompt, 64, model="m", timeout_s=600
         )
         self._record(outcome, result)
@@ -177,7 +183,7 @@ class Soak:
 
     async def _cancelled(self, client: httpx.AsyncClient, outcome: Outcome, n: int) -> None:
         dialect = self.rng.choice(("anthropic", "openai"))
-        result = await stream_one(
+        result = await send_prompt(
             client,
             self.url,
             dialect,

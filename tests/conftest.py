@@ -4,7 +4,6 @@ one in-process app whose engine can be made to fail on demand."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,18 +17,13 @@ import httpx2  # what the anthropic and openai SDKs are built on
 import pytest
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before any test module imports mlx.core)
+from mlxgate.bench.spawn import free_port
 
 if TYPE_CHECKING:
     from mlxgate._native import Router
     from mlxgate.app import App
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -95,6 +95,30 @@ def make_client(concurrency: int, stall_s: float) -> httpx.AsyncClient:
     )
 
 
+async def send_prompt(
+    client: httpx.AsyncClient,
+    base_url: str,
+    dialect: str,
+    prompt: Prompt,
+    max_tokens: int,
+    *,
+    index: int = 0,
+    model: str = "default_model",
+    first_token: asyncio.Event | None = None,
+    close_when: Awaitable[Any] | None = None,
+    timeout_s: float | None = None,
+) -> Record:
+    """Send `prompt` as one greedy streamed request and read it into a new record, to its end or
+    until `close_when` is done (`client.send`). `model` defaults to mlx_lm.server's name for
+    the model it was started with; mlxgate accepts any name."""
+    record = Record(index=index, dialect=dialect, sent_at=time.monotonic())
+    body = request_body(dialect, prompt, max_tokens, model)
+    return await send(
+        client, base_url, record, body, close_when=close_when, first_token=first_token,
+        timeout_s=timeout_s,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Load:
     """What one run sends: `requests` requests (request i asks with `prompt(i)`), at most
@@ -122,9 +146,10 @@ async def run(load: Load, on_done: Callable[[Record], object] = lambda _: None) 
 
     async def one(client: httpx.AsyncClient, index: int) -> None:
         async with slots:
-            record = Record(index=index, dialect=load.dialect, sent_at=time.monotonic())
-            body = request_body(load.dialect, load.prompt(index), load.max_tokens, load.model)
-            await send(client, load.url, record, body, timeout_s=load.timeout_s)
+            record = await send_prompt(
+                client, load.url, load.dialect, load.prompt(index), load.max_tokens,
+                index=index, model=load.model, timeout_s=load.timeout_s,
+            )  # fmt: skip
         records.append(record)
         on_done(record)
 

@@ -231,14 +231,14 @@ def report(summary: dict[str, Any]) -> str:
             for r in summary["runs"]
             if r["scenario"] == "agent"
         ]
-    for name in summary.get("scenarios", []):
+    for name in summary["scenarios"]:
         lines += ["", f"## {TITLES[name]}", "", *_table(summary, name), ""]
         lines += [
             f"- {r['target']}: {_FIGURES[name](r['scenario_figures'])}"
             for r in summary["runs"]
             if r["scenario"] == name and "scenario_figures" in r
         ]
-    if summary.get("plots") is None:
+    if summary["plots"] is None:
         lines += ["", "(No plots: `pip install 'mlxgate[bench]'` adds matplotlib.)"]
     else:
         lines += ["", "## Plots", ""]

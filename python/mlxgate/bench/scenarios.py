@@ -24,8 +24,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxgate.bench.client import send
-from mlxgate.bench.load import Load, Prompt, make_client, request_body, run, story_prompt
+from mlxgate.bench.load import Load, Prompt, make_client, run, send_prompt, story_prompt
 from mlxgate.bench.machine import CpuSampler
 from mlxgate.bench.records import Record
 from mlxgate.bench.target import Target
@@ -127,11 +126,10 @@ async def head_of_line(target: Target, sizes: Sizes, nonce: str) -> Outcome:
     async with make_client(sizes.hol_streams + 1, sizes.stall_s) as client:
 
         def one(index: int, prompt: Prompt, max_tokens: int, first: asyncio.Event | None) -> Any:
-            record = Record(index=index, dialect=target.dialect, sent_at=time.monotonic())
-            body = request_body(target.dialect, prompt, max_tokens, target.model)
-            return send(
-                client, target.url, record, body, first_token=first, timeout_s=sizes.timeout_s
-            )
+            return send_prompt(
+                client, target.url, target.dialect, prompt, max_tokens, index=index,
+                model=target.model, first_token=first, timeout_s=sizes.timeout_s,
+            )  # fmt: skip
 
         started = [asyncio.Event() for _ in range(sizes.hol_streams)]
         streams = [
@@ -250,11 +248,9 @@ async def _close_and_watch(
             await asyncio.sleep(sizes.close_after_s)
 
         async with make_client(1, sizes.stall_s) as client:
-            record = Record(index=0, dialect=target.dialect, sent_at=time.monotonic())
-            body = request_body(target.dialect, prompt, max_tokens, target.model)
-            await send(
-                client, target.url, record, body, close_when=close_time(), first_token=first,
-                timeout_s=sizes.timeout_s,
+            record = await send_prompt(
+                client, target.url, target.dialect, prompt, max_tokens, model=target.model,
+                first_token=first, close_when=close_time(), timeout_s=sizes.timeout_s,
             )  # fmt: skip
         closed_at = time.monotonic()
         idle_at = None

@@ -169,7 +169,6 @@ class Engine:
         self._batch = DecodeBatch(self.layout, self._banded)
         self._trim_heap = heap.trimmer()
         self._heap_trimmed_at = 0.0
-        self._worked_since_trim = False
 
     def _make_speculation(self, draft_model: nn.Module | None) -> Speculation | None:
         s = self.settings
@@ -269,30 +268,31 @@ class Engine:
             self.speculation.reset()
         while self._running.is_set():
             with self._wakeup:
-                if not (self._incoming or self._waiting or len(self._batch)):
+                if not self._has_work():
                     self._wakeup.wait(timeout=1.0)
             self._take_incoming()
-            working = bool(self._waiting or len(self._batch))
+            worked = self._has_work()
             try:
                 self._step()
             except Exception as exc:
                 log.exception("engine step failed; failing the affected streams")
                 self._fail_all(f"generation failed: {exc}")
-            self._worked_since_trim |= working
-            self._tidy_heap()
+            if worked:
+                self._tidy_heap()
+
+    def _has_work(self) -> bool:
+        return bool(self._incoming or self._waiting or len(self._batch))
 
     def _tidy_heap(self) -> None:
-        """Give the heap's free pages back every few seconds of work, and once more on going idle
-        (engine/heap.py)."""
-        if self._trim_heap is None or not self._worked_since_trim:
-            return
+        """After a step that worked: give the heap's free pages back every few seconds of work,
+        and once more on going idle (engine/heap.py)."""
         now = time.monotonic()
-        idle = not (self._incoming or self._waiting or len(self._batch))
-        if not idle and now - self._heap_trimmed_at < heap.TRIM_INTERVAL_S:
+        if self._trim_heap is None or (
+            self._has_work() and now - self._heap_trimmed_at < heap.TRIM_INTERVAL_S
+        ):
             return
         self._trim_heap()
         self._heap_trimmed_at = time.monotonic()
-        self._worked_since_trim = not idle
         with self.metrics.lock:
             self.metrics.heap_trims += 1
             self.metrics.heap_trim_s += self._heap_trimmed_at - now

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ from collections.abc import Callable
 TRIM_INTERVAL_S = 10.0
 
 
-def trimmer() -> Callable[[], None] | None:
+def trimmer() -> Callable[[], object] | None:
     """`malloc_trim(0)` where the C library has it (glibc), else None."""
     if not sys.platform.startswith("linux"):
         return None
@@ -31,8 +32,4 @@ def trimmer() -> Callable[[], None] | None:
         return None  # musl, or no shared C library
     malloc_trim.argtypes = [ctypes.c_size_t]
     malloc_trim.restype = ctypes.c_int
-
-    def trim() -> None:
-        malloc_trim(0)
-
-    return trim
+    return functools.partial(malloc_trim, 0)
