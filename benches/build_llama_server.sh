@@ -15,8 +15,17 @@ mkdir -p "$work" "$bin"
 [ -x "$uv" ] || make -C "$here/.." .tools/bin/uv
 cd "$work"
 if [ ! -d "llama_cpp_python-$version" ]; then
-    "$uv" run --no-project --with pip python -m pip download --quiet --no-deps --no-binary :all: \
-        "llama-cpp-python==$version" -d .
+    # The sdist itself, from PyPI's simple index, checked against the hash the index gives
+    # (pip download would build the sdist's build dependencies, cmake among them, from source).
+    python3 - "$version" <<'PY'
+import hashlib, re, sys, urllib.request as request
+name = f"llama_cpp_python-{sys.argv[1]}.tar.gz"
+index = request.urlopen("https://pypi.org/simple/llama-cpp-python/").read().decode()
+url, sha256 = re.search(rf'href="([^"#]*/{re.escape(name)})#sha256=([0-9a-f]+)"', index).groups()
+data = request.urlopen(url).read()
+assert hashlib.sha256(data).hexdigest() == sha256, f"{name}: sha256 mismatch"
+open(name, "wb").write(data)
+PY
     tar xzf "llama_cpp_python-$version.tar.gz"
 fi
 source=$work/llama_cpp_python-$version/vendor/llama.cpp

@@ -5,19 +5,23 @@ always reported, and its tables."""
 
 from __future__ import annotations
 
+import statistics
 import sysconfig
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import loadgen
-from loadgen import Prompt, summarize
-
 from mlxgate.bench import scenarios as bench
-from mlxgate.bench.load import story_prompt
+from mlxgate.bench.figures import Slo
+from mlxgate.bench.figures import summarize as figures
+from mlxgate.bench.load import Load, Prompt, run, story_prompt
 from mlxgate.bench.records import Record
 from mlxgate.bench.target import Target
+
+# Goodput's service-level objective (`mlxgate bench`'s default).
+SLO = Slo()
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,61 @@ class Sizes:
         )
 
 
+def summarize(records: Sequence[Record], wall_s: float) -> dict[str, Any]:
+    """`mlxgate bench`'s figures of a run, flat, with the decode rate and each request's TTFT
+    by when it was sent (where a tail comes from) that serving.py's tables show."""
+    f = figures(records, wall_s, SLO)
+    ok = [r for r in records if r.ok]
+    decoding = [
+        (r.output_tokens - 1, r.ended_at - r.sent_at - r.ttft_s)
+        for r in ok
+        if r.output_tokens and r.ttft_s is not None
+    ]
+    decode_s = sum(s for _, s in decoding)
+    first_sent = min((r.sent_at for r in records), default=0.0)
+    return {
+        "requests": f["requests"],
+        "failed": f["failed"],
+        "errors": [r.error for r in records if r.error],
+        "wall_s": wall_s,
+        "output_tokens": f["output_tokens"],
+        "output_tok_s": f["output_tok_s"],
+        # Per request, after its first token (prefill left out), over all requests.
+        "decode_tok_s": sum(n for n, _ in decoding) / decode_s if decode_s > 0 else 0.0,
+        "goodput_tok_s": f["goodput_tok_s"],
+        "mean_output_tokens": f["output_tokens"] / len(ok) if ok else 0.0,
+        "mean_input_tokens": statistics.mean(r.input_tokens or 0 for r in ok) if ok else 0.0,
+        **{f"ttft_{q}_s": f["ttft_s"][q] for q in ("p50", "p95", "p99")},
+        **{f"itl_{q}_s": f["itl_s"][q] for q in ("p50", "p95", "max")},
+        "sent_s": [round(r.sent_at - first_sent, 3) for r in records],
+        "ttfts_s": [None if r.ttft_s is None else round(r.ttft_s, 3) for r in records],
+    }
+
+
+async def _closed_loop(
+    target: Target, sizes: Sizes, prompts: Sequence[Prompt], concurrency: int, max_tokens: int
+) -> dict[str, Any]:
+    """Every prompt once, at most `concurrency` in flight."""
+    load = Load(
+        target.url,
+        target.dialect,
+        len(prompts),
+        concurrency,
+        max_tokens,
+        target.model,
+        prompt=lambda i: prompts[i],
+        timeout_s=sizes.shared.timeout_s,
+        stall_s=sizes.shared.stall_s,
+    )
+    began = time.monotonic()
+    records = await run(load)
+    return {
+        **summarize(records, time.monotonic() - began),
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+    }
+
+
 # Scenarios ---------------------------------------------------------------------------------
 
 
@@ -51,18 +110,7 @@ async def concurrency(target: Target, sizes: Sizes, c: int) -> dict[str, Any]:
     """C clients, each request a different story prompt, `max_tokens` output tokens asked."""
     requests, max_tokens = getattr(sizes, f"c{c}")
     prompts = [story_prompt(i) for i in range(requests)]
-    run = await loadgen.run_load(
-        target.url,
-        target.dialect,
-        prompts,
-        concurrency=c,
-        requests=requests,
-        max_tokens=max_tokens,
-        model=target.model,
-        timeout_s=sizes.shared.timeout_s,
-        stall_s=sizes.shared.stall_s,
-    )
-    return {**summarize(run), "concurrency": c, "max_tokens": max_tokens}
+    return await _closed_loop(target, sizes, prompts, c, max_tokens)
 
 
 # (standard-library file, name in it, new name): 150-250 lines each, a rename to ask for.
@@ -88,25 +136,14 @@ async def edit(target: Target, sizes: Sizes) -> dict[str, Any]:
     """One client asking for source files back with a rename, one after the other."""
     files, max_tokens = sizes.edit
     prompts = [edit_prompt(*e) for e in EDITS[:files]]
-    run = await loadgen.run_load(
-        target.url,
-        target.dialect,
-        prompts,
-        concurrency=1,
-        requests=len(prompts),
-        max_tokens=max_tokens,
-        model=target.model,
-        timeout_s=sizes.shared.timeout_s,
-        stall_s=sizes.shared.stall_s,
-    )
-    return {**summarize(run), "concurrency": 1, "max_tokens": max_tokens}
+    return await _closed_loop(target, sizes, prompts, 1, max_tokens)
 
 
 async def long_prompts(target: Target, sizes: Sizes, nonce: str) -> dict[str, Any]:
     """`long_prompts` different long prompts at once: how long until each starts answering."""
     began = time.monotonic()
     outcome = await bench.long_prompts(target, sizes.shared, nonce)
-    return summarize(loadgen.LoadRun(outcome.records, time.monotonic() - began))
+    return summarize(outcome.records, time.monotonic() - began)
 
 
 def _failed(records: list[Record]) -> dict[str, Any]:

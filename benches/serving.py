@@ -27,7 +27,6 @@ from typing import Any
 
 import bound
 import httpx
-import loadgen
 import scenarios
 from export_model import DEFAULT_DIR
 from prometheus_client.parser import text_string_to_metric_families
@@ -54,6 +53,7 @@ SCENARIOS = ("edit", "c1", "c8", "c32", "long", "hol", "prefix", "disconnect")
 THROUGHPUT = ("edit", "c1", "c8", "c32")
 PEER = "mlx_lm"
 PLAIN = "mlxgate_plain"
+WIRE_DIALECTS = ("anthropic", "openai")
 SPECULATION_COUNTERS = ("verify_passes", "drafted_tokens", "accepted_tokens")
 
 
@@ -442,8 +442,8 @@ def report(
             "Targets: edit >= 2.0x mlx_lm.server and >= 1.8x without speculation; C=1 >= 1.0x "
             "without speculation; C=32 zero failures, >= 0.97x without speculation, >= 1.3x "
             f"mlx_lm.server, TTFT p95 <= mlx_lm.server's. Goodput counts the output of replies "
-            f"that start within {loadgen.TTFT_SLO_S:g} s and take <= "
-            f"{loadgen.TPOT_SLO_S * 1000:.0f} ms per token after the first.",
+            f"that start within {scenarios.SLO.ttft_s:g} s and take <= "
+            f"{scenarios.SLO.itl_s * 1000:.0f} ms per token after the first.",
             "",
         ]
     if "c32" in results:
@@ -519,8 +519,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--dialects",
-        type=lambda v: _parse_list(v, loadgen.DIALECTS),
-        default=list(loadgen.DIALECTS),
+        type=lambda v: _parse_list(v, WIRE_DIALECTS),
+        default=list(WIRE_DIALECTS),
         help="limit the API dialects driven (default: every one a server speaks)",
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")

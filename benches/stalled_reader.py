@@ -21,11 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-import loadgen
 from servers import Server, free_port, server_command
 
 from mlxgate.bench.figures import percentile
-from mlxgate.bench.load import request_body, story_prompt
+from mlxgate.bench.load import Load, request_body, run, story_prompt
 from mlxgate.bench.machine import rss_mb
 
 BENCHES = Path(__file__).resolve().parent
@@ -47,16 +46,15 @@ def stalled_client(url: str, max_tokens: int) -> socket.socket:
 
 
 async def measure(url: str, streams: int, tokens: int) -> dict[str, float]:
-    prompts = [story_prompt(i) for i in range(streams)]
-    run = await loadgen.run_load(
-        url, "anthropic", prompts, concurrency=streams, requests=streams, max_tokens=tokens
-    )
-    gaps = [gap for r in run.results if r.ok for gap in r.gaps]
+    began = time.monotonic()
+    records = await run(Load(url, "anthropic", streams, streams, tokens, "default"))
+    wall_s = time.monotonic() - began
+    gaps = [gap for r in records if r.ok for gap in r.gaps]
     return {
-        "failed": sum(not r.ok for r in run.results),
+        "failed": sum(not r.ok for r in records),
         "itl_p50_s": statistics.median(gaps),
         "itl_p95_s": percentile(gaps, 95) or 0.0,
-        "output_tok_s": sum(r.output_tokens or 0 for r in run.results) / run.wall_s,
+        "output_tok_s": sum(r.output_tokens or 0 for r in records) / wall_s,
     }
 
 

@@ -8,11 +8,17 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from conftest import start_server, stop_server
+from mlxgate.api.openai.requests import ChatCompletionRequest
+from mlxgate.bench.replay import replayable
 from mlxgate.bench.run import read_records
+from mlxgate.bench.to_chat import to_chat
 from mlxgate.cli import main as cli_main
 from mlxgate.trace import Recorder, read, session_of, sessions
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_recorder_keeps_sessions_turns_and_the_time_between_them(tmp_path: Path) -> None:
@@ -87,5 +93,125 @@ def test_a_trace_recorded_by_the_server_replays_against_it(tmp_path: Path) -> No
         assert "TTFT p50 by turn" in (out / "report.md").read_text()
         assert summary["plots"] == ["turns.png"]
         assert (out / "turns.png").read_bytes().startswith(b"\x89PNG")
+
+        # A server that speaks only chat completions gets the same sessions as such.
+        out = tmp_path / "as-chat"
+        cli_main(
+            [
+                "bench", "--target", f"local={url},trace=chat", "--scenarios", "agent",
+                "--trace", str(replayed), "--sessions", "2", "--out", str(out),
+            ]
+        )  # fmt: skip
+        records = read_records(out / "records.jsonl")
+        assert sorted((r.session, r.index, r.dialect) for r in records) == [
+            ("0", 0, "openai"), ("0", 1, "openai"), ("1", 0, "openai"),
+        ]  # fmt: skip
+        assert all(r.ok and r.output_tokens for r in records)
     finally:
         stop_server(server)
+
+
+def test_an_anthropic_turn_becomes_the_same_chat_completion() -> None:
+    body = {
+        "model": "claude", "max_tokens": 64, "stream": True, "temperature": 0.5,
+        "stop_sequences": ["END"],
+        "system": [
+            {"type": "text", "text": "You are terse."}, {"type": "text", "text": " Be kind."},
+        ],
+        "tools": [
+            {"name": "Bash", "description": "Run a command.",
+             "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}},
+            {"type": "web_search_20250305", "name": "web_search"},  # a server tool: no schema
+        ],
+        "messages": [
+            {"role": "user", "content": "List the files."},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "ls will do", "signature": "x"},
+                {"type": "text", "text": "Listing."},
+                {"type": "tool_use", "id": "t1", "name": "Bash", "input": {"command": "ls"}},
+                {"type": "tool_use", "id": "t2", "name": "Bash", "input": {"command": "pwd"}},
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1",
+                 "content": [{"type": "text", "text": "a.py"}]},
+                {"type": "tool_result", "tool_use_id": "t2", "content": "/work"},
+                {"type": "text", "text": "Now summarise."},
+            ]},
+        ],
+    }  # fmt: skip
+    calls = [
+        {"id": "t1", "type": "function",
+         "function": {"name": "Bash", "arguments": '{"command": "ls"}'}},
+        {"id": "t2", "type": "function",
+         "function": {"name": "Bash", "arguments": '{"command": "pwd"}'}},
+    ]  # fmt: skip
+    assert to_chat("anthropic", body) == {
+        "model": "claude", "max_tokens": 64, "stream": True, "temperature": 0.5, "stop": ["END"],
+        "tools": [{"type": "function", "function": {
+            "name": "Bash", "description": "Run a command.",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+        }}],
+        "messages": [
+            {"role": "system", "content": "You are terse. Be kind."},
+            {"role": "user", "content": "List the files."},
+            {"role": "assistant", "content": "Listing.", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "t1", "content": "a.py"},
+            {"role": "tool", "tool_call_id": "t2", "content": "/work"},
+            {"role": "user", "content": "Now summarise."},
+        ],
+    }  # fmt: skip
+
+
+def test_a_responses_turn_becomes_the_same_chat_completion() -> None:
+    body = {
+        "model": "gpt", "max_output_tokens": 32, "stream": True, "instructions": "Be brief.",
+        "tools": [
+            {"type": "function", "name": "shell", "parameters": {"type": "object"}},
+            {"type": "web_search"},
+        ],
+        "input": [
+            {"type": "message", "role": "developer",
+             "content": [{"type": "input_text", "text": "Sandbox: none."}]},
+            {"role": "user", "content": "Where am I?"},
+            {"type": "reasoning", "summary": [], "encrypted_content": "x"},
+            {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": '{"a":1}'},
+            {"type": "function_call", "call_id": "c2", "name": "shell", "arguments": '{"a":2}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "one"},
+            {"type": "function_call_output", "call_id": "c2", "output": "two"},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Done."}]},
+        ],
+    }  # fmt: skip
+    assert to_chat("responses", body) == {
+        "model": "gpt", "max_tokens": 32, "stream": True,
+        "tools": [{"type": "function",
+                   "function": {"name": "shell", "parameters": {"type": "object"}}}],
+        "messages": [
+            {"role": "system", "content": "Be brief.\n\nSandbox: none."},
+            {"role": "user", "content": "Where am I?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "shell", "arguments": '{"a":1}'}},
+                {"id": "c2", "type": "function",
+                 "function": {"name": "shell", "arguments": '{"a":2}'}},
+            ]},
+            {"role": "tool", "tool_call_id": "c1", "content": "one"},
+            {"role": "tool", "tool_call_id": "c2", "content": "two"},
+            {"role": "assistant", "content": "Done."},
+        ],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["claude-code.jsonl", "codex.jsonl"])
+def test_the_shipped_traces_replay_as_chat_completions_the_server_takes(name: str) -> None:
+    turns = read(ROOT / "benches" / "traces" / name)
+    assert turns
+    for turn in turns:
+        dialect, body = replayable(turn, "m", 64, chat=True)
+        request = ChatCompletionRequest.model_validate(body)
+        assert dialect == "openai" and request.max_tokens == 64 and request.tools
+        assert body["stream_options"] == {"include_usage": True}
+        # Every tool call is answered, right after the assistant message that made it.
+        asked = [c["id"] for m in body["messages"] for c in m.get("tool_calls", ())]
+        answered = [m["tool_call_id"] for m in body["messages"] if m["role"] == "tool"]
+        assert asked == answered

@@ -41,9 +41,10 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         type=Target.parse,
         default=[],
-        metavar="NAME=URL[,dialect=D][,pid=PID][,model=M]",
+        metavar="NAME=URL[,dialect=D][,pid=PID][,model=M][,trace=chat]",
         help="a server to measure (repeatable); dialect anthropic, openai (default) or "
-        "responses; with pid, its CPU time per output token is reported",
+        "responses; with pid, its CPU time per output token is reported; with trace=chat, "
+        "an agent trace is replayed to it as chat completions (a server with no other API)",
     )
     bench.add_argument(
         "--spawn", action="append", choices=SERVERS, default=[], metavar="SERVER",

@@ -74,6 +74,10 @@ def summarize(
         "requests": len(records),
         "failed": len(records) - len(ok),
         "failures": dict(Counter(r.error_kind for r in records if not r.ok)),
+        # What the first failure of each kind said, to tell a refusal from a crash.
+        "failure_examples": {
+            r.error_kind: (r.error or "")[:200] for r in reversed(records) if not r.ok
+        },
         "wall_s": wall_s,
         "output_tokens": output,
         "tokens_counted_by": "the server's usage",

@@ -2,7 +2,8 @@
 target, N sessions at once, each turn sent when the session's previous response has ended and
 the recorded time between turns has passed (the agent's own work: tools, thinking). A turn that
 arrived while an earlier one was still running (Claude Code's side calls: a title, a summary)
-is sent as long after that one as it was, beside it."""
+is sent as long after that one as it was, beside it. A target that speaks only chat
+completions (`trace=chat`) gets every turn as one (`to_chat`), whatever API it was recorded in."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 from mlxgate.bench.client import send
 from mlxgate.bench.load import check_loopback, make_client
 from mlxgate.bench.records import PATHS, Record
+from mlxgate.bench.to_chat import to_chat
 from mlxgate.trace import Turn
 
 DIALECT_OF = {path: dialect for dialect, path in PATHS.items()}
@@ -24,13 +26,16 @@ MAX_TOKENS = {"anthropic": "max_tokens", "openai": "max_tokens", "responses": "m
 
 
 def replayable(
-    turn: Turn, model: str | None, max_tokens: int | None = None
+    turn: Turn, model: str | None, max_tokens: int | None = None, *, chat: bool = False
 ) -> tuple[str, dict[str, Any]]:
-    """A recorded turn's dialect and body as it is sent again: the target's model name if one
-    is given, the reply held to `max_tokens` (agents ask for up to 128,000; a model other than
-    the recorded one may take them all), and an OpenAI stream asks for its usage."""
+    """A recorded turn's dialect and body as it is sent again: as a chat completion if `chat`,
+    with the target's model name if one is given, the reply held to `max_tokens` (agents ask
+    for up to 128,000; a model other than the recorded one may take them all), and an OpenAI
+    stream asks for its usage."""
     dialect = DIALECT_OF[turn.path]
     body = dict(turn.body)
+    if chat:
+        dialect, body = "openai", to_chat(dialect, body)
     if model is not None:
         body["model"] = model
     if max_tokens is not None:
@@ -48,15 +53,17 @@ async def replay(
     *,
     model: str | None = None,
     max_tokens: int | None = None,
+    chat: bool = False,
     timeout_s: float = 1800.0,
     stall_s: float = 600.0,
     on_done: Callable[[Record], object] = lambda _: None,
 ) -> list[Record]:
-    """`sessions` sessions at once, session k replaying recorded session k % len(recorded)."""
+    """`sessions` sessions at once, session k replaying recorded session k % len(recorded);
+    every turn as a chat completion if `chat`."""
     check_loopback(url)
 
     async def one(number: int, turn: Turn) -> Record:
-        dialect, body = replayable(turn, model, max_tokens)
+        dialect, body = replayable(turn, model, max_tokens, chat=chat)
         record = Record(index=turn.turn, dialect=dialect, sent_at=0.0, session=str(number))
         await send(client, url, record, body, timeout_s=timeout_s)
         on_done(record)

@@ -122,7 +122,8 @@ def run_bench(
             run_ = {"target": target.name, "scenario": scenario, "concurrency": concurrency}
             figures = summarize(done, wall_s, slo, cpu_s)
             if scenario == "agent":
-                figures["turn_ttft_s_p50"] = turn_ttfts(done)
+                figures["turn_ttft_s_p50"] = by_turn(done, lambda r: r.ttft_s)
+                figures["turn_prompt_tokens_p50"] = by_turn(done, lambda r: r.input_tokens)
             if outcome.figures:
                 figures["scenario_figures"] = outcome.figures
             summary["runs"].append({**run_, **figures})
@@ -149,10 +150,10 @@ def run_bench(
             turns = sum(len(recorded[k % len(recorded)]) for k in range(replay.sessions))
             with tqdm(total=turns * len(targets), desc="agent") as bar:
                 for target in targets:
-                    model = None if target.model == Target.model else target.model
                     agents = replay_trace(
-                        target.url, recorded, replay.sessions, model=model,
-                        max_tokens=replay.max_tokens, on_done=lambda _: bar.update(),
+                        target.url, recorded, replay.sessions, model=target.model,
+                        max_tokens=replay.max_tokens, chat=target.trace_as_chat,
+                        on_done=lambda _: bar.update(),
                     )  # fmt: skip
                     measured(target, "agent", replay.sessions, agents)
     summary["machine"]["load_after"] = load_average()
@@ -162,11 +163,11 @@ def run_bench(
     return summary
 
 
-def turn_ttfts(records: list[Record]) -> list[float | None]:
-    """Median TTFT of each turn (0, 1, ...) over the sessions that reached it."""
+def by_turn(records: list[Record], value: Callable[[Record], float | None]) -> list[float | None]:
+    """The median `value` of each turn (0, 1, ...) over the sessions that reached it."""
     turns = max((r.index for r in records), default=-1) + 1
     return [
-        percentile([r.ttft_s for r in records if r.index == turn and r.ttft_s is not None], 50)
+        percentile([v for r in records if r.index == turn and (v := value(r)) is not None], 50)
         for turn in range(turns)
     ]
 
@@ -223,11 +224,17 @@ def report(summary: dict[str, Any]) -> str:
             "",
             *_table(summary, "agent"),
             "",
-            "TTFT p50 by turn (ms):",
+            "TTFT p50 by turn, ms (prompt tokens by the server's count):",
             "",
         ]
         lines += [
-            f"- {r['target']}: " + ", ".join(_ms(t) for t in r["turn_ttft_s_p50"])
+            f"- {r['target']}: "
+            + ", ".join(
+                f"{_ms(ttft)} ({'-' if tokens is None else f'{tokens:,.0f}'})"
+                for ttft, tokens in zip(
+                    r["turn_ttft_s_p50"], r["turn_prompt_tokens_p50"], strict=True
+                )
+            )
             for r in summary["runs"]
             if r["scenario"] == "agent"
         ]
@@ -247,10 +254,19 @@ def report(summary: dict[str, Any]) -> str:
     if failures:
         lines += ["", "Failures by kind:", ""]
         lines += [
-            f"- {r['target']}, {r['scenario']} at C={r['concurrency']}: {r['failures']}"
+            f"- {r['target']}, {r['scenario']} at C={r['concurrency']}: "
+            + "; ".join(
+                f"{count} {kind} (the first: {_quoted(r['failure_examples'][kind])})"
+                for kind, count in r["failures"].items()
+            )
             for r in failures
         ]
     return "\n".join(lines) + "\n"
+
+
+def _quoted(text: str) -> str:
+    """`text` as one markdown code span, whatever backticks and newlines it holds."""
+    return "`" + " ".join(text.replace("`", "'").split()) + "`"
 
 
 def _table(summary: dict[str, Any], scenario: str) -> list[str]:

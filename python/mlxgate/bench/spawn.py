@@ -6,7 +6,8 @@ Instruct), on a free loopback port, for the run:
   once, under `~/.cache/mlxgate/`), with OpenBLAS preloaded as mlxgate does it;
 - `llama-server`: llama.cpp's server on the GGUF the package ships (`llama-server` on the PATH,
   or `$LLAMA_SERVER`; benches/build_llama_server.sh builds one from llama-cpp-python's sdist),
-  with as many slots as the run's highest concurrency and continuous batching.
+  with as many slots as the run's highest concurrency, continuous batching, and the context
+  mlxgate serves the model with.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def command(name: str, port: int, slots: int) -> list[str]:
 
         return mlx_lm_command(export(EXPORT_DIR), port)
     if name == "llama-server":
-        from mlxgate.models import default_model_path
+        from mlxgate.models import DEFAULT_MODEL_CONTEXT, default_model_path
 
         binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
         if binary is None:
@@ -72,10 +73,17 @@ def command(name: str, port: int, slots: int) -> list[str]:
                 "no llama-server on the PATH (or in $LLAMA_SERVER): "
                 "benches/build_llama_server.sh builds one"
             )
+        # The context mlxgate serves the model with (YaRN x4 on its 8,192), one KV pool any slot
+        # may fill (an agent's prompt is longer than a pool split evenly among 32 slots), and
+        # the model's own chat template, which tools need.
+        context = DEFAULT_MODEL_CONTEXT
         return [
             binary, "--model", str(default_model_path()), "--host", "127.0.0.1",
-            "--port", str(port), "--alias", MODEL[name], "--ctx-size", str(8192 * slots),
-            "--parallel", str(slots), "--cont-batching", "--threads", str(os.cpu_count() or 1),
+            "--port", str(port), "--alias", MODEL[name], "--jinja",
+            "--ctx-size", str(max(context, 2048 * slots)), "--kv-unified",
+            "--rope-scaling", "yarn", "--rope-scale", str(context // 8192),
+            "--yarn-orig-ctx", "8192", "--parallel", str(slots), "--cont-batching",
+            "--threads", str(os.cpu_count() or 1),
         ]  # fmt: skip
     raise ValueError(f"unknown server {name!r} (one of {', '.join(SERVERS)})")
 
@@ -101,7 +109,9 @@ class Server:
         return self.process.pid
 
     def target(self) -> Target:
-        return Target(self.name, self.url, DIALECT[self.name], self.pid, MODEL[self.name])
+        dialect = DIALECT[self.name]
+        # A server that speaks only chat completions gets an agent trace's turns as such.
+        return Target(self.name, self.url, dialect, self.pid, MODEL[self.name], dialect == "openai")
 
     def start(self, ready_timeout_s: float = 300.0) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
