@@ -20,7 +20,7 @@ import pytest
 from conftest import RunningServer
 from mlxgate.bench import spawn
 from mlxgate.bench.client import send
-from mlxgate.bench.figures import Slo
+from mlxgate.bench.figures import Slo, summarize
 from mlxgate.bench.records import DIALECTS, PATHS, Record, Tally
 from mlxgate.bench.replay import replay, replayable
 from mlxgate.bench.run import Target, read_records
@@ -283,6 +283,22 @@ def test_records_round_trip_through_jsonl() -> None:
     assert json.loads(line)["delta_times"] == [0.25, 0.3]
     again = Record.from_json(json.loads(line), run_started=100.0)
     assert again == record
+
+
+def test_a_cached_share_the_server_does_not_report_is_unknown_not_zero() -> None:
+    def record(cached: int | None) -> Record:
+        return Record(
+            index=0, dialect="openai", sent_at=0.0, status=200, ttft_s=0.1,
+            delta_times=[0.1, 0.2], output_tokens=2, input_tokens=100, cached_tokens=cached,
+            ended_at=0.2,
+        )  # fmt: skip
+
+    def share(*cached: int | None) -> float | None:
+        return summarize([record(c) for c in cached], 1.0, Slo())["cached_share"]
+
+    assert share(None, None) is None  # llama-server's usage has no cached count
+    assert share(0, None) == 0.0
+    assert share(50, 100) == pytest.approx(0.75)
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)

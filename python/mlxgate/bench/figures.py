@@ -90,6 +90,9 @@ def summarize(
         "ttft_s": _spread([r.ttft_s for r in ok if r.ttft_s is not None], 50, 95, 99),
         "itl_s": {**_spread(gaps, 50, 95, 99), "max": max(gaps) if gaps else None},
         "e2e_s": _spread([r.ended_at - r.sent_at for r in ok], 50, 95, 99),
-        "cached_share": sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else None,
+        # None when the server does not say (llama-server's usage has no cached count).
+        "cached_share": sum(r.cached_tokens or 0 for r in ok) / prompt
+        if prompt and any(r.cached_tokens is not None for r in ok)
+        else None,
         "cpu_s_per_output_token": cpu_s / output if cpu_s is not None and output else None,
     }

@@ -328,8 +328,12 @@ def _prefix(figures: dict[str, Any]) -> str:
     return (
         f"{figures['prompt_tokens']} prompt tokens; TTFT {_ms(figures['ttft_first_s'])} ms, then "
         f"{_ms(figures['ttft_second_s'])} ms "
-        f"({_ratio(figures['ttft_second_s'], figures['ttft_first_s'])}); the second reused "
-        f"{figures['cached_tokens_second'] or 0} tokens"
+        f"({_ratio(figures['ttft_second_s'], figures['ttft_first_s'])}); "
+        + (
+            "the server does not report reused tokens"
+            if figures["cached_tokens_second"] is None
+            else f"the second reused {figures['cached_tokens_second']} tokens"
+        )
     )
 
 
