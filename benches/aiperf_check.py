@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from report import log, publish
+
 from mlxgate.bench.load import story_prompt
 from mlxgate.bench.spawn import EXPORT_DIR, Server, free_port, mlxgate_command
 from mlxgate.models.export import export
@@ -32,10 +34,6 @@ UV = BENCHES.parent / ".tools" / "bin" / "uv"
 AIPERF = "aiperf==0.13.0"
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 128
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def run_mlxgate_bench(url: str, concurrency: int, requests: int, out: Path) -> dict[str, float]:
@@ -168,11 +166,7 @@ def main() -> None:
         "C requests start at once) the two can differ by more than the tools do, so the mean "
         "is given too.",
     ]
-    text = "\n".join(lines) + "\n"
-    report = BENCHES / "results" / f"aiperf-check-{stamp}.md"
-    report.write_text(text)
-    print(text)
-    log(f"wrote {report}")
+    publish(lines, BENCHES / "results", "aiperf-check")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
-"""How the in-process benchmarks publish a result: printed, and written to
-`OUT/NAME-YYYYmmdd-HHMMSS.md` (OUT is benches/results unless `--out` says otherwise)."""
+"""How the benchmarks publish a result: printed, and written to `OUT/NAME-YYYYmmdd-HHMMSS.md`
+(OUT is benches/results unless `--out` says otherwise); and how they log their progress."""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
+
+
+def log(message: str) -> None:
+    """A progress line on stderr, with the time."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def publish(lines: list[str], out: Path, name: str) -> Path:

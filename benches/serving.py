@@ -30,6 +30,7 @@ import httpx
 import scenarios
 from export_model import DEFAULT_DIR
 from prometheus_client.parser import text_string_to_metric_families
+from report import log
 from scenarios import Sizes
 from servers import (
     DIALECTS,
@@ -55,10 +56,6 @@ PEER = "mlx_lm"
 PLAIN = "mlxgate_plain"
 WIRE_DIALECTS = ("anthropic", "openai")
 SPECULATION_COUNTERS = ("verify_passes", "drafted_tokens", "accepted_tokens")
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _child_json(args: list[str]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import start_server, stop_server
 from mlxgate.api.openai.requests import ChatCompletionRequest
+from mlxgate.bench.records import Record
 from mlxgate.bench.replay import replayable
 from mlxgate.bench.run import read_records
 from mlxgate.bench.to_chat import to_chat
@@ -72,14 +73,18 @@ def test_a_trace_recorded_by_the_server_replays_against_it(tmp_path: Path) -> No
         recording = trace.read_bytes()  # the server records the replay too: replay a copy
         replayed = tmp_path / "replayed.jsonl"
         replayed.write_bytes(recording)
+
+        def replay(target: str, sessions: int, out: Path) -> list[Record]:
+            cli_main(
+                [
+                    "bench", "--target", target, "--scenarios", "agent", "--trace",
+                    str(replayed), "--sessions", str(sessions), "--out", str(out),
+                ]
+            )  # fmt: skip
+            return read_records(out / "records.jsonl")
+
         out = tmp_path / "run"
-        cli_main(
-            [
-                "bench", "--target", f"local={url}", "--scenarios", "agent",
-                "--trace", str(replayed), "--sessions", "3", "--out", str(out),
-            ]
-        )  # fmt: skip
-        records = read_records(out / "records.jsonl")
+        records = replay(f"local={url}", 3, out)
         # Sessions 0 and 2 replay cc-1 (two turns), session 1 replays codex-1.
         assert sorted((r.session, r.index, r.dialect) for r in records) == [
             ("0", 0, "anthropic"), ("0", 1, "anthropic"), ("1", 0, "responses"),
@@ -95,14 +100,7 @@ def test_a_trace_recorded_by_the_server_replays_against_it(tmp_path: Path) -> No
         assert (out / "turns.png").read_bytes().startswith(b"\x89PNG")
 
         # A server that speaks only chat completions gets the same sessions as such.
-        out = tmp_path / "as-chat"
-        cli_main(
-            [
-                "bench", "--target", f"local={url},trace=chat", "--scenarios", "agent",
-                "--trace", str(replayed), "--sessions", "2", "--out", str(out),
-            ]
-        )  # fmt: skip
-        records = read_records(out / "records.jsonl")
+        records = replay(f"local={url},trace=chat", 2, tmp_path / "as-chat")
         assert sorted((r.session, r.index, r.dialect) for r in records) == [
             ("0", 0, "openai"), ("0", 1, "openai"), ("1", 0, "openai"),
         ]  # fmt: skip
@@ -152,7 +150,7 @@ def test_an_anthropic_turn_becomes_the_same_chat_completion() -> None:
             "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
         }}],
         "messages": [
-            {"role": "system", "content": "You are terse. Be kind."},
+            {"role": "system", "content": "You are terse.\n\n Be kind."},  # as mlxgate joins them
             {"role": "user", "content": "List the files."},
             {"role": "assistant", "content": "Listing.", "tool_calls": calls},
             {"role": "tool", "tool_call_id": "t1", "content": "a.py"},
@@ -184,16 +182,17 @@ def test_a_responses_turn_becomes_the_same_chat_completion() -> None:
     }  # fmt: skip
     assert to_chat("responses", body) == {
         "model": "gpt", "max_tokens": 32, "stream": True,
-        "tools": [{"type": "function",
-                   "function": {"name": "shell", "parameters": {"type": "object"}}}],
+        "tools": [{"type": "function", "function": {
+            "name": "shell", "description": "", "parameters": {"type": "object"},
+        }}],
         "messages": [
             {"role": "system", "content": "Be brief.\n\nSandbox: none."},
             {"role": "user", "content": "Where am I?"},
             {"role": "assistant", "content": "", "tool_calls": [
                 {"id": "c1", "type": "function",
-                 "function": {"name": "shell", "arguments": '{"a":1}'}},
+                 "function": {"name": "shell", "arguments": '{"a": 1}'}},
                 {"id": "c2", "type": "function",
-                 "function": {"name": "shell", "arguments": '{"a":2}'}},
+                 "function": {"name": "shell", "arguments": '{"a": 2}'}},
             ]},
             {"role": "tool", "tool_call_id": "c1", "content": "one"},
             {"role": "tool", "tool_call_id": "c2", "content": "two"},

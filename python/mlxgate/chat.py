@@ -186,7 +186,7 @@ def merge_turns(messages: list[Message]) -> list[Message]:
     return merged
 
 
-def _arguments_as_json(messages: list[Message]) -> list[Message]:
+def with_arguments_as_json(messages: list[Message]) -> list[Message]:
     """Tool-call arguments as JSON text, for templates that print them rather than iterate them."""
     out = []
     for message in messages:
@@ -268,7 +268,7 @@ class Renderer:
         as its format lays them out, arguments as object or text."""
         turns = self.format.reasoning.prepare(turns)
         turns = self.format.tool_format.prepare(turns)
-        return _arguments_as_json(turns) if self.arguments_as_json else turns
+        return with_arguments_as_json(turns) if self.arguments_as_json else turns
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

@@ -61,19 +61,25 @@ async def replay(
     """`sessions` sessions at once, session k replaying recorded session k % len(recorded);
     every turn as a chat completion if `chat`."""
     check_loopback(url)
+    # Each recorded turn made ready once, before the clock starts: not per session, and not on
+    # the event loop while other sessions' streams are being timed.
+    ready = [
+        [replayable(turn, model, max_tokens, chat=chat) for turn in turns] for turns in recorded
+    ]
 
-    async def one(number: int, turn: Turn) -> Record:
-        dialect, body = replayable(turn, model, max_tokens, chat=chat)
+    async def one(number: int, turn: Turn, dialect: str, body: dict[str, Any]) -> Record:
         record = Record(index=turn.turn, dialect=dialect, sent_at=0.0, session=str(number))
         await send(client, url, record, body, timeout_s=timeout_s)
         on_done(record)
         return record
 
-    async def session(number: int, turns: list[Turn]) -> list[Record]:
+    async def session(
+        number: int, turns: list[Turn], bodies: list[tuple[str, dict[str, Any]]]
+    ) -> list[Record]:
         in_flight: list[asyncio.Future[Record]] = []
         done: list[Record] = []
         previous: tuple[float, float] | None = None  # the last send: (our clock, its at_s)
-        for turn in turns:
+        for turn, (dialect, body) in zip(turns, bodies, strict=True):
             if previous is not None and turn.after_s is None:
                 # It came while the previous request was still running (a side call): it goes
                 # as long after that one's send as it did, without waiting for its answer.
@@ -85,11 +91,14 @@ async def replay(
                 if turn.after_s:
                     await asyncio.sleep(turn.after_s)
             previous = (time.monotonic(), turn.at_s)
-            in_flight.append(asyncio.ensure_future(one(number, turn)))
+            in_flight.append(asyncio.ensure_future(one(number, turn, dialect, body)))
         return done + list(await asyncio.gather(*in_flight))
 
     async with make_client(sessions, stall_s) as client:
         done = await asyncio.gather(
-            *(session(k, recorded[k % len(recorded)]) for k in range(sessions))
+            *(
+                session(k, recorded[k % len(recorded)], ready[k % len(recorded)])
+                for k in range(sessions)
+            )
         )
     return [record for records in done for record in records]
