@@ -161,10 +161,22 @@ impl OpenAiStream {
         }
     }
 
-    /// An SSE comment: OpenAI clients skip it, proxies and idle timers see bytes.
+    /// While the prompt waits or prefills: an empty chunk (`"delta":{}`, `"text":""`), which every
+    /// OpenAI client reads as a chunk with nothing in it. Not an SSE comment: a decoder that keeps
+    /// the last event id (the openai SDK's, httpx-sse's) dispatches the blank line after a
+    /// comment as an event with empty data, and the SDK fails to parse that as JSON.
     pub fn ping(&mut self, out: &mut Vec<u8>) {
         if self.params.stream {
-            out.extend_from_slice(b": keep-alive\n\n");
+            let empty = self.empty_body();
+            self.chunk(out, None, |out| out.extend_from_slice(empty));
+        }
+    }
+
+    /// A chunk's `delta` (chat) or `text` (completion) with nothing in it.
+    fn empty_body(&self) -> &'static [u8] {
+        match self.params.kind {
+            CompletionKind::Chat => b"{}",
+            CompletionKind::Completion => b"\"\"",
         }
     }
 
@@ -270,10 +282,7 @@ impl OpenAiStream {
             },
         };
         if self.params.stream {
-            let empty: &[u8] = match self.params.kind {
-                CompletionKind::Chat => b"{}",
-                CompletionKind::Completion => b"\"\"",
-            };
+            let empty = self.empty_body();
             self.chunk(out, Some(finish_reason), |out| out.extend_from_slice(empty));
             if self.params.include_usage {
                 out.extend_from_slice(&self.head);
@@ -538,6 +547,32 @@ mod tests {
             .filter(|f| *f != "data: [DONE]")
             .map(|f| serde_json::from_str(f.strip_prefix("data: ").unwrap()).unwrap())
             .collect()
+    }
+
+    #[test]
+    fn pings_are_empty_chunks_not_comments() {
+        for (kind, include_usage) in [
+            (CompletionKind::Chat, false),
+            (CompletionKind::Chat, true),
+            (CompletionKind::Completion, false),
+        ] {
+            let mut s = stream(true, include_usage, kind);
+            let mut out = Vec::new();
+            s.ping(&mut out);
+            s.finish(Finish::EndTurn, 0, &mut out);
+            let ping = &frames(&out)[0];
+            let choice = &ping["choices"][0];
+            match kind {
+                CompletionKind::Chat => assert_eq!(choice["delta"], serde_json::json!({})),
+                CompletionKind::Completion => assert_eq!(choice["text"], ""),
+            }
+            assert_eq!(choice["finish_reason"], serde_json::Value::Null);
+            assert_eq!(ping.get("usage").is_some(), include_usage, "{ping}");
+        }
+        let mut whole = stream(false, false, CompletionKind::Chat);
+        let mut out = Vec::new();
+        whole.ping(&mut out);
+        assert!(out.is_empty(), "no keep-alive in a JSON body");
     }
 
     #[test]

@@ -43,7 +43,6 @@ from mlxgate.models.adapter import ModelAdapter
 
 log = logging.getLogger("mlxgate.engine")
 
-PING_INTERVAL_S = 10.0
 # Prompts prefilled in one batched forward pass at most.
 MAX_GROUP_ROWS = 32
 
@@ -679,7 +678,7 @@ class Engine:
     def _ping_waiting(self) -> None:
         now = time.monotonic()
         for pending in self._waiting:
-            if now - pending.last_ping >= PING_INTERVAL_S:
+            if now - pending.last_ping >= self.settings.ping_interval_s:
                 for choice in pending.choices:
                     self.router.ping(choice.stream_id)
                 pending.last_ping = now

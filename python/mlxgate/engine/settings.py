@@ -57,6 +57,11 @@ class EngineSettings:
         "sequences decoding at most, for speculation to run: with more, a step is bound by "
         "compute rather than by reading the weights, and guesses cost throughput",
     )
+    ping_interval_s: float = setting(
+        10.0,
+        "seconds between keep-alive events on a stream whose prompt waits or prefills (clients "
+        "and proxies time out on a silent connection)",
+    )
     # A reader may fall behind (its frames coalesce); one that stays over the bound this long
     # has stopped reading.
     stall_timeout_s: float = setting(
