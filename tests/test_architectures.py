@@ -26,6 +26,7 @@ from mlxgate.engine import Engine, EngineSettings, GenerationRequest
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.models import LoadedModel
 from mlxgate.models.adapter import ModelAdapter, install_kernels
+from mlxgate.models.context import ServedContext
 
 # Log-probability gap within which two tokens tie: float32 rounding of different matmul shapes
 # moves logits by ~1e-6; a wrong computation moves them by whole units.
@@ -81,13 +82,18 @@ class Served:
     """The engine over one tiny model, with a vocabulary whose token i reads `i,`."""
 
     def __init__(
-        self, model: Any, context_length: int = 4096, draft_model: Any = None, **settings: Any
+        self,
+        model: Any,
+        context_length: int = 4096,
+        draft_model: Any = None,
+        context: ServedContext | None = None,
+        **settings: Any,
     ) -> None:
         for m in (model, draft_model):
             if m is not None:
                 install_kernels(m)  # as `models.load` does
         vocab = Vocab.from_token_bytes([f"{i},".encode() for i in range(VOCAB)], [])
-        loaded = LoadedModel("tiny", model, cast(Any, None), context_length, "test")
+        loaded = LoadedModel("tiny", model, cast(Any, None), context_length, "test", context)
         self.engine = Engine(
             loaded, Router(vocab), EngineSettings(**settings), draft_model=draft_model
         )

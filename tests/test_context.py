@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from test_architectures import CHUNK, Served, assert_same, prompts, reference
+from test_architectures import CHUNK, STEPS, Served, assert_same, prompts, reference
 from tiny_models import config as tiny_config
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
@@ -59,44 +59,82 @@ def mlx_lm_model(directory: Path, rope_scaling: dict[str, Any] | None = None) ->
 @pytest.mark.parametrize(
     ("arch", "scaling", "described"),
     [
-        ("llama", "yarn", "1024 (YaRN x4 over 256)"),
-        ("qwen3", "yarn", "1024 (YaRN x4 over 256)"),
-        ("llama", "linear", "1024 (linear x4 over 256)"),
+        ("llama", "yarn", "1024 (YaRN x4 over 256, its own rope within)"),
+        ("qwen3", "yarn", "1024 (YaRN x4 over 256, its own rope within)"),
+        ("llama", "linear", "1024 (linear x4 over 256, its own rope within)"),
         # Scales its global layers only; the sliding-window layers keep their own rope.
-        ("gemma3_text", "yarn", "1024 (YaRN x4 over 256)"),
+        ("gemma3_text", "yarn", "1024 (YaRN x4 over 256, its own rope within)"),
     ],
 )
 def test_past_the_native_context_output_equals_mlx_lm_on_the_scaled_model(
     tmp_path: Path, arch: str, scaling: str, described: str
 ) -> None:
+    """A sequence that may outgrow the native context is served as mlx-lm serves the scaled
+    model; one that fits it, as mlx-lm serves the model as it is: alone and batched together."""
     import mlx.core as mx
 
     directory = model_dir(tmp_path, arch)
     loaded = models.load(str(directory), context_length=SCALED, rope_scaling=scaling)
     assert loaded.context_length == SCALED
     assert loaded.describe_context() == described
+    assert loaded.context is not None and loaded.context.native_window
     # What a user of mlx-lm gets by writing the scaling into config.json.
     rope_scaling = {"type": scaling, "factor": 4.0, "original_max_position_embeddings": NATIVE}
-    expected = mlx_lm_model(directory, rope_scaling)
+    scaled = mlx_lm_model(directory, rope_scaling)
+    native = mlx_lm_model(directory)
     long_prompt = prompts(1, 3 * NATIVE + 40, 3 * NATIVE + 41, seed=1)[0]
-    scaled_logits = expected(mx.array([long_prompt]))
-    unscaled_logits = mlx_lm_model(directory)(mx.array([long_prompt]))
-    assert not np.allclose(np.asarray(scaled_logits), np.asarray(unscaled_logits), atol=1e-3)
+    short_prompt = [5, 17, 3, 99]
+    for prompt in (long_prompt, short_prompt):
+        scaled_logits = scaled(mx.array([prompt]))
+        native_logits = native(mx.array([prompt]))
+        assert not np.allclose(np.asarray(scaled_logits), np.asarray(native_logits), atol=1e-3)
 
-    served = Served(loaded.model, loaded.context_length, max_prefill_chunk=CHUNK)
+    def expected(prompt: list[int], steps: int = STEPS) -> Any:
+        fits = len(prompt) + steps <= NATIVE
+        return reference(native if fits else scaled, prompt, steps)
+
+    served = Served(
+        loaded.model, loaded.context_length, context=loaded.context, max_prefill_chunk=CHUNK
+    )
     try:
-        for prompt in ([5, 17, 3, 99], long_prompt):
+        for prompt in (short_prompt, long_prompt):
             tokens, usage = served.generate(prompt)
             assert usage["input_tokens"] == len(prompt)
-            assert_same(tokens, reference(expected, prompt), f"alone, {len(prompt)} tokens")
-        # Prompts on both sides of the native length, prefilled in chunks and decoded together.
-        many = prompts(8, 3, 2 * NATIVE, seed=2)
+            assert_same(tokens, expected(prompt), f"alone, {len(prompt)} tokens")
+        # Past the native window only by what it may write: the scaled rope.
+        near = prompts(1, NATIVE - 5, NATIVE - 4, seed=3)[0]
+        assert_same(served.generate(near)[0], reference(scaled, near), "near the end")
+        # Prompts on both sides of the native length, prefilled in chunks (short ones several to
+        # a pass) and decoded together.
+        many = prompts(8, 3, 2 * NATIVE, seed=2) + prompts(4, 3, 12, seed=4)
+        assert {len(p) + STEPS <= NATIVE for p in many} == {True, False}
         readers = [served.submit(prompt) for prompt in many]
         for i, (reader, prompt) in enumerate(zip(readers, many, strict=True)):
             got = served.result(reader)[0]
-            assert_same(got, reference(expected, prompt), f"batched row {i}, {len(prompt)} tokens")
+            assert_same(got, expected(prompt), f"batched row {i}, {len(prompt)} tokens")
     finally:
         served.engine.stop()
+
+
+def test_a_sequence_that_fits_the_native_context_is_capped_there(tmp_path: Path) -> None:
+    """With no max_tokens, a short prompt is served in the model's own window (its own rope),
+    so its output stops where that window ends; asked for more, it gets the scaled rope."""
+    directory = model_dir(tmp_path, "llama")
+    loaded = models.load(str(directory), context_length=SCALED)
+    served = Served(loaded.model, loaded.context_length, context=loaded.context)
+    try:
+        prompt = prompts(1, NATIVE - 20, NATIVE - 19, seed=5)[0]
+        usage = served.generate(prompt, steps=None)[1]  # type: ignore[arg-type]
+        assert usage["output_tokens"] == NATIVE - len(prompt)
+        longer = served.generate(prompt, steps=40)[0]
+        assert len(longer) == 40
+        assert_same(longer, reference(mlx_lm_model(directory, _yarn(4.0)), prompt, 40), "more")
+    finally:
+        served.engine.stop()
+
+
+def _yarn(factor: float) -> dict[str, Any]:
+    return {"type": "yarn", "factor": factor, "original_max_position_embeddings": NATIVE}
 
 
 @pytest.mark.parametrize(
@@ -161,7 +199,7 @@ def ask(server: RunningServer, text: str, max_tokens: int = 8) -> httpx.Response
 
 
 def test_the_server_serves_prompts_past_the_native_context(scaled_server: RunningServer) -> None:
-    assert f"context {SCALED} (YaRN x4 over {NATIVE})" in scaled_server.log()
+    assert f"context {SCALED} (YaRN x4 over {NATIVE}, its own rope within)" in scaled_server.log()
     reply = ask(scaled_server, "word " * (2 * NATIVE))
     assert reply.status_code == 200, reply.text
     usage = reply.json()["usage"]

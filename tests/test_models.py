@@ -24,7 +24,7 @@ def test_openblas_is_in_use() -> None:
 def test_metadata(smollm: LoadedModel) -> None:
     assert smollm.name == "SmolLM2-135M-Instruct"
     assert smollm.context_length == 32768
-    assert smollm.describe_context() == "32768 (YaRN x4 over 8192)"
+    assert smollm.describe_context() == "32768 (YaRN x4 over 8192, its own rope within)"
     assert smollm.tokenizer.vocab_size == 49152
     assert smollm.tokenizer.eos_ids == {2}  # <|im_end|>
 

@@ -76,6 +76,13 @@ class DecodeBatch:
         return stream_ids[stream_ids != FREE].tolist()  # type: ignore[no-any-return]
 
     @property
+    def scaled(self) -> np.ndarray:
+        """Per slot: whether its sequence is served with the scaled rope (models/rope_switch.py)."""
+        if not self.bands:
+            return np.zeros(0, dtype=np.bool_)
+        return np.concatenate([band.scaled for band in self.bands])
+
+    @property
     def samplers(self) -> list[Sampler]:
         """Per slot (a free slot's is greedy)."""
         return list(itertools.chain.from_iterable(band.samplers for band in self.bands))
@@ -101,9 +108,11 @@ class DecodeBatch:
         stream_ids: Sequence[int],
         samplers: Sequence[Sampler],
         inputs: Sequence[int],
+        scaled: Sequence[bool] | None = None,
     ) -> None:
         """Join rows whose `lengths` tokens `caches` hold (per layer, a batch cache; attention
-        rows left-padded to its end)."""
+        rows left-padded to its end); `scaled` says which use the scaled rope (None: none)."""
+        scaled = scaled if scaled is not None else [False] * len(lengths)
         bands = list(self.bands)
         widths = [band.columns for band in bands]
         slots = [len(band.stream_ids) for band in bands]
@@ -127,7 +136,7 @@ class DecodeBatch:
             slots[best] += 1
         for band, band_rows in zip(bands, rows, strict=True):
             if band_rows:
-                band.add(caches, lengths, sorted(band_rows), stream_ids, samplers, inputs)
+                band.add(caches, lengths, sorted(band_rows), stream_ids, samplers, inputs, scaled)
         self.bands = bands
         # The copies are paid now, by the step that admits, not by the next decode step.
         mx.eval([cache_kinds.arrays(c) for band in bands for c in band.caches])
@@ -297,6 +306,7 @@ class _Band:
     def _empty(self) -> None:
         self.caches: list[Any] = []
         self.stream_ids = np.zeros(0, dtype=np.uint64)  # per slot; FREE when the slot is free
+        self.scaled = np.zeros(0, dtype=np.bool_)  # per slot: served with the scaled rope
         self.samplers: list[Sampler] = []
         self.inputs = mx.array([], dtype=mx.uint32)  # the token each slot feeds next
 
@@ -326,6 +336,7 @@ class _Band:
         stream_ids: Sequence[int],
         samplers: Sequence[Sampler],
         inputs: Sequence[int],
+        scaled: Sequence[bool],
     ) -> None:
         """Join `rows` of the joining `caches` (per layer, rows left-padded to its end; `lengths`
         their tokens): into free slots where they fit, else as new slots."""
@@ -350,12 +361,14 @@ class _Band:
         for slot, row in placed:
             tokens[slot] = inputs[row]
             self.stream_ids[slot] = stream_ids[row]
+            self.scaled[slot] = scaled[row]
             self.samplers[slot] = samplers[row]
         tokens = np.concatenate([tokens, np.asarray([inputs[r] for r in appended], np.uint32)])
         self.inputs = mx.array(tokens)
         self.stream_ids = np.concatenate(
             [self.stream_ids, np.asarray([stream_ids[r] for r in appended], np.uint64)]
         )
+        self.scaled = np.concatenate([self.scaled, np.asarray([scaled[r] for r in appended], bool)])
         self.samplers.extend(samplers[r] for r in appended)
 
     def _write_slots(
@@ -414,6 +427,7 @@ class _Band:
         for cache in self.caches:
             cache_kinds.keep_rows(cache, index)
         self.stream_ids = self.stream_ids[rows]
+        self.scaled = self.scaled[rows]
         self.samplers = [self.samplers[i] for i in rows]
         self.inputs = self.inputs[index]
 

@@ -40,6 +40,7 @@ from mlxgate.engine.settings import EngineSettings
 from mlxgate.engine.speculation import Drafts, Speculation
 from mlxgate.models import LoadedModel
 from mlxgate.models.adapter import ModelAdapter
+from mlxgate.models.rope_switch import ScaledRows
 
 log = logging.getLogger("mlxgate.engine")
 
@@ -58,6 +59,7 @@ class _Pending:
     stream_id: int
     request: GenerationRequest
     match: PrefixMatch | None
+    scaled: bool = False  # served with the scaled rope (models/rope_switch.py)
     submitted_at: float = field(default_factory=time.monotonic)
     last_ping: float = field(default_factory=time.monotonic)
     caches: list[Any] | None = None  # per layer (`model.make_cache()`), once prefill started
@@ -213,9 +215,12 @@ class Engine:
         queued = len(self._incoming) + self.metrics.queue_depth
         if queued >= self.settings.max_queued:
             raise QueueFull(retry_after_s=1 + queued // 8)
+        served = self.loaded.context
+        window = served.window(prompt_tokens, requests[0].max_tokens) if served else context
+        scaled = window > (served.native if served else context)
         # One lookup for every choice: a match is immutable, and each start copies its caches.
-        match = self.prefix_cache.lookup(prompt_ids)
-        choices = [_Pending(next(self._ids), r, match) for r in requests]
+        match = self.prefix_cache.lookup(prompt_ids, variant=int(scaled))
+        choices = [_Pending(next(self._ids), r, match, scaled) for r in requests]
         # Choices decode together; where they cannot (more than may run at once), each is a
         # sequence of its own, the prefix cache sharing what it can.
         together = len(choices) <= self.settings.max_running
@@ -227,7 +232,7 @@ class Engine:
                     pending.request.stream,
                     prompt_tokens=prompt_tokens,
                     cached_tokens=match.length if match else 0,
-                    max_tokens=min(pending.request.max_tokens or context, context - prompt_tokens),
+                    max_tokens=min(pending.request.max_tokens or window, window - prompt_tokens),
                 )
                 for pending in choices
             ]
@@ -427,7 +432,12 @@ class Engine:
         cache, so that the same request sent again (as Claude Code does after a stalled
         stream) resumes there."""
         if pending.done and (caches := self._finished_part(pending)) is not None:
-            self.prefix_cache.store(pending.request.prompt_ids[: pending.done], caches)
+            self._store(pending, pending.done, caches)
+
+    def _store(self, pending: _Pending, tokens: int, caches: list[Any]) -> None:
+        """Keep the state of the first `tokens` prompt tokens for prompts served alike."""
+        prompt = pending.request.prompt_ids[:tokens]
+        self.prefix_cache.store(prompt, caches, variant=int(pending.scaled))
 
     def _finished_part(self, pending: _Pending) -> list[Any] | None:
         """Caches holding just the `done` prompt tokens a prefill finished: after a torn pass, cut
@@ -447,7 +457,7 @@ class Engine:
         if speculation is not None and len(batch) <= self.settings.speculation_max_rows:
             drafts = speculation.drafts(batch.stream_ids)
         if drafts is None:
-            logits = self._adapter.decode(batch.inputs, batch.caches)
+            logits = self._adapter.decode(batch.inputs, batch.caches, self._scaled_rows())
             inputs = batch.sample(logits, self.vocabulary)
             mx.eval(inputs)
             tokens = np.array(inputs)[:, None]
@@ -483,10 +493,13 @@ class Engine:
         batch = self._batch
         guesses = mx.array(drafts.tokens.astype(np.uint32))
         inputs = mx.concatenate([batch.inputs[:, None], guesses], axis=1)
-        logits = self._adapter.verify(inputs, batch.caches)
+        logits = self._adapter.verify(inputs, batch.caches, self._scaled_rows())
         tokens, kept = batch.sample_drafts(logits, drafts, self.vocabulary)
         batch.rewind(kept, drafts.width)
         return tokens, kept
+
+    def _scaled_rows(self) -> ScaledRows:
+        return self._batch.scaled if self._adapter.switched_rope else True
 
     def _guessed(
         self,
@@ -609,7 +622,10 @@ class Engine:
     def _forward_group(self, group: _PromptGroup) -> bool:
         """Prefill a group's prompts together; False if every one of its clients left meanwhile."""
         ids = {p.stream_id for p in group.rows}
-        if not self._forward(mx.array(group.tokens), group.caches, lambda gone: ids <= gone):
+        scaled = np.array([p.scaled for p in group.rows])
+        if not self._forward(
+            mx.array(group.tokens), group.caches, lambda gone: ids <= gone, scaled
+        ):
             return False
         # The right padding moves to the left, where the decode batch expects it.
         for cache in group.caches:
@@ -620,14 +636,20 @@ class Engine:
     def _forward_prompt(self, tokens: mx.array, pending: _Pending) -> bool:
         """Add `tokens` to the pending sequence's KV cache; False if it was cancelled meanwhile."""
         assert pending.caches is not None
-        return self._forward(tokens, pending.caches, lambda gone: pending.stream_id in gone)
+        return self._forward(
+            tokens, pending.caches, lambda gone: pending.stream_id in gone, pending.scaled
+        )
 
     def _forward(
-        self, tokens: mx.array, caches: list[Any], left: Callable[[set[int]], bool]
+        self,
+        tokens: mx.array,
+        caches: list[Any],
+        left: Callable[[set[int]], bool],
+        scaled: ScaledRows,
     ) -> bool:
         """Prefill `tokens` into `caches`; False once `left(cancelled stream ids)` says its
         clients went away (checked after each layer, where the model allows)."""
-        return self._adapter.prefill(tokens, caches, lambda: left(self._poll_cancelled()))
+        return self._adapter.prefill(tokens, caches, lambda: left(self._poll_cancelled()), scaled)
 
     def _mend(self, pending: _Pending) -> None:
         """A torn prefill that goes on (another choice of its prompt leads now): its caches are
@@ -649,7 +671,7 @@ class Engine:
     def _join_batch(self, admitted: list[_Pending]) -> None:
         for pending in admitted:
             assert pending.caches is not None
-            self.prefix_cache.store(pending.request.prompt_ids[: pending.done], pending.caches)
+            self._store(pending, pending.done, pending.caches)
             # One at a time: together they would be padded to the longest before joining.
             rows = pending.choices
             self._add_rows(rows, [cache_kinds.batch_of(c, len(rows)) for c in pending.caches])
@@ -657,7 +679,7 @@ class Engine:
     def _join_group(self, group: _PromptGroup) -> None:
         for row, pending in enumerate(group.rows):
             own = [cache.extract(row) for cache in group.caches]  # copies, padding left out
-            self.prefix_cache.store(pending.request.prompt_ids[:-1], own)
+            self._store(pending, len(pending.request.prompt_ids) - 1, own)
         self._add_rows(group.rows, group.caches)
 
     def _add_rows(self, joining: list[_Pending], caches: list[Any]) -> None:
@@ -673,6 +695,7 @@ class Engine:
             [p.stream_id for p in joining],
             [Sampler(p.request.sampling, p.request.grammar) for p in joining],
             [p.request.prompt_ids[-1] for p in joining],
+            [p.scaled for p in joining],
         )
 
     def _ping_waiting(self) -> None:

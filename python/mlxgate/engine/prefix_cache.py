@@ -26,6 +26,7 @@ class CacheEntry:
     tokens: np.ndarray  # the token ids whose state `layers` hold, in order
     layers: list[Any]  # per layer, a single-sequence cache no one writes to
     nbytes: int
+    variant: int = 0  # how the model computed them (its own rope or the scaled one)
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: list[int]) -> PrefixMatch | None:
-        """The longest cached prefix of `prompt`, leaving at least one token to compute."""
+    def lookup(self, prompt: list[int], variant: int = 0) -> PrefixMatch | None:
+        """The longest cached prefix of `prompt` computed as `variant`, leaving at least one
+        token to compute."""
         if self.max_bytes <= 0 or len(prompt) <= self.min_tokens:
             return None
         tokens = np.asarray(prompt, dtype=np.int32)
@@ -78,6 +80,8 @@ class PrefixCache:
         best_key, best_len = -1, 0
         with self._lock:
             for key, entry in self._entries.items():
+                if entry.variant != variant:
+                    continue
                 length = min(_common_prefix(entry.tokens, tokens), limit)
                 if not self.cuttable and length < len(entry.tokens):
                     continue  # a snapshot is all or nothing
@@ -88,8 +92,9 @@ class PrefixCache:
             self._entries.move_to_end(best_key)
             return PrefixMatch(self._entries[best_key], best_len)
 
-    def store(self, tokens: list[int] | np.ndarray, caches: list[Any]) -> None:
-        """Keep a copy of the state of `tokens` (each cache holds exactly those, one sequence)."""
+    def store(self, tokens: list[int] | np.ndarray, caches: list[Any], variant: int = 0) -> None:
+        """Keep a copy of the state of `tokens` (each cache holds exactly those, one sequence),
+        computed as `variant`."""
         if self.max_bytes <= 0 or len(tokens) < self.min_tokens:
             return
         layers = [cache_kinds.snapshot(cache, owned=True) for cache in caches]
@@ -97,9 +102,11 @@ class PrefixCache:
         nbytes = sum(cache_kinds.nbytes(layer) for layer in layers)
         if nbytes > self.max_bytes:
             return
-        entry = CacheEntry(np.asarray(tokens, dtype=np.int32), layers, nbytes)
+        entry = CacheEntry(np.asarray(tokens, dtype=np.int32), layers, nbytes, variant)
         with self._lock:
             for key, old in self._entries.items():
+                if old.variant != variant:
+                    continue
                 if _common_prefix(old.tokens, entry.tokens) == len(entry.tokens) and (
                     len(old.tokens) == len(entry.tokens) or self.cuttable
                 ):
@@ -110,7 +117,8 @@ class PrefixCache:
                 for key in [
                     k
                     for k, old in self._entries.items()
-                    if _common_prefix(old.tokens, entry.tokens) == len(old.tokens)
+                    if old.variant == variant
+                    and _common_prefix(old.tokens, entry.tokens) == len(old.tokens)
                 ]:
                     self._bytes -= self._entries.pop(key).nbytes
             self._entries[self._next_key] = entry

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxgate.models import context
+from mlxgate.models import context, yarn
 from mlxgate.models.adapter import install_kernels
 from mlxgate.models.context import ServedContext
 from mlxgate.models.tokenizer import ChatTokenizer
@@ -79,6 +79,15 @@ def _load_directory(
         path, lazy=True, model_config=overrides, trust_remote_code=trust_remote_code
     )
     context.check_scaled(model, config, served)
+    yarn.follow_config(model, config)
+    if served.scaling is not None and "model_file" not in config:
+        # The same architecture as its config builds it (weights never read): its own rope,
+        # for what fits its own context. (A custom architecture keeps the scaled one.)
+        from mlx_lm.utils import _get_classes
+
+        model_class, args_class = _get_classes(config)
+        native = model_class(args_class.from_dict(config))
+        served = context.switch_rope(model, native, served)
     mx.eval(model.parameters())
     return model, ChatTokenizer.from_pretrained_dir(path), served
 

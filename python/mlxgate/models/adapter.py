@@ -10,7 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxgate.models import cpu_attention, fast_exp
+from mlxgate.models import cpu_attention, fast_exp, rope_switch
+from mlxgate.models.rope_switch import ScaledRows
 
 
 def install_kernels(model: nn.Module) -> None:
@@ -33,6 +34,10 @@ class ModelAdapter:
     wrapped: while a prefill with a stop check runs, a layer evaluates its output and ends the
     pass if the check says so. A model without a `layers` list is prefilled whole, without that
     chance to stop early.
+
+    Each call says which of its rows are served with the scaled rope (`scaled`): it matters only
+    to a model whose ropes are switched (models/rope_switch.py), which serves the rest with its
+    own.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -45,6 +50,7 @@ class ModelAdapter:
         layers = getattr(self.backbone, "layers", None)
         self.layers: list[nn.Module] = list(layers) if isinstance(layers, list) else []
         self._check = _make_stoppable(self.layers)
+        self._rope_rows = rope_switch.rows_of(model)
 
     def make_cache(self) -> list[Any]:
         """A fresh single-sequence cache per layer, of the kinds the model asks for."""
@@ -56,18 +62,29 @@ class ModelAdapter:
         return bool(self.layers)
 
     @property
+    def switched_rope(self) -> bool:
+        """Whether rows may be served with the model's own rope rather than the scaled one."""
+        return self._rope_rows is not None
+
+    @property
     def banded_attention(self) -> bool:
         """Whether the attention attends band by band (takes a `BandedCache`)."""
         return cpu_attention.installed(self.model)
 
-    def decode(self, inputs: mx.array, caches: Sequence[Any]) -> mx.array:
+    def decode(
+        self, inputs: mx.array, caches: Sequence[Any], scaled: ScaledRows = True
+    ) -> mx.array:
         """Next-token logits [batch, vocab] for one input token per row."""
+        self._scale(scaled)
         logits: mx.array = self.model(inputs[:, None], cache=caches)[:, -1, :]
         return logits
 
-    def verify(self, inputs: mx.array, caches: Sequence[Any]) -> mx.array:
+    def verify(
+        self, inputs: mx.array, caches: Sequence[Any], scaled: ScaledRows = True
+    ) -> mx.array:
         """Logits [batch, positions, vocab] for `inputs` [batch, positions]: each row's input
         token and the tokens guessed after it (speculative decoding), all added to `caches`."""
+        self._scale(scaled)
         logits: mx.array = self.model(inputs, cache=caches)
         return logits
 
@@ -76,9 +93,11 @@ class ModelAdapter:
         tokens: mx.array,
         caches: Sequence[Any],
         should_stop: Callable[[], bool] | None = None,
+        scaled: ScaledRows = True,
     ) -> bool:
         """Add `tokens` [batch, n] to `caches` (evaluated). False if `should_stop()` said so
         after a layer; the caches are then partly filled and of no use."""
+        self._scale(scaled)
         self._check.should_stop = should_stop
         try:
             self.backbone(tokens, cache=caches)
@@ -88,6 +107,12 @@ class ModelAdapter:
             self._check.should_stop = None
         mx.eval([c.state for c in caches])
         return True
+
+    def _scale(self, scaled: ScaledRows) -> None:
+        # The graph is built (and the rope picked) during the call, before anything else runs
+        # on this thread, so the state needs no reset.
+        if self._rope_rows is not None:
+            self._rope_rows.scaled = scaled
 
 
 def _backbone(model: nn.Module) -> nn.Module:

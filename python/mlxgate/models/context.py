@@ -6,16 +6,19 @@ position interpolation, by N / native over the native length) and lets the archi
 code build the rope from it (mlx-lm's `rope_utils.initialize_rope`). Some architectures build
 their rope without reading the config's scaling; the built model is checked, and a model whose
 rope did not take the scaling is refused at start-up rather than served with positions it was
-never trained on.
+never trained on. A sequence that fits the native context is still served with the model's own
+rope (models/rope_switch.py): the scaling costs short answers their quality.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.nn as nn
+
+from mlxgate.models import rope_switch
 
 ROPE_SCALINGS = ("yarn", "linear")
 _NAMES = {"yarn": "YaRN", "linear": "linear"}
@@ -34,6 +37,8 @@ class ServedContext:
     length: int
     native: int  # what the model's config covers (with the config's own rope scaling, if any)
     scaling: str | None = None  # "yarn" or "linear" when mlxgate stretches the rope to `length`
+    # The model also keeps its own rope, for sequences that fit `native` (models/rope_switch.py).
+    native_window: bool = False
 
     @property
     def factor(self) -> float:
@@ -50,10 +55,20 @@ class ServedContext:
             "original_max_position_embeddings": self.native,
         }
 
+    def window(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """The context a sequence is served in: the model's own, with its own rope, when the
+        prompt and `max_tokens` fit it (unset: the room the native window leaves), else all of
+        `length`, with the scaled rope."""
+        room = self.native - prompt_tokens
+        fits = room >= 1 and (max_tokens is None or max_tokens <= room)
+        return self.native if self.native_window and fits else self.length
+
     def describe(self) -> str:
-        """E.g. "32768 (YaRN x4 over 8192)", "4096 (model: 8192)", "8192"."""
+        """E.g. "32768 (YaRN x4 over 8192, its own rope within)", "4096 (model: 8192)", "8192"."""
         if self.scaling is not None:
-            return f"{self.length} ({_NAMES[self.scaling]} x{self.factor:.3g} over {self.native})"
+            own = ", its own rope within" if self.native_window else ""
+            name = _NAMES[self.scaling]
+            return f"{self.length} ({name} x{self.factor:.3g} over {self.native}{own})"
         if self.length != self.native:
             return f"{self.length} (model: {self.native})"
         return str(self.length)
@@ -189,6 +204,15 @@ def check_scaled(model: nn.Module, config: dict[str, Any], context: ServedContex
             f"({len(ropes) - len(scaled)} of {len(ropes)} unscaled), so mlxgate cannot give it "
             f"{stretch}; serve at most {context.native} tokens"
         )
+
+
+def switch_rope(model: nn.Module, native: nn.Module, context: ServedContext) -> ServedContext:
+    """Give `model` (scaled to `context`) the rope of `native` (the same architecture built
+    without the scaling) for sequences that fit the native window; `context` says if it took."""
+    if context.scaling is None:
+        return context
+    rows = rope_switch.install(model, native, lambda m: _is_rope(m) and _takes(m, context))
+    return replace(context, native_window=rows is not None)
 
 
 def _is_rope(module: nn.Module) -> bool:

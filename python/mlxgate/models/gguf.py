@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,8 @@ def load_gguf(
     )
     model = llama.Model(args)
     context.check_scaled(model, {"model_type": "llama"}, served)
+    if served.scaling is not None:  # its own rope too, for what fits the file's own context
+        served = context.switch_rope(model, llama.Model(replace(args, rope_scaling=theirs)), served)
     model.load_weights(list(_dequantized(weights, dtype).items()), strict=True)
     model.eval()
     return model, _tokenizer(meta), served

@@ -1,0 +1,134 @@
+"""Long prompts under the 32k default: a fact placed at several depths of a long document, asked
+for at its end, answered by mlxgate and by llama-server on the same GGUF and settings.
+
+    flock /tmp/bench.lock .venv/bin/python benches/long_recall.py \
+        [--lengths 12000,24000] [--depths 0.1,0.5,0.9] [--servers mlxgate,llama-server]
+
+Each server is started as `mlxgate bench --spawn` starts it (llama-server: YaRN x4 over the
+model's 8,192 tokens, `--jinja`, so both render the GGUF's own chat template), one at a time,
+and asked greedily over Chat Completions, one prompt after another. The document is stdlib
+docstrings (context_cost.py's filler) with the fact inserted at a depth (0: its start, 1: its
+end); the prompt lengths are those mlxgate's tokenizer counts. The report quotes every reply and
+whether it holds the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from context_cost import filler_text
+from report import log, publish
+
+FACT = "Note for the reader: the door code of the archive room is 4817."
+QUESTION = "What is the door code of the archive room? Answer with the number."
+CODE = "4817"
+REPLY_TOKENS = 24
+
+
+def document(filler: str, chars: int, depth: float) -> str:
+    """`chars` of the filler with FACT inserted between paragraphs at `depth` of it."""
+    text = filler[:chars]
+    at = text.rfind("\n\n", 0, int(len(text) * depth) + 1)
+    at = 0 if at < 0 else at
+    return f"{text[:at]}\n\n{FACT}\n\n{text[at:]}".strip()
+
+
+def content(doc: str) -> str:
+    return f"{doc}\n\n{QUESTION}"
+
+
+def count_tokens(url: str, text: str) -> int:
+    body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    reply = httpx.post(f"{url}/v1/messages/count_tokens", json=body, timeout=60)
+    reply.raise_for_status()
+    return int(reply.json()["input_tokens"])
+
+
+def sized(url: str, filler: str, tokens: int) -> int:
+    """How many filler characters make a prompt of about `tokens` tokens (mlxgate's count)."""
+    low, high = 0, len(filler)
+    while high - low > 200:
+        middle = (low + high) // 2
+        if count_tokens(url, content(filler[:middle])) <= tokens:
+            low = middle
+        else:
+            high = middle
+    if low == 0 or count_tokens(url, content(filler[:low])) < tokens * 0.95:
+        raise SystemExit(f"the filler text is too short for {tokens} tokens")
+    return low
+
+
+def ask(url: str, model: str, text: str) -> tuple[str, int, float]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": REPLY_TOKENS,
+        "temperature": 0,
+    }
+    started = time.monotonic()
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=3600)
+    reply.raise_for_status()
+    data = reply.json()
+    answer = data["choices"][0]["message"]["content"] or ""
+    return answer, int(data["usage"]["prompt_tokens"]), time.monotonic() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--lengths", default="12000,24000", help="prompt lengths, tokens")
+    parser.add_argument("--depths", default="0.1,0.5,0.9", help="where the fact goes, 0-1")
+    parser.add_argument("--servers", default="mlxgate,llama-server")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    depths = [float(d) for d in args.depths.split(",")]
+    names = args.servers.split(",")
+
+    from mlxgate.bench.spawn import MODEL, spawn
+
+    filler = filler_text()
+    logs = Path(tempfile.mkdtemp(prefix="long-recall-"))
+    rows: list[tuple[str, int, float, int, str, float]] = []
+    prompts: list[tuple[int, float, str]] = []
+    for name in names:
+        server = spawn(name, 1, logs)
+        try:
+            if not prompts:  # sized with mlxgate's tokenizer: mlxgate goes first
+                for length in lengths:
+                    chars = sized(server.url, filler, length)
+                    prompts += [(length, d, content(document(filler, chars, d))) for d in depths]
+            for length, depth, text in prompts:
+                log(f"{name}: {length} tokens, fact at {depth:.0%}")
+                answer, prompt_tokens, seconds = ask(server.url, MODEL[name], text)
+                rows.append((name, prompt_tokens, depth, length, answer, seconds))
+                log(f"  {prompt_tokens} prompt tokens, {seconds:.0f} s: {answer!r}")
+        finally:
+            server.stop()
+
+    command = " ".join(["benches/long_recall.py", *sys.argv[1:]])
+    lines = [
+        f"# Long prompts: recall of a fact by depth ({time.strftime('%Y-%m-%d %H:%M')})",
+        "",
+        f"`{command}`: the embedded model (SmolLM2-135M-Instruct, Q4_1 GGUF) served at 32,768 "
+        f"tokens, YaRN x4 over its 8,192, by each server; greedy, {REPLY_TOKENS} tokens. The "
+        f"fact: {FACT!r}; the question, at the end: {QUESTION!r}.",
+        "",
+        "| server | prompt tokens | fact at | holds the code | reply | time |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, prompt_tokens, depth, _, answer, seconds in rows:
+        found = "yes" if CODE in answer else "no"
+        quoted = answer.replace("\n", " ").replace("|", "\\|")
+        lines.append(
+            f"| {name} | {prompt_tokens:,} | {depth:.0%} | {found} | {quoted} | {seconds:.0f} s |"
+        )
+    publish(lines, args.out, "long-recall")
+
+
+if __name__ == "__main__":
+    main()

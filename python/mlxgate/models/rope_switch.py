@@ -1,0 +1,88 @@
+"""Two rotary embeddings on one set of weights: the model's own for a sequence that fits its
+native context, the scaled one (YaRN, linear) for a sequence that may not.
+
+Scaling the rope changes every answer a little, short ones too: on SmolLM2-135M at YaRN x4,
+llama.cpp and mlx-lm alike turn "What is the capital of France?" into French nonsense, mostly
+through YaRN's attention temperature. So, as Phi-3's LongRoPE switches on length, a sequence is
+served with the model's own rope when its prompt and output fit the native window, and with the
+scaled rope otherwise (`ServedContext.window`). The choice is per sequence, made once at
+admission, so one sequence's keys all come from one rope; a batch holds rows of both, and each
+switched rope module picks per row (`RopeRows`, set by the `ModelAdapter` before each call).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+# Which rows of a forward pass use the scaled rope: all (True), none (False) or, per row (batch
+# first), a boolean array.
+ScaledRows = bool | np.ndarray
+
+
+class RopeRows(threading.local):
+    """The rows the running forward pass scales, shared by the switched ropes of one model.
+
+    Per thread, as the stop check of a prefill is: a pass on one thread never sees another's.
+    """
+
+    scaled: ScaledRows = True
+
+
+class SwitchedRoPE(nn.Module):
+    """In place of a scaled rope: the scaled one for rows the pass scales, the model's own
+    (`native`) for the rest."""
+
+    def __init__(self, native: nn.Module, scaled: nn.Module, rows: RopeRows) -> None:
+        super().__init__()
+        self.native = native
+        self.scaled = scaled
+        self._rows = rows
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        rows = self._rows.scaled
+        if rows is True:
+            return self.scaled(x, offset=offset)  # type: ignore[no-any-return]
+        if rows is False or not rows.any():
+            return self.native(x, offset=offset)  # type: ignore[no-any-return]
+        if rows.all():
+            return self.scaled(x, offset=offset)  # type: ignore[no-any-return]
+        pick = mx.array(rows).reshape(-1, *([1] * (x.ndim - 1)))
+        return mx.where(pick, self.scaled(x, offset=offset), self.native(x, offset=offset))
+
+
+def install(model: nn.Module, native: nn.Module, is_scaled: Any) -> RopeRows | None:
+    """Put a `SwitchedRoPE` in place of each rope of `model` that `is_scaled(rope)` says is
+    scaled, its native side the rope at the same place in `native` (the same architecture built
+    without the scaling, weights never read). Returns the rows state the ropes share, or None if
+    `model` has no scaled rope."""
+    natives = dict(native.named_modules())
+    rows = RopeRows()
+    switched = False
+    for name, module in list(model.named_modules()):
+        if not name or isinstance(module, SwitchedRoPE) or not is_scaled(module):
+            continue
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model if not parent_name else _module_at(model, parent_name)
+        parent[attribute] = SwitchedRoPE(natives[name], module, rows)
+        switched = True
+    return rows if switched else None
+
+
+def rows_of(model: nn.Module) -> RopeRows | None:
+    """The rows state of `model`'s switched ropes, if it has any."""
+    for module in model.modules():
+        if isinstance(module, SwitchedRoPE):
+            return module._rows
+    return None
+
+
+def _module_at(model: nn.Module, path: str) -> Any:
+    node: Any = model
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
