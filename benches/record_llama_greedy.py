@@ -1,5 +1,5 @@
 """Records llama.cpp's greedy answers to short chat prompts on the embedded GGUF, for the tests
-that hold mlxgate's default against an outside oracle (tests/fixtures/llama_server_greedy.json).
+that hold mlxgate's default against an outside oracle (tests/fixtures/llama_cpp/greedy.json).
 
     LLAMA_SERVER=benches/.cache/bin/llama-server .venv/bin/python benches/record_llama_greedy.py
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llama_server_greedy.json"
+FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llama_cpp" / "greedy.json"
 QUESTIONS = [
     "What is the capital of France?",
     "Name three colors.",

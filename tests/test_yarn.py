@@ -193,7 +193,7 @@ def test_linear_scaling_divides_every_frequency_and_leaves_the_magnitude(
 # where two tokens nearly tie. So each answer is checked step by step, fed llama.cpp's tokens:
 # llama.cpp's token must be mlxgate's best or within TIE_NATS of it. The wrong rope fails this
 # (YaRN's answers against the native rope: 0.33-3.4 nats apart at worst, per prompt).
-LLAMA_GREEDY = Path(__file__).resolve().parent / "fixtures" / "llama_server_greedy.json"
+LLAMA_GREEDY = Path(__file__).resolve().parent / "fixtures" / "llama_cpp" / "greedy.json"
 TIE_NATS = 0.35
 
 
