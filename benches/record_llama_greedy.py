@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llama_cpp" / "greedy.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "llama_cpp" / "greedy.json"
 QUESTIONS = [
     "What is the capital of France?",
     "Name three colors.",
