@@ -8,6 +8,7 @@ TOOLS := .tools
 UV := $(TOOLS)/bin/uv
 VENV := .venv
 PY := $(VENV)/bin/python
+COMPAT_VENV := .venv-compat
 HOST ?= 127.0.0.1
 PORT ?= 8080
 ARGS ?=
@@ -48,10 +49,18 @@ test: env ## run every Rust and Python test
 	cargo test --locked
 	$(VENV)/bin/pytest $(ARGS)
 
+.PHONY: compat
+compat: env ## the newest LiteLLM, OpenAI Agents, pydantic-ai, LangChain and openai against a real server
+	[ -x $(COMPAT_VENV)/bin/python ] || $(UV) venv --python python3 $(COMPAT_VENV)
+	$(UV) pip install --quiet --upgrade --python $(COMPAT_VENV)/bin/python -r compat/requirements.txt
+	@$(UV) pip list --python $(COMPAT_VENV)/bin/python 2>/dev/null | grep -E \
+		'^(openai|anthropic|litellm|openai-agents|pydantic-ai-slim|langchain-(openai|anthropic)|httpx-sse) '
+	$(COMPAT_VENV)/bin/pytest compat $(ARGS)
+
 .PHONY: lint
 lint: env ## ruff, mypy, stub check and clippy
-	$(VENV)/bin/ruff check python tests benches
-	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/ruff check python tests benches compat
+	$(VENV)/bin/ruff format --check python tests benches compat
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest mlxgate._native
 	cargo clippy --all-targets --locked -- -D warnings
@@ -96,4 +105,4 @@ fuzz: ## run each libFuzzer target (fuzz/) for FUZZ_SECONDS from its committed c
 
 .PHONY: clean
 clean: ## remove build outputs and environments
-	rm -rf $(VENV) $(TOOLS) target python/mlxgate/*.so
+	rm -rf $(VENV) $(COMPAT_VENV) $(TOOLS) target python/mlxgate/*.so
