@@ -424,16 +424,12 @@ def stop_server(server: Server) -> None:
         server.process.wait()
 
 
-# Keep-alives every second; no prefix reuse, so every prompt is prefilled afresh. mlxgate sends
-# keep-alives between engine steps, and with nothing decoding a step prefills up to
-# --max-prefill-tokens (2,048) at once: a ~1,300-token prompt would be one silent step of
-# about 3 s here. 256 (one forward pass, --max-prefill-chunk) makes a step about 0.6 s, so
-# such a prompt carries one or two keep-alives before its first token; the passes are the same.
+# Keep-alives every second; no prefix reuse, so every prompt is prefilled afresh (in 256-token
+# passes, with keep-alives between them, the default step sizes).
 COMPAT_FLAGS = (
     "--context-length", "8192",
     "--prefix-cache-mb", "0",
     "--ping-interval-s", "1",
-    "--max-prefill-tokens", "256",
 )  # fmt: skip
 
 

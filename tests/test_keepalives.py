@@ -312,3 +312,31 @@ def test_responses_stream_across_a_long_prefill(slow_server: RunningServer) -> N
     assert events[-1].type == "response.incomplete"
     kinds = [p["type"] for p in sse_payloads(bytes(recorded.raw))]
     assert kinds.count("response.in_progress") >= 4, kinds
+
+
+@pytest.fixture(scope="module")
+def default_steps_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """The default step sizes: with nothing decoding, one step prefills up to 2,048 tokens."""
+    running = start_server(
+        tmp_path_factory.mktemp("keepalive-steps"),
+        "--context-length", "8192",
+        "--ping-interval-s", str(PING_S),
+        "--prefix-cache-mb", "0",
+    )  # fmt: skip
+    yield running
+    stop_server(running)
+
+
+def test_a_prompt_prefilled_in_one_step_still_gets_keepalives(
+    default_steps_server: RunningServer,
+) -> None:
+    """Keep-alives go out between the prefill's forward passes, not only between engine steps."""
+    recorded = Recorded()
+    stream = openai_client(default_steps_server, recorded).chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": LONG_PROMPT + " " + LONG_PROMPT}],
+        max_tokens=3,
+        stream=True,
+    )
+    assert [c for chunk in stream for c in chunk.choices if c.finish_reason]
+    assert keepalives_before_text(bytes(recorded.raw)) >= 1, bytes(recorded.raw)[:2000]

@@ -528,6 +528,7 @@ class Engine:
         idle = not len(self._batch)
         spent = 0
         while self._waiting and budget > 0:
+            self._ping_waiting()  # one step may prefill for long: a pass at a time
             room = self.settings.max_running - len(self._batch)
             room -= sum(len(p.choices) for p in admitted) + sum(len(g.rows) for g in groups)
             if room < len(self._waiting[0].choices):
