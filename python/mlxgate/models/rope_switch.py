@@ -35,24 +35,39 @@ class RopeRows(threading.local):
 
 class SwitchedRoPE(nn.Module):
     """In place of a scaled rope: the scaled one for rows the pass scales, the model's own
-    (`native`) for the rest."""
+    (`native`) for the rest.
+
+    Both are private members: the model's parameter tree stays the one mlx-lm's class has (a
+    rope holds no parameters), so weights load and copy between the two as before.
+    """
 
     def __init__(self, native: nn.Module, scaled: nn.Module, rows: RopeRows) -> None:
         super().__init__()
-        self.native = native
-        self.scaled = scaled
+        self._native = native
+        self._scaled = scaled
         self._rows = rows
+        # Frequencies a rope computed lazily are computed here, on the loading thread: another
+        # thread's stream cannot run them (see ModelAdapter).
+        mx.eval([v for rope in (native, scaled) for v in rope.values() if isinstance(v, mx.array)])
+
+    @property
+    def native(self) -> nn.Module:
+        return self._native
+
+    @property
+    def scaled(self) -> nn.Module:
+        return self._scaled
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         rows = self._rows.scaled
         if rows is True:
-            return self.scaled(x, offset=offset)  # type: ignore[no-any-return]
+            return self._scaled(x, offset=offset)  # type: ignore[no-any-return]
         if rows is False or not rows.any():
-            return self.native(x, offset=offset)  # type: ignore[no-any-return]
+            return self._native(x, offset=offset)  # type: ignore[no-any-return]
         if rows.all():
-            return self.scaled(x, offset=offset)  # type: ignore[no-any-return]
+            return self._scaled(x, offset=offset)  # type: ignore[no-any-return]
         pick = mx.array(rows).reshape(-1, *([1] * (x.ndim - 1)))
-        return mx.where(pick, self.scaled(x, offset=offset), self.native(x, offset=offset))
+        return mx.where(pick, self._scaled(x, offset=offset), self._native(x, offset=offset))
 
 
 def install(model: nn.Module, native: nn.Module, is_scaled: Any) -> RopeRows | None:
