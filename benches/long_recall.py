@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from context_cost import filler_text
@@ -42,23 +43,20 @@ def content(doc: str) -> str:
     return f"{doc}\n\n{QUESTION}"
 
 
-def count_tokens(url: str, text: str) -> int:
-    body = {"model": "m", "messages": [{"role": "user", "content": text}]}
-    reply = httpx.post(f"{url}/v1/messages/count_tokens", json=body, timeout=60)
-    reply.raise_for_status()
-    return int(reply.json()["input_tokens"])
-
-
-def sized(url: str, filler: str, tokens: int) -> int:
+def sized(tokenizer: Any, filler: str, tokens: int) -> int:
     """How many filler characters make a prompt of about `tokens` tokens (mlxgate's count)."""
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(tokenizer.render([{"role": "user", "content": text}])))
+
     low, high = 0, len(filler)
     while high - low > 200:
         middle = (low + high) // 2
-        if count_tokens(url, content(filler[:middle])) <= tokens:
+        if count(content(filler[:middle])) <= tokens:
             low = middle
         else:
             high = middle
-    if low == 0 or count_tokens(url, content(filler[:low])) < tokens * 0.95:
+    if low == 0 or count(content(filler[:low])) < tokens * 0.95:
         raise SystemExit(f"the filler text is too short for {tokens} tokens")
     return low
 
@@ -89,19 +87,21 @@ def main() -> None:
     depths = [float(d) for d in args.depths.split(",")]
     names = args.servers.split(",")
 
+    import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
     from mlxgate.bench.spawn import MODEL, spawn
+    from mlxgate.models import load
 
     filler = filler_text()
+    tokenizer = load(None, context_length=8192).tokenizer
+    prompts: list[tuple[int, float, str]] = []
+    for length in lengths:
+        chars = sized(tokenizer, filler, length)
+        prompts += [(length, d, content(document(filler, chars, d))) for d in depths]
     logs = Path(tempfile.mkdtemp(prefix="long-recall-"))
     rows: list[tuple[str, int, float, int, str, float]] = []
-    prompts: list[tuple[int, float, str]] = []
     for name in names:
         server = spawn(name, 1, logs)
         try:
-            if not prompts:  # sized with mlxgate's tokenizer: mlxgate goes first
-                for length in lengths:
-                    chars = sized(server.url, filler, length)
-                    prompts += [(length, d, content(document(filler, chars, d))) for d in depths]
             for length, depth, text in prompts:
                 log(f"{name}: {length} tokens, fact at {depth:.0%}")
                 answer, prompt_tokens, seconds = ask(server.url, MODEL[name], text)
