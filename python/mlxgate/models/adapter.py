@@ -112,7 +112,7 @@ class ModelAdapter:
         # The graph is built (and the rope picked) during the call, before anything else runs
         # on this thread, so the state needs no reset.
         if self._rope_rows is not None:
-            self._rope_rows.scaled = scaled
+            self._rope_rows.set(scaled)
 
 
 def _backbone(model: nn.Module) -> nn.Module:

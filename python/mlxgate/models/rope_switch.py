@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_unflatten
 
 # Which rows of a forward pass use the scaled rope: all (True), none (False) or, per row (batch
 # first), a boolean array.
@@ -25,12 +26,22 @@ ScaledRows = bool | np.ndarray
 
 
 class RopeRows(threading.local):
-    """The rows the running forward pass scales, shared by the switched ropes of one model.
+    """The rows the running forward pass scales, shared by the switched ropes of one model:
+    all (True), none (False) or a boolean array, per row. Set once per pass (`set`), read by
+    every rope of every layer.
 
     Per thread, as the stop check of a prefill is: a pass on one thread never sees another's.
     """
 
-    scaled: ScaledRows = True
+    scaled: bool | mx.array = True
+
+    def set(self, scaled: ScaledRows) -> None:
+        if not isinstance(scaled, np.ndarray):
+            self.scaled = scaled
+        elif scaled.all() or not scaled.any():  # one rope for the whole pass
+            self.scaled = bool(scaled.all())
+        else:
+            self.scaled = mx.array(scaled)
 
 
 class SwitchedRoPE(nn.Module):
@@ -62,11 +73,9 @@ class SwitchedRoPE(nn.Module):
         rows = self._rows.scaled
         if rows is True:
             return self._scaled(x, offset=offset)  # type: ignore[no-any-return]
-        if rows is False or not rows.any():
+        if rows is False:
             return self._native(x, offset=offset)  # type: ignore[no-any-return]
-        if rows.all():
-            return self._scaled(x, offset=offset)  # type: ignore[no-any-return]
-        pick = mx.array(rows).reshape(-1, *([1] * (x.ndim - 1)))
+        pick = rows.reshape(-1, *([1] * (x.ndim - 1)))
         return mx.where(pick, self._scaled(x, offset=offset), self._native(x, offset=offset))
 
 
@@ -77,14 +86,12 @@ def install(model: nn.Module, native: nn.Module, is_scaled: Any) -> RopeRows | N
     `model` has no scaled rope."""
     natives = dict(native.named_modules())
     rows = RopeRows()
-    switched = False
-    for name, module in list(model.named_modules()):
-        if not name or isinstance(module, SwitchedRoPE) or not is_scaled(module):
-            continue
-        parent_name, _, attribute = name.rpartition(".")
-        parent = model if not parent_name else _module_at(model, parent_name)
-        parent[attribute] = SwitchedRoPE(natives[name], module, rows)
-        switched = True
+    switched = [
+        (name, SwitchedRoPE(natives[name], module, rows))
+        for name, module in model.named_modules()
+        if name and not isinstance(module, SwitchedRoPE) and is_scaled(module)
+    ]
+    model.update_modules(tree_unflatten(switched))
     return rows if switched else None
 
 
@@ -94,10 +101,3 @@ def rows_of(model: nn.Module) -> RopeRows | None:
         if isinstance(module, SwitchedRoPE):
             return module._rows
     return None
-
-
-def _module_at(model: nn.Module, path: str) -> Any:
-    node: Any = model
-    for part in path.split("."):
-        node = node[int(part)] if isinstance(node, list) else node[part]
-    return node
