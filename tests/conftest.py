@@ -75,7 +75,7 @@ def stop_server(server: RunningServer) -> None:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """One server with the embedded model for the whole session, at its own 8,192-token context
     and rope: the checks that answers make sense (Paris, end_turn) hold for the model as trained;
-    YaRN (the 32k default) changes short answers (README, Models). test_context.py and the
+    YaRN (the 32k default) changes short answers (docs/models.md). test_context.py and the
     Claude Code test with default settings serve the default."""
     running = start_server(tmp_path_factory.mktemp("server"), "--context-length", "8192")
     yield running

@@ -17,7 +17,7 @@ from mlxgate import cli
 from mlxgate.config import Config
 from mlxgate.engine import EngineSettings
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+CLI_DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
 # Every setting away from its default (test_every_flag_round_trips checks that it is).
 CHANGED = Config(
@@ -185,15 +185,15 @@ def test_the_env_round_trips_the_nested_settings(monkeypatch: pytest.MonkeyPatch
         assert isinstance(Config.from_env().engine, EngineSettings)
 
 
-def test_readme_shows_the_current_help(
+def test_the_cli_doc_shows_the_current_help(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("COLUMNS", "100")
     with pytest.raises(SystemExit):
         cli.parse_config(["serve", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    assert shown in " ".join(README.read_text().split()), (
-        "README.md's flag list is stale: paste `COLUMNS=100 mlxgate serve --help` into it"
+    assert shown in " ".join(CLI_DOC.read_text().split()), (
+        "docs/cli.md's flag list is stale: paste `COLUMNS=100 mlxgate serve --help` into it"
     )
 
 

@@ -50,7 +50,7 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def smollm() -> LoadedModel:
     # Its own 8,192-token context and rope: the checks that answers make sense (Paris) hold for
-    # the model as trained; YaRN (the 32k default) changes short answers (README, Models).
+    # the model as trained; YaRN (the 32k default) changes short answers (docs/models.md).
     return load(None, context_length=8192)
 
 
