@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from mlxgate.models import rope_switch
+from mlxgate.models import rope_switch, yarn
 
 ROPE_SCALINGS = ("yarn", "linear")
 _NAMES = {"yarn": "YaRN", "linear": "linear"}
@@ -225,6 +225,6 @@ def _takes(rope: nn.Module, context: ServedContext) -> bool:
 
     if context.scaling == "linear":
         return isinstance(rope, nn.RoPE) and math.isclose(rope.scale, 1 / context.factor)
-    # YaRN's attention temperature, as mlx-lm derives it from the factor (mscale 1, all-dim 0).
-    mscale = 0.1 * math.log(context.factor) + 1.0
-    return isinstance(rope, YarnRoPE) and math.isclose(rope.mscale, mscale)
+    scaling = context.rope_scaling()
+    assert scaling is not None
+    return isinstance(rope, YarnRoPE) and math.isclose(rope.mscale, yarn.attention_factor(scaling))
