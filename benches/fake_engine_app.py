@@ -16,7 +16,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
@@ -57,9 +56,6 @@ class FakeEngine:
         self._wakeup = threading.Condition()
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
-
-    def admit_all(self, requests: Sequence[GenerationRequest]) -> list[Reader]:
-        return [self.admit(request) for request in requests]
 
     def admit(self, request: GenerationRequest) -> Reader:
         """As Engine.admit: open the request's stream and queue it."""

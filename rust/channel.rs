@@ -1,14 +1,18 @@
-//! Per-stream byte channel from the engine thread to one reader: never blocks the producer.
+//! One response's byte channel from the engine thread to its reader: never blocks the producer.
+//! A streamed response's events are numbered (`id:`) as they are queued.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::sse::number_events;
+
 /// Stream ids whose readers cancelled, shared by all channels of one router. Each entry carries
 /// the channel serial so a late cancel never hits a newer stream that reuses the id.
 pub type CancelInbox = Mutex<Vec<(u64, u64)>>;
 
-/// Bytes queued for one reader, plus the waker the reader parked.
+/// Bytes queued for one reader, plus the waker the reader parked. One channel carries a whole
+/// response: every choice of OpenAI's `n` writes into it.
 ///
 /// `W` is whatever wakes the reader; the core never calls it. Every method that takes a waker out
 /// returns it so the caller can call (or drop) it after the lock is released.
@@ -16,10 +20,11 @@ pub type CancelInbox = Mutex<Vec<(u64, u64)>>;
 pub struct Channel<W> {
     state: Mutex<State<W>>,
     opened: Instant,
-    /// Tokens generated so far: written by the producer without the lock.
+    /// Tokens generated so far, by every choice: written by the producer without the lock.
     output_tokens: AtomicU64,
     bound: usize,
-    stream_id: u64,
+    /// The engine streams (one per choice) writing into this channel.
+    stream_ids: Box<[u64]>,
     serial: u64,
     inbox: Arc<CancelInbox>,
 }
@@ -29,6 +34,10 @@ struct State<W> {
     buf: Vec<u8>,
     /// The consumer's last buffer, kept so the producer reuses its capacity.
     spare: Vec<u8>,
+    /// Streamed responses only: the frames being queued, before they are numbered into `buf`.
+    numbering: Option<Numbering>,
+    /// The response object a finished generation answers with (Responses: what is stored).
+    result: Option<Vec<u8>>,
     closed: bool,
     cancelled: bool,
     /// The HTTP status a non-streamed answer gets: 200 unless the stream ended with an error.
@@ -48,6 +57,14 @@ pub struct Outcome {
     pub end: &'static str,
 }
 
+/// The `id:` lines of a streamed response: every event gets the next number.
+#[derive(Debug, Default)]
+struct Numbering {
+    scratch: Vec<u8>,
+    /// Events queued so far (the id of the last one).
+    queued: u64,
+}
+
 /// Result of [`Channel::park`].
 #[derive(Debug)]
 pub enum Park<W> {
@@ -57,14 +74,38 @@ pub enum Park<W> {
     Ready(W),
 }
 
+impl<W> State<W> {
+    /// Lets `f` write frames into the buffer, numbering each event of a streamed response.
+    fn queue(&mut self, f: impl FnOnce(&mut Vec<u8>)) {
+        let Some(numbering) = self.numbering.as_mut() else {
+            f(&mut self.buf);
+            return;
+        };
+        numbering.scratch.clear();
+        f(&mut numbering.scratch);
+        numbering.queued =
+            number_events(&numbering.scratch, numbering.queued + 1, &mut self.buf) - 1;
+    }
+}
+
 /// Capacity above which a drained buffer is released instead of kept for reuse.
 const KEEP_CAPACITY: usize = 64 * 1024;
 
 impl<W> Channel<W> {
-    pub fn new(stream_id: u64, serial: u64, bound: usize, inbox: Arc<CancelInbox>) -> Self {
+    /// A channel for the streams `stream_ids` (the choices of one response); `numbered`: its
+    /// frames are SSE events, each given an `id:` line as it is queued.
+    pub fn new(
+        stream_ids: Vec<u64>,
+        serial: u64,
+        bound: usize,
+        inbox: Arc<CancelInbox>,
+        numbered: bool,
+    ) -> Self {
         let state = State {
             buf: Vec::new(),
             spare: Vec::new(),
+            numbering: numbered.then(Numbering::default),
+            result: None,
             closed: false,
             cancelled: false,
             status: 200,
@@ -81,14 +122,19 @@ impl<W> Channel<W> {
             output_tokens: AtomicU64::new(0),
             state: Mutex::new(state),
             bound,
-            stream_id,
+            stream_ids: stream_ids.into_boxed_slice(),
             serial,
             inbox,
         }
     }
 
+    /// The first choice's stream id (the only one, but for OpenAI's `n`).
     pub fn stream_id(&self) -> u64 {
-        self.stream_id
+        self.stream_ids[0]
+    }
+
+    pub fn stream_ids(&self) -> &[u64] {
+        &self.stream_ids
     }
 
     pub fn serial(&self) -> u64 {
@@ -112,7 +158,7 @@ impl<W> Channel<W> {
             return None;
         }
         let before = state.buf.len();
-        f(&mut state.buf);
+        state.queue(f);
         if state.buf.len() > before {
             state.waker.take()
         } else {
@@ -126,7 +172,7 @@ impl<W> Channel<W> {
         if state.closed {
             return None;
         }
-        f(&mut state.buf);
+        state.queue(f);
         state.closed = true;
         state.waker.take()
     }
@@ -138,14 +184,31 @@ impl<W> Channel<W> {
         if state.closed {
             return None;
         }
-        state.status = f(&mut state.buf);
+        let mut status = 200;
+        state.queue(|buf| status = f(buf));
+        state.status = status;
         state.closed = true;
         state.waker.take()
+    }
+
+    /// Keeps the response object the generation answers with (see [`Channel::result`]).
+    pub fn set_result(&self, result: Vec<u8>) {
+        self.lock().result = Some(result);
+    }
+
+    /// The response object the generation answered with, once it ended (Responses only).
+    pub fn result(&self) -> Option<Vec<u8>> {
+        self.lock().result.clone()
     }
 
     /// 200, or the status of the error the stream ended with.
     pub fn status(&self) -> u16 {
         self.lock().status
+    }
+
+    /// The response ended with an error.
+    pub fn is_failed(&self) -> bool {
+        self.lock().status != 200
     }
 
     /// The stream's prompt: `prompt_tokens`, `cached_tokens` of them from the prefix cache.
@@ -155,14 +218,11 @@ impl<W> Channel<W> {
         outcome.cached_tokens = cached_tokens;
     }
 
-    /// The stream's first token was generated now.
-    pub fn first_token(&self) {
-        self.lock().outcome.first_token = Some(self.opened.elapsed());
-    }
-
-    /// The stream has `n` tokens now.
-    pub fn output_tokens(&self, n: u64) {
-        self.output_tokens.store(n, Ordering::Relaxed);
+    /// One more token generated (by any choice); the first one's time is kept.
+    pub fn count_token(&self) {
+        if self.output_tokens.fetch_add(1, Ordering::Relaxed) == 0 {
+            self.lock().outcome.first_token = Some(self.opened.elapsed());
+        }
     }
 
     /// The stream ended (`end`: see [`Outcome::end`]).
@@ -189,17 +249,25 @@ impl<W> Channel<W> {
     /// Runs `f` on all pending bytes (an empty slice if none yet) and consumes them; `None` once
     /// the stream is closed and drained. `f` runs without the lock held.
     pub fn take_with<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Option<R> {
-        let mut data = {
+        self.take_numbered_with(|data, _| f(data))
+    }
+
+    /// As [`Channel::take_with`], and `f` is told the id of the last event taken so far (0 for
+    /// a response that is not streamed or has sent none).
+    pub fn take_numbered_with<R>(&self, f: impl FnOnce(&[u8], u64) -> R) -> Option<R> {
+        let (mut data, last_id) = {
             let mut state = self.lock();
+            // What is queued is taken whole, so the last event taken is the last one queued.
+            let last_id = state.numbering.as_ref().map_or(0, |n| n.queued);
             if state.buf.is_empty() {
                 let closed = state.closed;
                 drop(state);
-                return if closed { None } else { Some(f(&[])) };
+                return if closed { None } else { Some(f(&[], last_id)) };
             }
             let spare = std::mem::take(&mut state.spare);
-            std::mem::replace(&mut state.buf, spare)
+            (std::mem::replace(&mut state.buf, spare), last_id)
         };
-        let result = f(&data);
+        let result = f(&data, last_id);
         if data.capacity() <= KEEP_CAPACITY {
             data.clear();
             let mut state = self.lock();
@@ -235,7 +303,7 @@ impl<W> Channel<W> {
         self.inbox
             .lock()
             .unwrap_or_else(|poison| poison.into_inner())
-            .push((self.stream_id, self.serial));
+            .extend(self.stream_ids.iter().map(|&id| (id, self.serial)));
         waker
     }
 
@@ -258,7 +326,7 @@ mod tests {
 
     fn channel() -> (Channel<&'static str>, Arc<CancelInbox>) {
         let inbox = Arc::new(CancelInbox::default());
-        (Channel::new(7, 1, 4, inbox.clone()), inbox)
+        (Channel::new(vec![7], 1, 4, inbox.clone(), false), inbox)
     }
 
     fn take(ch: &Channel<&'static str>) -> Option<Vec<u8>> {

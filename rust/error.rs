@@ -5,9 +5,20 @@ use std::fmt;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CoreError {
     UnknownVocabKind(String),
-    SpecialIdOutOfRange { id: u32, vocab_len: usize },
+    SpecialIdOutOfRange {
+        id: u32,
+        vocab_len: usize,
+    },
     DuplicateStream(u64),
-    LengthMismatch { stream_ids: usize, token_ids: usize },
+    /// A response opened with no stream, or with several in a dialect without `n`.
+    Choices {
+        dialect: &'static str,
+        count: usize,
+    },
+    LengthMismatch {
+        stream_ids: usize,
+        token_ids: usize,
+    },
     UnknownToolFormat(String),
     EmptyThinkTag,
     UnknownCompletionKind(String),
@@ -30,6 +41,9 @@ impl fmt::Display for CoreError {
                 )
             }
             Self::DuplicateStream(id) => write!(f, "stream {id} is already open"),
+            Self::Choices { dialect, count } => {
+                write!(f, "a {dialect} response cannot have {count} choices")
+            }
             Self::LengthMismatch {
                 stream_ids,
                 token_ids,

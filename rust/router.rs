@@ -1,4 +1,5 @@
 //! Per-stream state keyed by engine stream id; turns one engine step for many streams into frames.
+//! A response is one channel: one stream writes it, or (OpenAI's `n`) one stream per choice.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -57,6 +58,8 @@ pub struct SampledLogprobs {
 pub struct Router<W> {
     vocab: Arc<Vocab>,
     streams: HashMap<u64, Stream<W>, BuildHasherDefault<IdHasher>>,
+    /// Responses with several choices, by channel serial: what their ended choices left.
+    choices: ChoicesBySerial,
     max_unread_bytes: usize,
     inbox: Arc<CancelInbox>,
     next_serial: u64,
@@ -68,9 +71,29 @@ pub struct Router<W> {
     staged: Pieces,
 }
 
+/// A response with several choices: how many still run, what the ended ones left.
+#[derive(Debug, Default)]
+struct Choices {
+    running: usize,
+    output_tokens: u64,
+    /// Not streamed: each ended choice's object, by choice index.
+    objects: Vec<Vec<u8>>,
+}
+
+/// Where a stream writes: its response (the channel's serial) and its choice in it.
+#[derive(Debug, Clone, Copy)]
+struct Place {
+    serial: u64,
+    choice: u32,
+    /// Several choices write the response (see `Router::choices`).
+    shared: bool,
+}
+
+type ChoicesBySerial = HashMap<u64, Choices, BuildHasherDefault<IdHasher>>;
+
 #[derive(Debug)]
 struct Stream<W> {
-    serial: u64,
+    place: Place,
     detok: Detok,
     stop: StopMatcher,
     /// Only for models with thinking or tool-call markup; plain streams skip it entirely.
@@ -87,6 +110,7 @@ impl<W> Router<W> {
         Self {
             vocab,
             streams: HashMap::default(),
+            choices: HashMap::default(),
             max_unread_bytes,
             inbox: Arc::default(),
             next_serial: 0,
@@ -105,59 +129,86 @@ impl<W> Router<W> {
         self.streams.is_empty()
     }
 
-    /// Opens a stream as `spec` says, for a prompt of `usage` that may add `max_tokens` tokens.
-    /// Frames due at once (Anthropic's `message_start`, OpenAI's role chunk) are queued now.
+    /// Opens a response as `spec` says, for a prompt of `usage` that may add `max_tokens` tokens:
+    /// one stream per id in `stream_ids` (its choices; several only where the dialect has `n`),
+    /// all writing one channel. Frames due at once (Anthropic's `message_start`, OpenAI's role
+    /// chunk) are queued now.
     ///
     /// With markup, text is split into text, thinking and tool calls before stop sequences see
     /// it (so stops match visible text only); the parser starts as if it had read the prefill,
     /// and tool pieces the prefill completes (a forced call's name) are emitted at once.
     pub fn open(
         &mut self,
-        stream_id: u64,
+        stream_ids: &[u64],
         spec: &StreamSpec,
         usage: PromptUsage,
         max_tokens: u64,
     ) -> Result<Arc<Channel<W>>, CoreError> {
-        if self.streams.contains_key(&stream_id) {
-            return Err(CoreError::DuplicateStream(stream_id));
+        let count = stream_ids.len();
+        if count == 0 || (count > 1 && !spec.dialect.has_choices()) {
+            return Err(CoreError::Choices {
+                dialect: spec.dialect.dialect().name(),
+                count,
+            });
+        }
+        for (i, id) in stream_ids.iter().enumerate() {
+            if self.streams.contains_key(id) || stream_ids[..i].contains(id) {
+                return Err(CoreError::DuplicateStream(*id));
+            }
         }
         self.next_serial += 1;
         let serial = self.next_serial;
         let channel = Arc::new(Channel::new(
-            stream_id,
+            stream_ids.to_vec(),
             serial,
             self.max_unread_bytes,
             self.inbox.clone(),
+            spec.dialect.stream(),
         ));
         channel.prompt(usage.prompt_tokens, usage.cached_tokens);
-        let mut protocol = spec.dialect.protocol(usage);
-        let mut markup = spec
-            .markup
-            .clone()
-            .filter(|_| protocol.supports_markup())
-            .map(|markup| Box::new(MarkupParser::new(markup, spec.tools.clone())));
-        let pieces = &mut self.pieces;
-        pieces.clear();
-        if let Some(parser) = markup.as_deref_mut() {
-            parser.prefill(&spec.prefill, pieces);
+        let shared = count > 1;
+        if shared {
+            let choices = Choices {
+                running: count,
+                output_tokens: 0,
+                objects: vec![Vec::new(); count],
+            };
+            self.choices.insert(serial, choices);
         }
-        // A new channel has no waker yet, so there is nobody to wake.
-        let _ = channel.append_with(|buf| {
-            protocol.start(buf);
-            emit(&mut protocol, pieces, buf);
-        });
-        let stream = Stream {
-            serial,
-            detok: Detok::new(self.vocab.trim_leading_space()),
-            stop: StopMatcher::new(spec.stop_sequences.clone()),
-            markup,
-            protocol,
-            channel: channel.clone(),
-            output_tokens: 0,
-            max_tokens: max_tokens.max(1),
-            eos_ids: spec.eos_ids.clone().into_boxed_slice(),
-        };
-        self.streams.insert(stream_id, stream);
+        for (choice, &stream_id) in (0u32..).zip(stream_ids) {
+            let mut protocol = spec.dialect.protocol(usage, choice);
+            let mut markup = spec
+                .markup
+                .clone()
+                .filter(|_| protocol.supports_markup())
+                .map(|markup| Box::new(MarkupParser::new(markup, spec.tools.clone())));
+            let pieces = &mut self.pieces;
+            pieces.clear();
+            if let Some(parser) = markup.as_deref_mut() {
+                parser.prefill(&spec.prefill, pieces);
+            }
+            // A new channel has no waker yet, so there is nobody to wake.
+            let _ = channel.append_with(|buf| {
+                protocol.start(buf);
+                emit(&mut protocol, pieces, buf);
+            });
+            let stream = Stream {
+                place: Place {
+                    serial,
+                    choice,
+                    shared,
+                },
+                detok: Detok::new(self.vocab.trim_leading_space()),
+                stop: StopMatcher::new(spec.stop_sequences.clone()),
+                markup,
+                protocol,
+                channel: channel.clone(),
+                output_tokens: 0,
+                max_tokens: max_tokens.max(1),
+                eos_ids: spec.eos_ids.clone().into_boxed_slice(),
+            };
+            self.streams.insert(stream_id, stream);
+        }
         Ok(channel)
     }
 
@@ -185,6 +236,7 @@ impl<W> Router<W> {
         let Self {
             vocab,
             streams,
+            choices,
             raw,
             text,
             pieces,
@@ -196,10 +248,7 @@ impl<W> Router<W> {
                 continue;
             };
             stream.output_tokens += 1;
-            stream.channel.output_tokens(stream.output_tokens);
-            if stream.output_tokens == 1 {
-                stream.channel.first_token();
-            }
+            stream.channel.count_token();
             let code = if stream.eos_ids.contains(&token_id) {
                 TokenEnd::EndTurn
             } else if stream.output_tokens >= stream.max_tokens {
@@ -220,10 +269,9 @@ impl<W> Router<W> {
                 stream.detok.finish(raw);
             }
             if stream.markup.is_some() {
-                let (waker, finish) = step_markup(stream, raw, code, pieces, staged);
+                let (waker, finish) = step_markup(stream, choices, raw, code, pieces, staged);
                 wake.extend(waker);
                 if let Some(reason) = finish {
-                    stream.channel.ended("finished");
                     streams.remove(&stream_id);
                     ended.push((stream_id, reason));
                 }
@@ -240,19 +288,30 @@ impl<W> Router<W> {
                 (None, TokenEnd::Running) => None,
             };
             let reason = finish.map(Finish::reason);
-            let output_tokens = stream.output_tokens;
-            let protocol = &mut stream.protocol;
             let waker = match finish {
                 None if text.is_empty() => None,
-                None => stream.channel.append_with(|buf| protocol.text(text, buf)),
-                Some(finish) => stream.channel.close_with(|buf| {
-                    protocol.text(text, buf);
-                    protocol.finish(finish, output_tokens, buf);
-                }),
+                None => {
+                    let protocol = &mut stream.protocol;
+                    stream.channel.append_with(|buf| protocol.text(text, buf))
+                }
+                Some(finish) => {
+                    let tokens = stream.output_tokens;
+                    let (protocol, channel) = (&mut stream.protocol, &*stream.channel);
+                    end_stream(
+                        protocol,
+                        channel,
+                        stream.place,
+                        tokens,
+                        choices,
+                        finish,
+                        |p, buf| {
+                            p.text(text, buf);
+                        },
+                    )
+                }
             };
             wake.extend(waker);
             if let Some(reason) = reason {
-                stream.channel.ended("finished");
                 streams.remove(&stream_id);
                 ended.push((stream_id, reason));
             }
@@ -303,20 +362,24 @@ impl<W> Router<W> {
             if self
                 .streams
                 .get(&stream_id)
-                .is_some_and(|s| s.serial == serial)
+                .is_some_and(|s| s.place.serial == serial)
             {
                 if let Some(stream) = self.streams.remove(&stream_id) {
-                    stream.channel.ended("cancelled");
+                    self.choices.remove(&stream.place.serial);
+                    if !stream.channel.is_failed() {
+                        stream.channel.ended("cancelled");
+                    }
                 }
                 report(stream_id);
             }
         }
     }
 
-    /// Ends a stream with an error in its dialect: an error event (streaming) or the error
-    /// envelope as the body, whose HTTP status the reader then reports. Returns the waker.
+    /// Ends a stream's response with an error in its dialect: an error event (streaming) or the
+    /// error envelope as the body, whose HTTP status the reader then reports. The response's
+    /// other choices are reported cancelled by the next `step` or `cancelled`. Returns the waker.
     pub fn fail(&mut self, stream_id: u64, kind: ErrorKind, message: &str) -> Option<W> {
-        let mut stream = self.streams.remove(&stream_id)?;
+        let mut stream = self.remove(stream_id)?;
         stream.channel.ended(kind.name());
         let protocol = &mut stream.protocol;
         stream
@@ -324,15 +387,35 @@ impl<W> Router<W> {
             .fail_with(|buf| protocol.error(kind, message, buf))
     }
 
-    /// Drops a stream without emitting anything; its reader sees end of stream.
+    /// Drops a stream's response without emitting anything; its reader sees end of stream.
     pub fn close(&mut self, stream_id: u64) -> Option<W> {
-        let stream = self.streams.remove(&stream_id)?;
+        let stream = self.remove(stream_id)?;
         stream.channel.close_with(|_| {})
     }
 
-    /// Queues a keep-alive ping on a streaming response (e.g. during a long prefill).
+    /// Removes a stream, and with it its response's other choices (reported as cancelled).
+    fn remove(&mut self, stream_id: u64) -> Option<Stream<W>> {
+        let stream = self.streams.remove(&stream_id)?;
+        let Place { serial, shared, .. } = stream.place;
+        if shared && self.choices.remove(&serial).is_some() {
+            let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
+            let others = stream
+                .channel
+                .stream_ids()
+                .iter()
+                .filter(|&&id| id != stream_id);
+            inbox.extend(others.map(|&id| (id, serial)));
+        }
+        Some(stream)
+    }
+
+    /// Queues a keep-alive ping on a streaming response (e.g. during a long prefill); the first
+    /// choice pings for a response with several.
     pub fn ping(&mut self, stream_id: u64) -> Option<W> {
         let stream = self.streams.get_mut(&stream_id)?;
+        if stream.place.choice > 0 {
+            return None;
+        }
         let protocol = &mut stream.protocol;
         stream.channel.append_with(|buf| protocol.ping(buf))
     }
@@ -378,6 +461,7 @@ fn markup_special<'v>(markup: Option<&MarkupParser>, vocab: &'v Vocab, token_id:
 #[inline(never)]
 fn step_markup<W>(
     stream: &mut Stream<W>,
+    choices: &mut ChoicesBySerial,
     raw: &str,
     code: TokenEnd,
     pieces: &mut Pieces,
@@ -424,19 +508,78 @@ fn step_markup<W>(
             f
         }
     });
-    let output_tokens = stream.output_tokens;
-    let protocol = &mut stream.protocol;
     let waker = match finish {
         None if staged.is_empty() => None,
-        None => stream
-            .channel
-            .append_with(|buf| emit(protocol, staged, buf)),
-        Some(finish) => stream.channel.close_with(|buf| {
-            emit(protocol, staged, buf);
-            protocol.finish(finish, output_tokens, buf);
-        }),
+        None => {
+            let protocol = &mut stream.protocol;
+            stream
+                .channel
+                .append_with(|buf| emit(protocol, staged, buf))
+        }
+        Some(finish) => {
+            let tokens = stream.output_tokens;
+            let (protocol, channel) = (&mut stream.protocol, &*stream.channel);
+            end_stream(
+                protocol,
+                channel,
+                stream.place,
+                tokens,
+                choices,
+                finish,
+                |p, buf| {
+                    emit(p, staged, buf);
+                },
+            )
+        }
     };
     (waker, finish.map(Finish::reason))
+}
+
+/// A stream ends as `finish` says, after `last` writes what its last token released. The
+/// response ends with it, unless other choices of it still run.
+fn end_stream<W>(
+    protocol: &mut Protocol,
+    channel: &Channel<W>,
+    place: Place,
+    output_tokens: u64,
+    choices: &mut ChoicesBySerial,
+    finish: Finish<'_>,
+    last: impl FnOnce(&mut Protocol, &mut Vec<u8>),
+) -> Option<W> {
+    let Some(response) = choices.get_mut(&place.serial).filter(|_| place.shared) else {
+        let waker = channel.close_with(|buf| {
+            last(protocol, buf);
+            protocol.finish(finish, output_tokens, buf);
+        });
+        if let Some(result) = protocol.result() {
+            channel.set_result(result);
+        }
+        channel.ended("finished");
+        return waker;
+    };
+    response.running -= 1;
+    response.output_tokens += output_tokens;
+    if response.running > 0 {
+        let object = &mut response.objects[place.choice as usize];
+        return channel.append_with(|buf| {
+            last(protocol, buf);
+            protocol.finish_choice(finish, buf, object);
+        });
+    }
+    let Choices {
+        output_tokens,
+        mut objects,
+        ..
+    } = choices
+        .remove(&place.serial)
+        .expect("the response was just found");
+    let waker = channel.close_with(|buf| {
+        last(protocol, buf);
+        protocol.finish_choice(finish, buf, &mut objects[place.choice as usize]);
+        protocol.end(output_tokens, &objects, buf);
+    });
+    channel.ended("finished");
+    waker
 }
 
 fn emit(protocol: &mut Protocol, pieces: &Pieces, out: &mut Vec<u8>) {
@@ -522,7 +665,7 @@ mod tests {
             prompt_tokens: 3,
             cached_tokens: 0,
         };
-        r.open(id, &spec, usage, max_tokens)
+        r.open(&[id], &spec, usage, max_tokens)
     }
 
     fn read_all(ch: &Channel<u32>) -> String {
@@ -536,9 +679,10 @@ mod tests {
         String::from_utf8(out).unwrap()
     }
 
+    /// Each frame's first line after its `id:` line.
     fn events(sse: &str) -> Vec<&str> {
         sse.split_terminator("\n\n")
-            .map(|f| f.lines().next().unwrap())
+            .map(|f| f.lines().find(|l| !l.starts_with("id: ")).unwrap())
             .collect()
     }
 
@@ -584,7 +728,6 @@ mod tests {
                 stream,
                 include_usage: false,
                 kind: crate::events::openai::CompletionKind::Chat,
-                choice_index: 0,
             }),
             stop_sequences: stops.iter().map(|s| (*s).to_owned()).collect(),
             markup: None,
@@ -592,7 +735,161 @@ mod tests {
             eos_ids: vec![0],
             tools: Arc::default(),
         };
-        r.open(id, &spec, PromptUsage::default(), 100).unwrap()
+        r.open(&[id], &spec, PromptUsage::default(), 100).unwrap()
+    }
+
+    fn open_choices(r: &mut TestRouter, ids: &[u64], stream: bool) -> Arc<Channel<u32>> {
+        let spec = StreamSpec {
+            dialect: DialectParams::OpenAi(crate::events::openai::OpenAiParams {
+                model: "m".into(),
+                completion_id: "chatcmpl-x".into(),
+                created: 1,
+                stream,
+                include_usage: true,
+                kind: crate::events::openai::CompletionKind::Chat,
+            }),
+            stop_sequences: Vec::new(),
+            markup: None,
+            prefill: String::new(),
+            eos_ids: vec![0],
+            tools: Arc::default(),
+        };
+        let usage = PromptUsage {
+            prompt_tokens: 4,
+            cached_tokens: 0,
+        };
+        r.open(ids, &spec, usage, 100).unwrap()
+    }
+
+    #[test]
+    fn events_are_numbered_as_they_are_queued() {
+        let mut r = TestRouter::new(vocab(), DEFAULT_MAX_UNREAD_BYTES);
+        let ch = open(&mut r, 1, true, &[], u64::MAX).unwrap();
+        assert_eq!(
+            ch.take_numbered_with(|_, last| last),
+            Some(2),
+            "message_start and ping"
+        );
+        r.ping(1);
+        step(&mut r, &[1], &[1]);
+        step(&mut r, &[1], &[0]);
+        let sse = read_all(&ch);
+        let ids: Vec<&str> = sse
+            .split_terminator("\n\n")
+            .map(|f| f.lines().next().unwrap())
+            .collect();
+        let want: Vec<String> = (3..3 + ids.len()).map(|i| format!("id: {i}")).collect();
+        assert_eq!(ids, want, "{sse}");
+        let body = open(&mut r, 2, false, &[], u64::MAX).unwrap();
+        step(&mut r, &[2], &[0]);
+        assert!(read_all(&body).starts_with('{'), "a body has no ids");
+    }
+
+    #[test]
+    fn choices_stream_into_one_response_with_one_ending() {
+        let mut r = TestRouter::new(vocab(), DEFAULT_MAX_UNREAD_BYTES);
+        let ch = open_choices(&mut r, &[5, 6], true);
+        step(&mut r, &[5, 6], &[1, 2]);
+        assert_eq!(
+            step(&mut r, &[5, 6], &[0, 8]).0,
+            [(5, FinishReason::EndTurn)]
+        );
+        assert_eq!(ch.outcome().end, "running", "choice 1 still runs");
+        assert_eq!(step(&mut r, &[6], &[0]).0, [(6, FinishReason::EndTurn)]);
+        assert!(r.is_empty() && r.choices.is_empty());
+        let sse = read_all(&ch);
+        let data: Vec<&str> = sse
+            .split_terminator("\n\n")
+            .map(|f| f.split_once("data: ").unwrap().1)
+            .collect();
+        assert_eq!(data.iter().filter(|d| **d == "[DONE]").count(), 1);
+        assert_eq!(*data.last().unwrap(), "[DONE]");
+        let chunks: Vec<serde_json::Value> = data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let usage: Vec<_> = chunks
+            .iter()
+            .filter(|c| c["choices"] == serde_json::json!([]))
+            .collect();
+        assert_eq!(usage.len(), 1, "{sse}");
+        assert_eq!(usage[0]["usage"]["prompt_tokens"], 4);
+        assert_eq!(usage[0]["usage"]["completion_tokens"], 5);
+        let finished: Vec<_> = chunks
+            .iter()
+            .filter_map(|c| {
+                c["choices"][0]["finish_reason"]
+                    .as_str()
+                    .map(|_| c["choices"][0]["index"].clone())
+            })
+            .collect();
+        assert_eq!(finished, [serde_json::json!(0), serde_json::json!(1)]);
+        assert_eq!(ch.outcome().end, "finished");
+        assert_eq!(ch.tokens(), 5);
+    }
+
+    #[test]
+    fn choices_merge_into_one_body_in_choice_order() {
+        let mut r = TestRouter::new(vocab(), DEFAULT_MAX_UNREAD_BYTES);
+        let ch = open_choices(&mut r, &[5, 6, 7], false);
+        step(&mut r, &[5, 6, 7], &[1, 2, 8]);
+        step(&mut r, &[6], &[0]);
+        step(&mut r, &[5, 7], &[0, 1]);
+        assert_eq!(
+            ch.take_with(<[u8]>::to_vec),
+            Some(vec![]),
+            "nothing before the last"
+        );
+        step(&mut r, &[7], &[0]);
+        let body: serde_json::Value = serde_json::from_str(&read_all(&ch)).unwrap();
+        let texts: Vec<&str> = body["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["message"]["content"].as_str().unwrap())
+            .collect();
+        assert_eq!(texts, ["Hi", " there", "!Hi"]);
+        assert_eq!(body["choices"][2]["index"], 2);
+        assert_eq!(body["usage"]["completion_tokens"], 7);
+        assert_eq!(body["usage"]["total_tokens"], 11);
+    }
+
+    #[test]
+    fn a_choice_cancelled_or_failed_ends_its_whole_response() {
+        let mut r = TestRouter::new(vocab(), DEFAULT_MAX_UNREAD_BYTES);
+        let cancelled = open_choices(&mut r, &[1, 2], true);
+        cancelled.cancel();
+        let mut out = Vec::new();
+        r.cancelled(&mut out);
+        out.sort_unstable();
+        assert_eq!(out, [1, 2]);
+        let failed = open_choices(&mut r, &[3, 4], true);
+        r.fail(3, ErrorKind::Internal, "boom");
+        assert_eq!(step(&mut r, &[4], &[1]).0, [(4, FinishReason::Cancelled)]);
+        assert!(r.is_empty() && r.choices.is_empty());
+        assert_eq!(failed.outcome().end, "internal");
+        assert!(read_all(&failed).ends_with("data: [DONE]\n\n"));
+        open(&mut r, 9, true, &[], 1).unwrap();
+        let spec = StreamSpec {
+            dialect: DialectParams::Anthropic(AnthropicParams {
+                model: "m".into(),
+                message_id: "msg_x".into(),
+                stream: true,
+            }),
+            stop_sequences: Vec::new(),
+            markup: None,
+            prefill: String::new(),
+            eos_ids: vec![0],
+            tools: Arc::default(),
+        };
+        assert!(matches!(
+            r.open(&[10, 11], &spec, PromptUsage::default(), 5),
+            Err(CoreError::Choices { count: 2, .. })
+        ));
+        assert!(matches!(
+            r.open(&[9], &spec, PromptUsage::default(), 5),
+            Err(CoreError::DuplicateStream(9))
+        ));
     }
 
     fn sampled(stream_id: u64, token_id: u32, logprob: f32) -> SampledLogprobs {
@@ -855,7 +1152,7 @@ mod tests {
                 prompt_tokens: 1,
                 cached_tokens: 0,
             };
-            let ch = r.open(id, &spec, usage, u64::MAX).unwrap();
+            let ch = r.open(&[id], &spec, usage, u64::MAX).unwrap();
             for tok in [5, 1, 2, 3, 4] {
                 assert_eq!(step(&mut r, &[id], &[tok]).0, NONE);
             }

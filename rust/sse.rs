@@ -1,5 +1,5 @@
 //! SSE framing: `event: <type>\ndata: <json>\n\n`, JSON written straight into the output buffer,
-//! and the `id:` line each event gets on its way to the client.
+//! and the `id:` line each event gets as its response's channel queues it.
 
 use std::io::Write;
 
@@ -46,6 +46,34 @@ pub fn number_events(frames: &[u8], mut next_id: u64, out: &mut Vec<u8>) -> u64 
         rest = after;
     }
     next_id
+}
+
+/// The frames of numbered `frames` after the event with id `last_id`: what a client that has
+/// seen up to `last_id` still needs of them (all of them if they start later, none if they end
+/// sooner).
+pub fn events_after(frames: &[u8], last_id: u64) -> &[u8] {
+    let wanted = format!("id: {}\n", last_id + 1);
+    let mut rest = frames;
+    while !rest.is_empty() {
+        if rest.starts_with(wanted.as_bytes()) {
+            return rest;
+        }
+        if let Some(id) = frame_id(rest) {
+            if id > last_id {
+                return rest;
+            }
+        }
+        let end = find_frame_end(rest).unwrap_or(rest.len());
+        rest = &rest[end..];
+    }
+    rest
+}
+
+/// The id of a frame that starts with its `id:` line.
+fn frame_id(frame: &[u8]) -> Option<u64> {
+    let line = frame.strip_prefix(b"id: ")?;
+    let end = line.iter().position(|&b| b == b'\n')?;
+    std::str::from_utf8(&line[..end]).ok()?.parse().ok()
 }
 
 /// The length of the first frame in `bytes`, its blank line included.
@@ -95,6 +123,18 @@ mod tests {
             "id: 9\nevent: a\ndata: {}\n\n: keep-alive\n\nid: 10\ndata: {\"x\":1}\n\n\
              id: 11\ndata: [DONE]\n\n"
         );
+    }
+
+    #[test]
+    fn events_after_an_id() {
+        let frames = b"id: 3\ndata: a\n\nid: 4\ndata: b\n\nid: 5\ndata: c\n\n";
+        assert_eq!(
+            events_after(frames, 3),
+            b"id: 4\ndata: b\n\nid: 5\ndata: c\n\n"
+        );
+        assert_eq!(events_after(frames, 5), b"");
+        assert_eq!(events_after(frames, 1), frames);
+        assert_eq!(events_after(frames, 0), frames);
     }
 
     #[test]

@@ -179,12 +179,12 @@ def broken_render(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError("a bug in rendering")
 
 
-async def broken_after_first_frames(reader: Any) -> AsyncIterator[bytes]:
-    """Stands in for `mlxgate.api.event_streams.chunks`: a bug after the response's headers."""
-    from mlxgate.streams import chunks
+async def broken_after_first_frames(reader: Any) -> AsyncIterator[tuple[bytes, int]]:
+    """Stands in for `mlxgate.api.delivery.events`: a bug after the response's headers."""
+    from mlxgate.streams import events
 
-    async for data in chunks(reader):
-        yield data
+    async for taken in events(reader):
+        yield taken
         raise RuntimeError("a bug in the stream writer")
 
 

@@ -108,16 +108,26 @@ class Served:
     @staticmethod
     def result(reader: Reader, timeout_s: float = 120.0) -> tuple[list[int], dict[str, Any]]:
         """The generated token ids and the usage of a finished stream."""
+        message = Served.body(reader, timeout_s)
+        assert message["type"] == "message", message
+        text = "".join(block["text"] for block in message["content"])
+        return [int(t) for t in text.split(",") if t], message["usage"]
+
+    @staticmethod
+    def choices(reader: Reader, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+        """The messages of a finished OpenAI response with several choices, in order."""
+        response = Served.body(reader, timeout_s)
+        return [choice["message"] for choice in response["choices"]]
+
+    @staticmethod
+    def body(reader: Reader, timeout_s: float) -> dict[str, Any]:
         ready = threading.Event()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             data = reader.take()
             assert data is not None, "stream ended without a body"
             if data:
-                message = orjson.loads(data)
-                assert message["type"] == "message", message
-                text = "".join(block["text"] for block in message["content"])
-                return [int(t) for t in text.split(",") if t], message["usage"]
+                return orjson.loads(data)  # type: ignore[no-any-return]
             ready.clear()
             if reader.park(ready, lambda _: ready.set()):
                 ready.wait(max(0.0, deadline - time.monotonic()))
@@ -175,10 +185,11 @@ def test_greedy_output_equals_mlx_lm(case: tuple[Served, Any, CacheLayout]) -> N
     assert_same(served.result(beside)[0], reference(model, many[0], 40), "beside the chunks")
 
     # (g) Three choices of one prompt (OpenAI's n): prefilled once, each on its own copy.
-    spec = StreamSpec.anthropic(model="tiny", message_id="msg_n", stream=False, eos_ids=[])
-    choices = engine.admit_all([GenerationRequest(many[1], spec, STEPS) for _ in range(3)])
-    for i, reader in enumerate(choices):
-        assert_same(served.result(reader)[0], reference(model, many[1]), f"choice {i}")
+    spec = StreamSpec.openai(model="tiny", completion_id="cmpl-n", created=1, stream=False)
+    reader = engine.admit(GenerationRequest(many[1], spec, STEPS, choices=3))
+    for i, message in enumerate(served.choices(reader)):
+        tokens = [int(t) for t in message["content"].split(",") if t]
+        assert_same(tokens, reference(model, many[1]), f"choice {i}")
 
 
 def test_cached_prefixes_are_reused_exactly_and_reported(

@@ -24,7 +24,7 @@ from conftest import (
     last_frames,
 )
 from mlxgate import chat
-from mlxgate.api import event_streams
+from mlxgate.api import delivery
 from mlxgate.engine import GenerationRequest
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -370,7 +370,7 @@ async def test_unexpected_errors_before_and_after_headers(
     dialect.error(before, "internal")
 
     with monkeypatch.context() as patch:
-        patch.setattr(event_streams, "chunks", broken_after_first_frames)
+        patch.setattr(delivery, "events", broken_after_first_frames)
         after = await _post(in_process, dialect, max_tokens=8, stream=True)
     assert after.status_code == 200
     assert after.text.startswith("id: 1\n" + dialect.first_line)
@@ -384,14 +384,14 @@ async def test_a_request_can_keep_out_of_speculative_decoding(
     dialect: Dialect, in_process: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = in_process.app.engine
-    admit_all = engine.admit_all
+    admit = engine.admit
     speculate: list[bool] = []
 
-    def recording(requests: list[GenerationRequest]) -> list[Any]:
-        speculate.extend(r.speculate for r in requests)
-        return admit_all(requests)
+    def recording(request: GenerationRequest) -> Any:
+        speculate.append(request.speculate)
+        return admit(request)
 
-    monkeypatch.setattr(engine, "admit_all", recording)
+    monkeypatch.setattr(engine, "admit", recording)
     assert (await _post(in_process, dialect, speculative_decoding=False)).status_code == 200
     assert (await _post(in_process, dialect)).status_code == 200
     assert speculate == [False, True]

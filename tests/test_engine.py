@@ -268,49 +268,47 @@ def test_cancel_during_prefill_stops_the_prefill(engine: Engine) -> None:
     assert engine.metrics.prefill_tokens - prefilled < len(long_prompt) // 2
 
 
-def test_choices_of_one_prompt_prefill_once_and_outlive_a_cancelled_one(engine: Engine) -> None:
-    """admit_all (OpenAI's n): one prefill, then each choice decodes on its own copy of the
-    cache; cancelling the choice that leads the prefill leaves the others going."""
-    ids = prompt_ids(engine, "Some context for three choices. " * 100 + QUESTIONS[0])
-    spec = StreamSpec.anthropic(
-        model="m", message_id="msg_n", stream=False, eos_ids=sorted(engine.loaded.tokenizer.eos_ids)
+def choices_spec(engine: Engine) -> StreamSpec:
+    return StreamSpec.openai(
+        model="m",
+        completion_id="chatcmpl-n",
+        created=1,
+        stream=False,
+        eos_ids=sorted(engine.loaded.tokenizer.eos_ids),
     )
+
+
+def test_choices_of_one_prompt_prefill_once_into_one_response(engine: Engine) -> None:
+    """OpenAI's n: one prefill, then each choice decodes on its own copy of the cache, and the
+    one response holds every choice."""
+    ids = prompt_ids(engine, "Some context for three choices. " * 100 + QUESTIONS[0])
     prefilled, hit = engine.metrics.prefill_tokens, engine.metrics.cache_hit_tokens
-    readers = engine.admit_all([GenerationRequest(ids, spec, 12) for _ in range(3)])
-    readers[0].cancel()
-    answers = [text(body(reader)) for reader in readers[1:]]
+    reader = engine.admit(GenerationRequest(ids, choices_spec(engine), 12, choices=3))
+    response = body(reader)
+    answers = [choice["message"]["content"] for choice in response["choices"]]
+    assert [choice["index"] for choice in response["choices"]] == [0, 1, 2]
     cached = engine.metrics.cache_hit_tokens - hit  # the chat template's opening, maybe
     assert engine.metrics.prefill_tokens - prefilled == len(ids) - 1 - cached
+    assert response["usage"]["prompt_tokens"] == len(ids)
     wait_until(lambda: idle(engine), 10.0)
-    assert answers == [text(body(submit(engine, ids, 12)))] * 2
+    assert answers == [text(body(submit(engine, ids, 12)))] * 3
 
 
-def test_a_choice_that_takes_over_a_torn_prefill_goes_on_from_its_finished_chunks(
+def test_cancelling_a_response_of_several_choices_ends_them_all_mid_prefill(
     engine: Engine,
 ) -> None:
-    """The lead choice's client leaves in the middle of a prefill pass: the next choice takes
-    the prefill over from the chunks already finished (the torn pass cut back, not redone from
-    the start) and decodes exactly what it would have."""
+    """The client of a response with two choices leaves in the middle of their prefill: both
+    end, the prefill stops in the pass under way, and the engine goes on."""
     ids = prompt_ids(engine, "word " * 3000 + QUESTIONS[1])
-    spec = StreamSpec.anthropic(
-        model="m", message_id="msg_n", stream=False, eos_ids=sorted(engine.loaded.tokenizer.eos_ids)
-    )
-    engine.prefix_cache.max_bytes, saved = 0, engine.prefix_cache.max_bytes  # computed in full
-    try:
-        alone = text(body(submit(engine, ids, 8)))
-    finally:
-        engine.prefix_cache.max_bytes = saved
     chunk = engine.settings.max_prefill_chunk
     prefilled = engine.metrics.prefill_tokens
-    readers = engine.admit_all([GenerationRequest(ids, spec, 8) for _ in range(2)])
+    reader = engine.admit(GenerationRequest(ids, choices_spec(engine), 8, choices=2))
     wait_until(lambda: engine.metrics.prefill_tokens - prefilled >= 2 * chunk, 60.0)
-    readers[0].cancel()  # lands in the pass under way: it stops part way through the layers
-    answer = text(body(readers[1]))
+    reader.cancel()
     wait_until(lambda: idle(engine), 10.0)
-    # At most the torn pass is computed again; starting over would redo two chunks or more.
-    assert engine.metrics.prefill_tokens - prefilled < len(ids) + chunk
-    assert readers[0].end == "cancelled"
-    assert answer == alone
+    assert engine.metrics.prefill_tokens - prefilled < len(ids) - chunk
+    assert reader.end == "cancelled"
+    assert "Paris" in text(body(submit(engine, prompt_ids(engine, QUESTIONS[0]), 16)))
 
 
 def test_cancel_while_queued(engine: Engine) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from conftest import without_id
 from mlxgate._native import (
     Dialect,
     ErrorKind,
@@ -33,6 +34,11 @@ UNLIMITED = 2**64 - 1  # max_tokens when a fixture gives none, as in rust/tests/
 END_TURN, MAX_TOKENS = FinishReason.END_TURN, FinishReason.MAX_TOKENS
 STOP_SEQUENCE, TOOL_USE = FinishReason.STOP_SEQUENCE, FinishReason.TOOL_USE
 CANCELLED = FinishReason.CANCELLED
+
+
+def sse_frames(sse: str) -> list[str]:
+    """The frames of an SSE body, without their `id:` lines."""
+    return [without_id(frame) for frame in sse.split("\n\n") if frame]
 
 
 def vocab_from(spec: dict[str, Any]) -> Vocab:
@@ -168,7 +174,7 @@ def test_goldens_are_valid_anthropic_sse() -> None:
         assert golden.endswith("\n\n")
         events = []
         open_blocks: dict[int, dict[str, Any]] = {}
-        for frame in golden.split("\n\n")[:-1]:
+        for frame in sse_frames(golden):
             event_line, data_line = frame.split("\n")
             event = event_line.removeprefix("event: ")
             data = json.loads(data_line.removeprefix("data: "))
@@ -204,7 +210,7 @@ def test_goldens_are_valid_openai_sse() -> None:
             for call in body["choices"][0].get("message", {}).get("tool_calls", []):
                 assert isinstance(json.loads(call["function"]["arguments"]), dict)
             continue
-        frames = golden.split("\n\n")
+        frames = [*sse_frames(golden), ""]
         assert frames[-2:] == ["data: [DONE]", ""]
         arguments: dict[int, str] = {}
         for frame in frames[:-2]:
@@ -522,7 +528,7 @@ def test_ping_keepalive() -> None:
     reader = open_text(router, 1)
     reader.take()
     router.ping(1)
-    assert reader.take() == b'event: ping\ndata: {"type":"ping"}\n\n'
+    assert reader.take() == b'id: 3\nevent: ping\ndata: {"type":"ping"}\n\n'
     quiet = open_text(router, 2, stream=False)
     router.ping(2)
     assert quiet.take() == b""
@@ -710,7 +716,7 @@ def anthropic_blocks(sse: bytes) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     delta: dict[str, Any] = {}
     open_index = None
-    for frame in sse.decode().split("\n\n")[:-1]:
+    for frame in sse_frames(sse.decode()):
         _event_line, data_line = frame.split("\n")
         data = json.loads(data_line.removeprefix("data: "))
         if data["type"] == "content_block_start":
@@ -763,7 +769,7 @@ def test_two_tool_calls_openai_indices_and_ids() -> None:
     sse = run_pieces(
         split_bytes((CALL + "\n" + second).encode(), 4), dialect="openai", markup=HERMES
     )
-    frames = [json.loads(f[6:]) for f in sse.decode().split("\n\n") if f.startswith("data: {")]
+    frames = [json.loads(f[6:]) for f in sse_frames(sse.decode()) if f.startswith("data: {")]
     calls: dict[int, dict[str, str]] = {}
     for frame in frames:
         for call in frame["choices"][0]["delta"].get("tool_calls", []):
@@ -860,12 +866,12 @@ def test_openai_fail_and_ping() -> None:
     reader = open_openai(router, 1)
     reader.take()
     router.ping(1)
-    ping = json.loads((reader.take() or b"").removeprefix(b"data: "))
+    ping = json.loads((reader.take() or b"").removeprefix(b"id: 2\ndata: "))
     assert ping["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]
     router.fail(1, ErrorKind.INVALID_REQUEST, "bad")
     assert reader.take() == (
-        b'data: {"error":{"message":"bad","type":"invalid_request_error","param":null,'
-        b'"code":null}}\n\ndata: [DONE]\n\n'
+        b'id: 3\ndata: {"error":{"message":"bad","type":"invalid_request_error","param":null,'
+        b'"code":null}}\n\nid: 4\ndata: [DONE]\n\n'
     )
     assert reader.take() is None
     reader = open_openai(router, 2, stream=False)
@@ -880,7 +886,7 @@ def test_completion_kind_ignores_markup() -> None:
     )
     texts = [
         json.loads(f[6:])["choices"][0]["text"]
-        for f in sse.decode().split("\n\n")
+        for f in sse_frames(sse.decode())
         if f.startswith("data: {")
     ]
     assert "".join(texts) == "<think>x</think><tool_call>{}"
@@ -1078,3 +1084,46 @@ def test_markup_accepts_every_format_name() -> None:
         "seed_oss",
     ]:
         assert Markup(tool_call=name).tool_call == name  # type: ignore[arg-type]
+
+
+def test_one_reader_answers_every_choice_numbered_as_queued() -> None:
+    """OpenAI's n: one response, its events numbered as they are queued (take_events says the
+    last id taken), one usage chunk and one [DONE] after the last choice."""
+    router = Router(text_vocab())
+    spec = StreamSpec.openai(
+        model="m", completion_id="c", created=1, eos_ids=[0], include_usage=True
+    )
+    reader = router.open([1, 2], spec, prompt_tokens=3, max_tokens=UNLIMITED)
+    first, last_id = reader.take_events() or (b"", 0)
+    assert last_id == 2 and first.startswith(b"id: 1\n") and b"\nid: 2\n" in first
+    assert router.step([1, 2], [1, 2]) == []
+    assert router.step([1], [0]) == [(1, FinishReason.END_TURN)]
+    assert router.step([2], [0]) == [(2, FinishReason.END_TURN)]
+    rest, last_id = reader.take_events() or (b"", 0)
+    frames = sse_frames(rest.decode())
+    assert rest.startswith(b"id: 3\n") and last_id == 2 + len(frames)
+    assert frames[-1] == "data: [DONE]" and rest.count(b"[DONE]") == 1
+    usage = [json.loads(f[6:]) for f in frames if '"choices":[]' in f]
+    assert [u["usage"]["completion_tokens"] for u in usage] == [4]
+    assert reader.take_events() is None
+    with pytest.raises(NativeError, match="cannot have 2 choices"):
+        router.open(
+            [3, 4], StreamSpec.anthropic(model="m", message_id="x"), prompt_tokens=1, max_tokens=1
+        )
+
+
+def test_a_responses_reader_keeps_the_response_object() -> None:
+    router = Router(text_vocab())
+    for stream in (True, False):
+        spec = StreamSpec.responses(
+            model="m", response_id="resp_1", created_at=1, echo="{}", stream=stream, eos_ids=[0]
+        )
+        reader = router.open(1, spec, prompt_tokens=2, max_tokens=UNLIMITED)
+        assert reader.result is None
+        router.step([1, 1], [1, 0])
+        body = b"".join(iter(reader.take, None))
+        result = json.loads(reader.result or b"")
+        assert result["status"] == "completed" and result["output"][0]["content"][0]["text"] == "Hi"
+        if not stream:
+            assert json.loads(body) == result
+    assert Dialect.OPENAI.error_events(ErrorKind.INTERNAL, "x", 7)[1] == 8

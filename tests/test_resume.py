@@ -12,15 +12,16 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 import httpx
 import pytest
 
 from conftest import RunningServer, start_server, stop_server
-from mlxgate._native import number_events
-from mlxgate.api import event_streams
+from mlxgate._native import Reader
+from mlxgate.api import resumable as resumable_streams
 from mlxgate.api.errors import ApiError
-from mlxgate.api.event_streams import EventLog
+from mlxgate.api.resumable import EventLog
 
 WINDOW_S = 6
 CUTS = 200
@@ -253,26 +254,33 @@ class _Connection:
         return {"type": "http.disconnect"}
 
 
+class _Generation:
+    """What a log cancels when its window passes with nobody following."""
+
+    def cancel(self) -> None:
+        pass
+
+
 @pytest.mark.anyio
 async def test_the_log_holds_a_bounded_amount(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unsent, the generation waits at the bound (and the engine's stall rule ends it); sent,
     the oldest events go first, and a reconnect that needs them is told they are gone."""
-    monkeypatch.setattr(event_streams, "BUFFER_BYTES", 100)
+    monkeypatch.setattr(resumable_streams, "BUFFER_BYTES", 100)
     forgotten: list[str] = []
-    log = EventLog("req_1", [], 0.05, forgotten.append)
-    raw = [b"data: %02d-padding-padding\n\n" % i for i in range(12)]
-    frames = [number_events(frame, i + 1) for i, frame in enumerate(raw)]  # as the log numbers
-    for frame in raw[:4]:  # 4 x 31 bytes: past the bound
-        await log.append(frame)
-    blocked = asyncio.ensure_future(log.append(raw[4]))
+    log = EventLog("req_1", cast(Reader, _Generation()), 0.05, forgotten.append)
+    # As a reader hands them out: each event numbered, with the id of the chunk's last one.
+    frames = [(b"id: %d\ndata: %02d-padding\n\n" % (i + 1, i), i + 1) for i in range(12)]
+    for frame in frames[:4]:  # 4 x ~30 bytes: past the bound
+        await log.append(*frame)
+    blocked = asyncio.ensure_future(log.append(*frames[4]))
     await asyncio.sleep(0.01)
     assert not blocked.done()
 
     connection = _Connection()
     following = asyncio.ensure_future(log.follow(connection.send, connection.receive, 0))
     await asyncio.wait_for(blocked, 1)  # handed out: room again
-    for frame in raw[5:]:
-        await log.append(frame)
+    for frame in frames[5:]:
+        await log.append(*frame)
     log.close()
     await asyncio.wait_for(following, 1)
     assert connection.body == b"".join(data for data, _ in frames)

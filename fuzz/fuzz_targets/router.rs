@@ -129,7 +129,6 @@ fn dialect(choice: u8) -> DialectParams {
             } else {
                 CompletionKind::Completion
             },
-            choice_index: 0,
         }),
         _ => DialectParams::Responses(ResponsesParams {
             model: "m".into(),
@@ -194,7 +193,7 @@ fuzz_target!(|input: &[u8]| {
         prompt_tokens: 5,
         cached_tokens: 1,
     };
-    let channel = router.open(1, &spec, usage, 64).unwrap();
+    let channel = router.open(&[1], &spec, usage, 64).unwrap();
     let ids: Vec<u32> = input[3 + stop_len..]
         .iter()
         .map(|&b| u32::from(b) % tokens.len() as u32)

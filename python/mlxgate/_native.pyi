@@ -39,7 +39,7 @@ __all__ = [
     "Router",
     "StreamSpec",
     "Vocab",
-    "number_events",
+    "events_after",
     "reasoning_from_encrypted",
 ]
 
@@ -192,6 +192,9 @@ class Dialect:
     ) -> bytes:
         """The envelope as a whole body, or (`stream`) as a stream's last frames: Anthropic's
         `event: error`, OpenAI's `data: {"error": …}` then `data: [DONE]`."""
+    def error_events(self, kind: ErrorKind, message: str, first_id: int) -> tuple[bytes, int]:
+        """A stream's last frames for an error, numbered from `first_id` as the stream's other
+        events are, and the id of the last one (a stream that failed outside the engine)."""
 
 @final
 class StreamSpec:
@@ -227,7 +230,6 @@ class StreamSpec:
         stream: bool = True,
         include_usage: bool = False,
         kind: Literal["chat", "completion"] = "chat",
-        choice_index: int = 0,
         stop_sequences: list[str] = ...,
         markup: Markup | None = None,
         prefill: str = "",
@@ -240,8 +242,10 @@ class StreamSpec:
         `data: [DONE]`; include_usage (stream_options) adds `"usage":null` to every chunk and a
         last chunk with empty choices and the usage. stream=False makes the JSON body readable
         once the stream ends. finish_reason: "stop" (EOS or stop sequence), "length"
-        (max_tokens), "tool_calls". `choice_index` is the index its choice has (one stream per
-        choice when `n` > 1; the API merges them). Raises NativeError if `kind` is unknown."""
+        (max_tokens), "tool_calls". A response opened with several stream ids (OpenAI's `n`)
+        writes every choice, each with its index, then one usage chunk and one `[DONE]` (or one
+        body with every choice, the prompt counted once in its usage). Raises NativeError if
+        `kind` is unknown."""
 
     @staticmethod
     def responses(
@@ -285,11 +289,16 @@ class StreamSpec:
 
 @final
 class Reader:
-    """Consumer side of one stream. Used from the asyncio thread. Dropping the last reference
-    before the stream ends cancels it, like cancel()."""
+    """Consumer side of one response (all its choices). Used from the asyncio thread. Dropping
+    the last reference before the response ends cancels it, like cancel(). A streamed response's
+    events come numbered: each starts with an `id: N` line, N counting from 1."""
 
     def take(self) -> bytes | None:
         """All pending bytes as one object; b"" if nothing is pending yet; None at end of stream."""
+
+    def take_events(self) -> tuple[bytes, int] | None:
+        """As take(), with the id of the last event taken so far (0 before any, and for a
+        response that is not streamed)."""
 
     def park(self, waiter: _Waiter, wake_all: Callable[[list[_Waiter]], object]) -> bool:
         """If data is pending or the stream is closed: return False and store nothing. Otherwise
@@ -303,13 +312,14 @@ class Reader:
         on."""
 
     def cancel(self) -> None:
-        """The client went away: drop pending bytes and end the stream (a parked waiter is woken).
-        The router reports the id from its next step() or cancelled() call."""
+        """The client went away: drop pending bytes and end the response (a parked waiter is
+        woken). The router reports its stream ids from its next step() or cancelled() call."""
 
     @property
     def unread_bytes(self) -> int: ...
     @property
-    def stream_id(self) -> int: ...
+    def stream_id(self) -> int:
+        """The id of the response's first (usually only) stream."""
     @property
     def prompt_tokens(self) -> tuple[int, int]:
         """(prompt tokens, of them from the prefix cache), as opened."""
@@ -326,6 +336,10 @@ class Reader:
     @property
     def status(self) -> int:
         """200, or the HTTP status of the error the stream ended with (`Router.fail`)."""
+    @property
+    def result(self) -> bytes | None:
+        """The response object a finished generation answered with, where the dialect keeps one
+        (Responses: the Response object, completed, incomplete or failed); None otherwise."""
 
 @final
 class Router:
@@ -334,16 +348,18 @@ class Router:
     def __new__(cls, vocab: Vocab, *, max_unread_bytes: int = 1048576) -> Router: ...
     def open(
         self,
-        stream_id: int,
+        stream_ids: int | _Ints,
         spec: StreamSpec,
         *,
         prompt_tokens: int,
         cached_tokens: int = 0,
         max_tokens: int,
     ) -> Reader:
-        """Open a stream as `spec` says for an admitted prompt of `prompt_tokens` (of which
-        `cached_tokens` came from the prefix cache) that may add `max_tokens` tokens. Frames due
-        at once are queued. Raises NativeError if `stream_id` is already open."""
+        """Open a response as `spec` says for an admitted prompt of `prompt_tokens` (of which
+        `cached_tokens` came from the prefix cache) that may add `max_tokens` tokens per
+        stream: one stream, or one per id for the choices of OpenAI's `n`, all read by the one
+        reader. Frames due at once are queued. Raises NativeError if an id is already open, or
+        for several ids in a dialect without choices."""
 
     def step(self, stream_ids: _Ints, token_ids: _Ints) -> list[tuple[int, FinishReason]]:
         """One engine step: stream_ids[i] produced token_ids[i]. Returns every stream that ended,
@@ -363,16 +379,19 @@ class Router:
         """Ids of streams whose readers cancelled since the last report; they are removed."""
 
     def fail(self, stream_id: int, kind: ErrorKind, message: str) -> None:
-        """End a stream with an error in its dialect (see Dialect) and remove it: the error's last
-        frames when streaming, else the envelope as the body, and the reader's `status` becomes
-        the dialect's status for `kind`. Unknown ids are ignored."""
+        """End a stream's response with an error in its dialect (see Dialect) and remove the
+        stream: the error's last frames when streaming, else the envelope as the body, and the
+        reader's `status` becomes the dialect's status for `kind`. The response's other choices
+        are reported cancelled by the next step() or cancelled(). Unknown ids are ignored."""
 
     def close(self, stream_id: int) -> None:
-        """Remove a stream without emitting anything; its reader sees end of stream."""
+        """Remove a stream, and its response's other choices, without emitting anything; its
+        reader sees end of stream."""
 
     def ping(self, stream_id: int) -> None:
-        """Queue a keep-alive (streaming only), e.g. during a long prefill: an Anthropic `ping`
-        event, or an SSE comment `: keep-alive` on OpenAI streams."""
+        """Queue a keep-alive (streaming only), e.g. during a long prefill: Anthropic's `ping`
+        event, an empty OpenAI chunk, Responses' `response.in_progress`. Only a response's
+        first choice pings."""
 
     def over_bound(self) -> list[int]:
         """Sorted ids of open streams whose readers hold more than `max_unread_bytes` unread."""
@@ -383,6 +402,6 @@ def reasoning_from_encrypted(encrypted: str) -> str | None:
     """The reasoning text inside an `encrypted_content` this server handed out (None for any other
     string), so a replayed reasoning item renders exactly as the model wrote it."""
 
-def number_events(frames: bytes, next_id: int) -> tuple[bytes, int]:
-    """`frames` (whole SSE frames) with an `id: N` line on each event, N counting up from
-    `next_id` (keep-alive comments get none), and the id the next event gets."""
+def events_after(frames: bytes, last_id: int) -> bytes:
+    """The frames of numbered `frames` (what `Reader.take` returned) after the event with id
+    `last_id`: all of them if they start later, none if they end sooner."""

@@ -17,7 +17,6 @@ from mlxgate._native import Dialect, ErrorKind, Router, Vocab
 from mlxgate.api.anthropic import AnthropicAPI
 from mlxgate.api.drain import Drain
 from mlxgate.api.errors import ApiError
-from mlxgate.api.event_streams import Resumable
 from mlxgate.api.guard import Guard
 from mlxgate.api.http import (
     BodyTooLarge,
@@ -36,6 +35,7 @@ from mlxgate.api.http import (
 from mlxgate.api.models import ModelNames
 from mlxgate.api.openai import OpenAIAPI
 from mlxgate.api.responses import ResponsesAPI
+from mlxgate.api.resumable import Resumable
 from mlxgate.api.shared import Route, Services
 from mlxgate.config import Config
 from mlxgate.engine import Engine, Generator, SamplingParams

@@ -51,10 +51,10 @@ def configure(level: str, form: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-def opened(readers: Sequence[Reader]) -> None:
-    """Count `readers` as the current request's streams."""
+def opened(reader: Reader) -> None:
+    """Count `reader` as the current request's response."""
     if (streams := OPENED.get()) is not None:
-        streams.extend(readers)
+        streams.append(reader)
 
 
 def request_ended(fields: dict[str, Any], readers: Sequence[Reader]) -> None:

@@ -1,4 +1,4 @@
-"""Awaiting a native stream reader from asyncio: each wake takes every frame queued since."""
+"""Awaiting a native response reader from asyncio: each wake takes every frame queued since."""
 
 from __future__ import annotations
 
@@ -42,15 +42,22 @@ def wake_all_for(loop: asyncio.AbstractEventLoop) -> WakeAll:
 
 
 async def chunks(reader: Reader) -> AsyncIterator[bytes]:
-    """Yield everything the engine has queued for this stream, coalesced, until it closes."""
+    """Yield everything the engine has queued for this response, coalesced, until it closes."""
+    async for data, _ in events(reader):
+        yield data
+
+
+async def events(reader: Reader) -> AsyncIterator[tuple[bytes, int]]:
+    """As `chunks`, each with the id of its last event (a streamed response's events are
+    numbered as they are queued)."""
     loop = asyncio.get_running_loop()
     wake_all = wake_all_for(loop)
     while True:
-        data = reader.take()
-        if data is None:
+        taken = reader.take_events()
+        if taken is None:
             return
-        if data:
-            yield data
+        if taken[0]:
+            yield taken
             continue
         future: asyncio.Future[None] = loop.create_future()
         if reader.park(future, wake_all):

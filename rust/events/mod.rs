@@ -130,6 +130,14 @@ pub struct ErrorReply<'a> {
 }
 
 impl Dialect {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Anthropic => "Anthropic",
+            Self::OpenAi => "OpenAI",
+            Self::Responses => "Responses",
+        }
+    }
+
     pub fn error_status(self, kind: ErrorKind) -> u16 {
         match self {
             Self::Anthropic => anthropic::error_status(kind),
@@ -181,14 +189,17 @@ pub enum DialectParams {
 }
 
 impl DialectParams {
-    pub fn protocol(&self, usage: PromptUsage) -> Protocol {
+    /// The encoder of choice `choice` (only OpenAI's `n` has more than choice 0).
+    pub fn protocol(&self, usage: PromptUsage, choice: u32) -> Protocol {
         match self {
             Self::Anthropic(p) => {
                 Protocol::Anthropic(anthropic::AnthropicStream::new(p.clone(), usage))
             }
-            Self::OpenAi(p) => {
-                Protocol::OpenAi(Box::new(openai::OpenAiStream::new(p.clone(), usage)))
-            }
+            Self::OpenAi(p) => Protocol::OpenAi(Box::new(openai::OpenAiStream::new(
+                p.clone(),
+                usage,
+                choice,
+            ))),
             Self::Responses(p) => {
                 Protocol::Responses(Box::new(responses::ResponsesStream::new(p.clone(), usage)))
             }
@@ -209,6 +220,11 @@ impl DialectParams {
             Self::OpenAi(p) => &p.model,
             Self::Responses(p) => &p.model,
         }
+    }
+
+    /// Whether a response may have several choices (OpenAI's `n`).
+    pub fn has_choices(&self) -> bool {
+        matches!(self, Self::OpenAi(_))
     }
 
     pub fn dialect(&self) -> Dialect {
@@ -282,6 +298,30 @@ impl Protocol {
 
     pub fn finish(&mut self, finish: Finish<'_>, output_tokens: u64, out: &mut Vec<u8>) {
         dispatch!(self, s => s.finish(finish, output_tokens, out))
+    }
+
+    /// One choice of several ends (OpenAI's `n`): streamed, its last chunk goes to `out`; not,
+    /// its choice object to `choice`. [`Protocol::end`] ends the response after the last one.
+    pub fn finish_choice(&mut self, finish: Finish<'_>, out: &mut Vec<u8>, choice: &mut Vec<u8>) {
+        if let Self::OpenAi(s) = self {
+            s.finish_choice(finish, out, choice);
+        }
+    }
+
+    /// The end of a response with several choices, `output_tokens` theirs together.
+    pub fn end(&self, output_tokens: u64, choices: &[Vec<u8>], out: &mut Vec<u8>) {
+        if let Self::OpenAi(s) = self {
+            s.end(output_tokens, choices, out);
+        }
+    }
+
+    /// The response object a finished generation answered with, where the dialect keeps one
+    /// (Responses: the object `previous_response_id` and `GET /v1/responses/{id}` return).
+    pub fn result(&mut self) -> Option<Vec<u8>> {
+        match self {
+            Self::Responses(s) => s.take_result(),
+            Self::Anthropic(_) | Self::OpenAi(_) => None,
+        }
     }
 
     /// Ends the stream with an error; returns the HTTP status a non-streamed answer gets.

@@ -42,8 +42,6 @@ pub struct OpenAiParams {
     /// empty `choices` carries the usage.
     pub include_usage: bool,
     pub kind: CompletionKind,
-    /// This stream's choice (`n` > 1 answers with one stream per choice, merged by the API).
-    pub choice_index: u32,
 }
 
 /// One stream's chunk framing (streaming) or its assembled message (not).
@@ -51,6 +49,8 @@ pub struct OpenAiParams {
 pub struct OpenAiStream {
     params: OpenAiParams,
     usage: PromptUsage,
+    /// This stream's choice: `n` > 1 writes one stream per choice into one response.
+    choice_index: u32,
     /// `data: {"id":…,"object":…,"created":…,"model":…,` shared by every chunk.
     head: Vec<u8>,
     tool_calls: u32,
@@ -65,7 +65,7 @@ pub struct OpenAiStream {
 }
 
 impl OpenAiStream {
-    pub fn new(params: OpenAiParams, usage: PromptUsage) -> Self {
+    pub fn new(params: OpenAiParams, usage: PromptUsage, choice_index: u32) -> Self {
         let mut head = Vec::new();
         if params.stream {
             head.extend_from_slice(b"data: {\"id\":");
@@ -84,6 +84,7 @@ impl OpenAiStream {
         Self {
             params,
             usage,
+            choice_index,
             head,
             tool_calls: 0,
             content: String::new(),
@@ -221,7 +222,7 @@ impl OpenAiStream {
         let index = self.tool_calls;
         self.tool_calls += 1;
         let mut id = String::with_capacity(29);
-        let call = (self.params.choice_index << 16) | index; // distinct across choices too
+        let call = (self.choice_index << 16) | index; // distinct across choices too
         tool_call_id("call_", &self.params.completion_id, call, &mut id);
         if !self.params.stream {
             self.calls.push(ToolCall {
@@ -268,36 +269,29 @@ impl OpenAiStream {
     pub fn tool_end(&mut self, _out: &mut Vec<u8>) {}
 
     pub fn finish(&mut self, finish: Finish<'_>, output_tokens: u64, out: &mut Vec<u8>) {
+        let mut choice = Vec::new();
+        self.finish_choice(finish, out, &mut choice);
+        self.end(output_tokens, &[choice], out);
+    }
+
+    /// This choice's end: streamed, its last chunk (into `out`); not, its choice object (into
+    /// `choice`), for [`OpenAiStream::end`] to write with the others.
+    pub fn finish_choice(&mut self, finish: Finish<'_>, out: &mut Vec<u8>, choice: &mut Vec<u8>) {
         let finish_reason = match finish {
             Finish::EndTurn | Finish::StopSequence(_) => "stop",
             Finish::MaxTokens => "length",
             Finish::ToolUse => "tool_calls",
         };
-        let usage = Usage {
-            prompt_tokens: self.usage.prompt_tokens,
-            completion_tokens: output_tokens,
-            total_tokens: self.usage.prompt_tokens + output_tokens,
-            prompt_tokens_details: PromptDetails {
-                cached_tokens: self.usage.cached_tokens,
-            },
-        };
         if self.params.stream {
             let empty = self.empty_body();
             self.chunk(out, Some(finish_reason), |out| out.extend_from_slice(empty));
-            if self.params.include_usage {
-                out.extend_from_slice(&self.head);
-                out.extend_from_slice(b"\"choices\":[],\"usage\":");
-                write_json(out, &usage);
-                out.extend_from_slice(b"}\n\n");
-            }
-            out.extend_from_slice(b"data: [DONE]\n\n");
             return;
         }
         let mut logprobs = Vec::new();
         self.write_logprobs(&mut logprobs);
         let logprobs = RawValue::from_string(String::from_utf8(logprobs).expect("JSON is UTF-8"))
             .expect("write_logprobs writes JSON");
-        let (object, choice) = match self.params.kind {
+        match self.params.kind {
             CompletionKind::Chat => {
                 for call in &mut self.calls {
                     let mut compact = String::with_capacity(call.function.arguments.len());
@@ -305,8 +299,8 @@ impl OpenAiStream {
                     call.function.arguments = compact;
                 }
                 let no_content = self.content.is_empty() && !self.calls.is_empty();
-                let choice = Choice::Chat {
-                    index: self.params.choice_index,
+                let chat = Choice::Chat {
+                    index: self.choice_index,
                     message: Message {
                         role: "assistant",
                         content: (!no_content).then_some(self.content.as_str()),
@@ -317,27 +311,61 @@ impl OpenAiStream {
                     logprobs: &logprobs,
                     finish_reason,
                 };
-                ("chat.completion", choice)
+                write_json(choice, &chat);
             }
             CompletionKind::Completion => {
-                let choice = Choice::Completion {
+                let completion = Choice::Completion {
                     text: &self.content,
-                    index: self.params.choice_index,
+                    index: self.choice_index,
                     logprobs: &logprobs,
                     finish_reason,
                 };
-                ("text_completion", choice)
+                write_json(choice, &completion);
             }
+        }
+    }
+
+    /// The response's end once every choice finished, `completion_tokens` their tokens:
+    /// streamed, the usage chunk (if asked for) and `[DONE]`; not, the body with `choices` (the
+    /// choice objects, in order) and the usage (the prompt counted once).
+    pub fn end(&self, completion_tokens: u64, choices: &[Vec<u8>], out: &mut Vec<u8>) {
+        let usage = Usage {
+            prompt_tokens: self.usage.prompt_tokens,
+            completion_tokens,
+            total_tokens: self.usage.prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptDetails {
+                cached_tokens: self.usage.cached_tokens,
+            },
         };
-        let body = Body {
-            id: &self.params.completion_id,
-            object,
-            created: self.params.created,
-            model: &self.params.model,
-            choices: [choice],
-            usage,
-        };
-        write_json(out, &body);
+        if self.params.stream {
+            if self.params.include_usage {
+                out.extend_from_slice(&self.head);
+                out.extend_from_slice(b"\"choices\":[],\"usage\":");
+                write_json(out, &usage);
+                out.extend_from_slice(b"}\n\n");
+            }
+            out.extend_from_slice(b"data: [DONE]\n\n");
+            return;
+        }
+        out.extend_from_slice(b"{\"id\":");
+        write_json(out, &self.params.completion_id);
+        out.extend_from_slice(match self.params.kind {
+            CompletionKind::Chat => b",\"object\":\"chat.completion\",\"created\":".as_slice(),
+            CompletionKind::Completion => b",\"object\":\"text_completion\",\"created\":",
+        });
+        write_json(out, &self.params.created);
+        out.extend_from_slice(b",\"model\":");
+        write_json(out, &self.params.model);
+        out.extend_from_slice(b",\"choices\":[");
+        for (i, choice) in choices.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(choice);
+        }
+        out.extend_from_slice(b"],\"usage\":");
+        write_json(out, &usage);
+        out.push(b'}');
     }
 
     /// One chunk with one choice: `delta` (chat) or `text` (completion) is what `body` writes;
@@ -352,7 +380,7 @@ impl OpenAiStream {
         match self.params.kind {
             CompletionKind::Chat => {
                 out.extend_from_slice(b"\"choices\":[{\"index\":");
-                write_json(out, &self.params.choice_index);
+                write_json(out, &self.choice_index);
                 out.extend_from_slice(b",\"delta\":");
                 body(out);
             }
@@ -360,7 +388,7 @@ impl OpenAiStream {
                 out.extend_from_slice(b"\"choices\":[{\"text\":");
                 body(out);
                 out.extend_from_slice(b",\"index\":");
-                write_json(out, &self.params.choice_index);
+                write_json(out, &self.choice_index);
             }
         }
         out.extend_from_slice(b",\"logprobs\":");
@@ -421,16 +449,6 @@ pub fn write_error(error: &ErrorReply<'_>, stream: bool, out: &mut Vec<u8>) {
 }
 
 // Field order below is the wire order of OpenAI's API.
-
-#[derive(Serialize)]
-struct Body<'a> {
-    id: &'a str,
-    object: &'static str,
-    created: u64,
-    model: &'a str,
-    choices: [Choice<'a>; 1],
-    usage: Usage,
-}
 
 #[derive(Serialize)]
 #[serde(untagged)]
@@ -528,7 +546,6 @@ mod tests {
             stream,
             include_usage,
             kind,
-            choice_index: 0,
         }
     }
 
@@ -537,7 +554,7 @@ mod tests {
             prompt_tokens: 5,
             cached_tokens: 2,
         };
-        OpenAiStream::new(params(stream, include_usage, kind), usage)
+        OpenAiStream::new(params(stream, include_usage, kind), usage, 0)
     }
 
     fn frames(out: &[u8]) -> Vec<serde_json::Value> {

@@ -86,6 +86,8 @@ pub struct ResponsesStream {
     /// The last output item is still being written.
     open: bool,
     reasoning_tokens: u64,
+    /// The Response object the stream ended with (completed, incomplete or failed).
+    result: Option<Vec<u8>>,
 }
 
 impl ResponsesStream {
@@ -97,7 +99,13 @@ impl ResponsesStream {
             output: Vec::new(),
             open: false,
             reasoning_tokens: 0,
+            result: None,
         }
+    }
+
+    /// The Response object the stream ended with, once it ended (not for a non-streamed error).
+    pub fn take_result(&mut self) -> Option<Vec<u8>> {
+        self.result.take()
     }
 
     pub fn is_streaming(&self) -> bool {
@@ -231,24 +239,22 @@ impl ResponsesStream {
         } else {
             ("response.completed", "completed", None)
         };
-        if !self.params.stream {
-            self.write_response(
-                out,
-                status,
-                Some(&usage),
-                incomplete.map(Ending::Incomplete),
-            );
-            return;
+        let mut response = Vec::new();
+        self.write_response(
+            &mut response,
+            status,
+            Some(&usage),
+            incomplete.map(Ending::Incomplete),
+        );
+        if self.params.stream {
+            self.event(out, kind, |_, out| {
+                out.extend_from_slice(b",\"response\":");
+                out.extend_from_slice(&response);
+            });
+        } else {
+            out.extend_from_slice(&response);
         }
-        self.event(out, kind, |this, out| {
-            out.extend_from_slice(b",\"response\":");
-            this.write_response(
-                out,
-                status,
-                Some(&usage),
-                incomplete.map(Ending::Incomplete),
-            );
-        });
+        self.result = Some(response);
     }
 
     /// Ends the stream with `response.failed` (streaming) or the error envelope (not).
@@ -264,10 +270,13 @@ impl ResponsesStream {
             code,
             message: error.message,
         };
-        self.event(out, "response.failed", |this, out| {
+        let mut response = Vec::new();
+        self.write_response(&mut response, "failed", None, Some(failure));
+        self.event(out, "response.failed", |_, out| {
             out.extend_from_slice(b",\"response\":");
-            this.write_response(out, "failed", None, Some(failure));
+            out.extend_from_slice(&response);
         });
+        self.result = Some(response);
     }
 
     /// The open item ends before the model ended it.

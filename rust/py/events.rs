@@ -13,6 +13,7 @@ use crate::events::responses::{self, NamespacedTool, ResponsesParams};
 use crate::events::{Dialect, DialectParams, ErrorKind, ErrorReply, FinishReason};
 use crate::markup::ToolSchemas;
 use crate::router::StreamSpec;
+use crate::sse::number_events;
 
 /// Why a stream ended: the router's answer to the engine for every row that ended in a step.
 #[pyclass(
@@ -143,6 +144,28 @@ impl PyDialect {
         Dialect::from(*self).write_error(&error, stream, &mut out);
         PyBytes::new(py, &out)
     }
+
+    /// A stream's last frames for an error, its events numbered from `first_id`, and the id of
+    /// the last one: for a stream that fails outside the engine after its headers went out.
+    fn error_events<'py>(
+        &self,
+        py: Python<'py>,
+        kind: PyErrorKind,
+        message: &str,
+        first_id: u64,
+    ) -> (Bound<'py, PyBytes>, u64) {
+        let error = ErrorReply {
+            kind: kind.into(),
+            message,
+            param: None,
+            code: None,
+        };
+        let mut frames = Vec::new();
+        Dialect::from(*self).write_error(&error, true, &mut frames);
+        let mut out = Vec::with_capacity(frames.len() + 16);
+        let next_id = number_events(&frames, first_id, &mut out);
+        (PyBytes::new(py, &out), next_id - 1)
+    }
 }
 
 /// How one request's stream reads and when it ends; see `Router.open`.
@@ -207,8 +230,8 @@ impl PyStreamSpec {
     #[staticmethod]
     #[pyo3(signature = (
         *, model, completion_id, created, stream = true, include_usage = false, kind = "chat",
-        choice_index = 0, stop_sequences = Vec::new(), markup = None, prefill = "",
-        eos_ids = Vec::new(), tools = Vec::new(),
+        stop_sequences = Vec::new(), markup = None, prefill = "", eos_ids = Vec::new(),
+        tools = Vec::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn openai(
@@ -218,7 +241,6 @@ impl PyStreamSpec {
         stream: bool,
         include_usage: bool,
         kind: &str,
-        choice_index: u32,
         stop_sequences: Vec<String>,
         markup: Option<&Bound<'_, PyMarkup>>,
         prefill: &str,
@@ -232,7 +254,6 @@ impl PyStreamSpec {
             stream,
             include_usage,
             kind: kind.parse::<CompletionKind>()?,
-            choice_index,
         };
         Ok(spec(
             DialectParams::OpenAi(params),

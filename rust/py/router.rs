@@ -32,6 +32,13 @@ impl PyReader {
         self.channel.take_with(|bytes| PyBytes::new(py, bytes))
     }
 
+    /// As `take`, with the id of the last event taken so far (a streamed response's events are
+    /// numbered as they are queued; 0 before any, and for a body).
+    fn take_events<'py>(&self, py: Python<'py>) -> Option<(Bound<'py, PyBytes>, u64)> {
+        self.channel
+            .take_numbered_with(|bytes, last_id| (PyBytes::new(py, bytes), last_id))
+    }
+
     /// Stores `waiter` and `wake_all` unless data is pending or the stream is closed (then
     /// returns False). On the next append or close, `wake_all` is called with a list holding
     /// `waiter` and the waiters of every other reader woken at the same time with the same
@@ -70,6 +77,13 @@ impl PyReader {
     #[getter]
     fn status(&self) -> u16 {
         self.channel.status()
+    }
+
+    /// The response object the generation answered with, once it ended, where the dialect keeps
+    /// one (Responses: the object to store); None otherwise.
+    #[getter]
+    fn result<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.channel.result().map(|bytes| PyBytes::new(py, &bytes))
     }
 
     /// (prompt tokens, of them from the prefix cache), as opened.
@@ -140,11 +154,12 @@ impl PyRouter {
         }
     }
 
-    /// Opens a stream as `spec` says for an admitted prompt. Raises if the id is open.
-    #[pyo3(signature = (stream_id, spec, *, prompt_tokens, cached_tokens = 0, max_tokens))]
+    /// Opens a response as `spec` says for an admitted prompt: one stream, or one per id for
+    /// the choices of OpenAI's `n`, all read by the one reader. Raises if an id is open.
+    #[pyo3(signature = (stream_ids, spec, *, prompt_tokens, cached_tokens = 0, max_tokens))]
     fn open(
         &self,
-        stream_id: u64,
+        stream_ids: &Bound<'_, PyAny>,
         spec: &Bound<'_, PyStreamSpec>,
         prompt_tokens: u64,
         cached_tokens: u64,
@@ -154,9 +169,13 @@ impl PyRouter {
             prompt_tokens,
             cached_tokens,
         };
+        let stream_ids = match stream_ids.extract::<u64>() {
+            Ok(stream_id) => vec![stream_id],
+            Err(_) => extract_ints(stream_ids)?,
+        };
         let channel = self
             .lock()
-            .open(stream_id, &spec.get().inner, usage, max_tokens)?;
+            .open(&stream_ids, &spec.get().inner, usage, max_tokens)?;
         Ok(PyReader { channel })
     }
 

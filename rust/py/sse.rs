@@ -1,18 +1,12 @@
-//! SSE framing's Python name: `number_events`.
+//! SSE framing's Python name: `events_after`, for resumed streams.
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::sse;
 
-/// Whole SSE frames with an `id:` line on each event, and the id the next event gets.
+/// The frames of numbered `frames` after the event with id `last_id`.
 #[pyfunction]
-pub fn number_events<'py>(
-    py: Python<'py>,
-    frames: &[u8],
-    next_id: u64,
-) -> (Bound<'py, PyBytes>, u64) {
-    let mut out = Vec::with_capacity(frames.len() + 16);
-    let next_id = sse::number_events(frames, next_id, &mut out);
-    (PyBytes::new(py, &out), next_id)
+pub fn events_after<'py>(py: Python<'py>, frames: &[u8], last_id: u64) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, sse::events_after(frames, last_id))
 }

@@ -156,7 +156,6 @@ fn run(fixture: &Fixture) -> Vec<u8> {
             stream: open.stream,
             include_usage: open.include_usage,
             kind: open.kind.as_deref().unwrap_or("chat").parse().unwrap(),
-            choice_index: 0,
         }),
         "responses" => DialectParams::Responses(ResponsesParams {
             model: open.model.clone(),
@@ -195,7 +194,7 @@ fn run(fixture: &Fixture) -> Vec<u8> {
         cached_tokens: open.cached_tokens,
     };
     let id = open.stream_id;
-    let reader = router.open(id, &spec, usage, open.max_tokens).unwrap();
+    let reader = router.open(&[id], &spec, usage, open.max_tokens).unwrap();
     let mut out = Vec::new();
     drain(&reader, &mut out);
     let (mut ended, mut wake) = (Vec::new(), Vec::new());

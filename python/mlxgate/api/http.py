@@ -21,6 +21,10 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
+# The last message of a streamed response.
+END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
 class BodyTooLarge(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(f"request body is larger than the {limit // (1024 * 1024)} MB limit")

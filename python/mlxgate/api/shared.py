@@ -29,7 +29,7 @@ from mlxgate.engine import (
 )
 
 if TYPE_CHECKING:
-    from mlxgate.api.event_streams import Resumable
+    from mlxgate.api.resumable import Resumable
 
 Handler = Callable[[Scope, Receive, Send, bytes], Awaitable[None]]
 Model = TypeVar("Model", bound=BaseModel)
@@ -182,16 +182,9 @@ def render(renderer: chat.Renderer, conversation: chat.Conversation) -> chat.Pro
 
 def admit(engine: Generator, request: GenerationRequest, errors: AdmissionErrors) -> Reader:
     """Hand `request` to the engine; an admission error answers in the dialect's words."""
-    return admit_all(engine, [request], errors)[0]
-
-
-def admit_all(
-    engine: Generator, requests: list[GenerationRequest], errors: AdmissionErrors
-) -> list[Reader]:
-    """Hand the choices of one prompt to the engine (see `Generator.admit_all`)."""
     try:
-        readers = engine.admit_all(requests)
+        reader = engine.admit(request)
     except AdmissionError as exc:
         raise errors[type(exc)](exc) from None
-    logs.opened(readers)
-    return readers
+    logs.opened(reader)
+    return reader

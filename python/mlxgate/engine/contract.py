@@ -8,7 +8,6 @@ dialect's words: each API dialect maps them in its own table.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,6 +40,9 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     grammar: Grammar | None = None  # what the reply must match (constrained decoding)
     speculate: bool = True  # may guess tokens ahead (engine/speculation.py); same tokens either way
+    # OpenAI's `n`: this many generations of the prompt, prefilled once, into one response. With
+    # a seed, choice i samples with seed + i (n identical samples would be no choice).
+    choices: int = 1
 
 
 class AdmissionError(Exception):
@@ -71,13 +73,9 @@ class Generator(Protocol):
     """What the API needs of an engine (the real one, or a stand-in in tests and benchmarks)."""
 
     def admit(self, request: GenerationRequest) -> Reader:
-        """Admit `request` and return its stream's reader at once, or raise an AdmissionError.
-        Never blocks: generation happens on the engine's own thread."""
-        ...
-
-    def admit_all(self, requests: Sequence[GenerationRequest]) -> list[Reader]:
-        """Admit requests with one prompt (OpenAI's `n` choices), each with its own stream; the
-        engine may prefill the prompt once for all. Raises as `admit` does."""
+        """Admit `request` and return its response's reader at once (one for all its choices),
+        or raise an AdmissionError. Never blocks: generation happens on the engine's own
+        thread."""
         ...
 
     def start(self) -> None: ...

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +100,16 @@ class _PromptGroup:
     rows: list[_Pending]
     tokens: np.ndarray  # [rows, columns]: the uncached rest of each prompt, right-padded
     caches: list[Any]  # per layer, batch caches
+
+
+def _choice(request: GenerationRequest, index: int) -> GenerationRequest:
+    """Choice `index` of the request: with a seed, its own seed."""
+    seed = request.sampling.seed
+    if index == 0 or seed is None:
+        return request
+    return dataclasses.replace(
+        request, sampling=dataclasses.replace(request.sampling, seed=seed + index)
+    )
 
 
 class Engine:
@@ -198,16 +208,12 @@ class Engine:
         return speculation
 
     def admit(self, request: GenerationRequest) -> Reader:
-        """Open the request's stream and queue it, or raise an AdmissionError."""
-        return self.admit_all([request])[0]
-
-    def admit_all(self, requests: Sequence[GenerationRequest]) -> list[Reader]:
-        """Requests with one prompt (the choices of OpenAI's `n`): queued as one sequence,
-        prefilled once; each then decodes on its own copy of the cache, into its own stream."""
+        """Open the request's response and queue it, or raise an AdmissionError. The choices of
+        OpenAI's `n` are one sequence, prefilled once; each then decodes on its own copy of the
+        cache, into the one response."""
         if not self._running.is_set():
             raise EngineStopped()
-        prompt_ids = requests[0].prompt_ids
-        assert all(r.prompt_ids == prompt_ids for r in requests), "choices share their prompt"
+        prompt_ids = request.prompt_ids
         prompt_tokens = len(prompt_ids)
         context = self.loaded.context_length
         if prompt_tokens >= context:  # at least one token must fit after the prompt
@@ -216,33 +222,33 @@ class Engine:
         if queued >= self.settings.max_queued:
             raise QueueFull(retry_after_s=1 + queued // 8)
         served = self.loaded.context
-        window = served.window(prompt_tokens, requests[0].max_tokens) if served else context
+        window = served.window(prompt_tokens, request.max_tokens) if served else context
         scaled = window > (served.native if served else context)
         # One lookup for every choice: a match is immutable, and each start copies its caches.
         match = self.prefix_cache.lookup(prompt_ids, variant=int(scaled))
-        choices = [_Pending(next(self._ids), r, match, scaled) for r in requests]
+        choices = [
+            _Pending(next(self._ids), _choice(request, index), match, scaled)
+            for index in range(request.choices)
+        ]
         # Choices decode together; where they cannot (more than may run at once), each is a
         # sequence of its own, the prefix cache sharing what it can.
         together = len(choices) <= self.settings.max_running
         # Opened and queued as one: a cancel the engine polls finds the request somewhere.
         with self._wakeup:
-            readers = [
-                self.router.open(
-                    pending.stream_id,
-                    pending.request.stream,
-                    prompt_tokens=prompt_tokens,
-                    cached_tokens=match.length if match else 0,
-                    max_tokens=min(pending.request.max_tokens or window, window - prompt_tokens),
-                )
-                for pending in choices
-            ]
+            reader = self.router.open(
+                [pending.stream_id for pending in choices],
+                request.stream,
+                prompt_tokens=prompt_tokens,
+                cached_tokens=match.length if match else 0,
+                max_tokens=min(request.max_tokens or window, window - prompt_tokens),
+            )
             if together:
                 choices[0].siblings = choices[1:]
                 self._incoming.append(choices[0])
             else:
                 self._incoming.extend(choices)
             self._wakeup.notify()
-        return readers
+        return reader
 
     def start(self) -> None:
         self._running.set()

@@ -8,7 +8,7 @@ from typing import Any
 
 from mlxgate._native import Dialect, StreamSpec
 from mlxgate.api.anthropic.requests import CountTokensRequest, MessagesRequest, conversation
-from mlxgate.api.event_streams import respond
+from mlxgate.api.delivery import respond
 from mlxgate.api.http import Receive, Scope, Send, send_json
 from mlxgate.api.shared import (
     COMMON_ADMISSION_ERRORS,

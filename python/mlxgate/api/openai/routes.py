@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import replace
 from typing import Any, Literal
 
 from mlxgate import chat
 from mlxgate._native import Dialect, ErrorKind, StreamSpec
+from mlxgate.api.delivery import respond
 from mlxgate.api.errors import ApiError, invalid
-from mlxgate.api.event_streams import respond
 from mlxgate.api.http import Receive, Scope, Send, send_json
-from mlxgate.api.openai.choices import respond_choices
 from mlxgate.api.openai.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,7 +22,7 @@ from mlxgate.api.shared import (
     AdmissionErrors,
     Route,
     Services,
-    admit_all,
+    admit,
     constraint,
     output_limit,
     parse,
@@ -106,49 +104,37 @@ class OpenAIAPI:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         completion_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        sampling = request.sampling(services.default_sampling)
-        generations = [
-            GenerationRequest(
-                prompt_ids,
-                StreamSpec.openai(
-                    model=services.models.served,
-                    completion_id=completion_id,
-                    created=created,
-                    stream=request.stream,
-                    include_usage=bool(
-                        request.stream_options and request.stream_options.include_usage
-                    ),
-                    kind=kind,
-                    choice_index=index,
-                    stop_sequences=request.stops(),
-                    markup=prompt.markup if prompt else None,
-                    prefill=prompt.prefill if prompt else "",
-                    eos_ids=services.renderer.eos_ids,
-                    tools=prompt.tool_schemas if prompt else [],
-                ),
-                max_tokens,
-                # With a seed, each choice its own: n identical samples would be no choice.
-                replace(sampling, seed=None if sampling.seed is None else sampling.seed + index),
-                grammar,
-                speculate=request.speculative_decoding,
-            )
-            for index in range(request.n)
-        ]
-        readers = admit_all(services.engine, generations, ADMISSION_ERRORS)
-        if len(readers) == 1:
-            await respond(
-                scope,
-                send,
-                receive,
-                readers[0],
-                OPENAI,
+        generation = GenerationRequest(
+            prompt_ids,
+            StreamSpec.openai(
+                model=services.models.served,
+                completion_id=completion_id,
+                created=created,
                 stream=request.stream,
-                resumable=services.resumable,
-            )
-        else:
-            await respond_choices(
-                scope, send, receive, readers, stream=request.stream, resumable=services.resumable
-            )
+                include_usage=bool(request.stream_options and request.stream_options.include_usage),
+                kind=kind,
+                stop_sequences=request.stops(),
+                markup=prompt.markup if prompt else None,
+                prefill=prompt.prefill if prompt else "",
+                eos_ids=services.renderer.eos_ids,
+                tools=prompt.tool_schemas if prompt else [],
+            ),
+            max_tokens,
+            request.sampling(services.default_sampling),
+            grammar,
+            speculate=request.speculative_decoding,
+            choices=request.n,
+        )
+        reader = admit(services.engine, generation, ADMISSION_ERRORS)
+        await respond(
+            scope,
+            send,
+            receive,
+            reader,
+            OPENAI,
+            stream=request.stream,
+            resumable=services.resumable,
+        )
 
     def _entry(self, name: str) -> dict[str, Any]:
         created = self.services.models.created

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from mlxgate._native import Dialect, StreamSpec
-from mlxgate.api.event_streams import respond
+from mlxgate.api.delivery import respond
 from mlxgate.api.http import Receive, Scope, Send, send_bytes, send_json
 from mlxgate.api.responses.requests import Item, ResponsesRequest, conversation, tools
 from mlxgate.api.responses.store import ResponseStore, StoredResponse
@@ -35,20 +35,6 @@ ADMISSION_ERRORS: AdmissionErrors = {
     **COMMON_ADMISSION_ERRORS,
     PromptTooLong: lambda e: prompt_too_long(e, code="context_length_exceeded", param="input"),
 }
-
-_LAST_EVENT = b"\ndata: "
-
-
-def final_response(body: bytes, stream: bool) -> bytes | None:
-    """The Response object a generation ended with: the body, or the last event's `response`."""
-    if not stream:
-        return body if body.startswith(b"{") else None
-    start = body.rfind(_LAST_EVENT)
-    if start < 0:
-        return None
-    event = orjson.loads(body[start + len(_LAST_EVENT) :])
-    response = event.get("response")
-    return orjson.dumps(response) if response is not None else None
 
 
 class ResponsesAPI:
@@ -102,12 +88,6 @@ class ResponsesAPI:
             speculate=request.speculative_decoding,
         )
         reader = admit(services.engine, generation, ADMISSION_ERRORS)
-        # The Response object is in the last chunk: the router queues a stream's end at once.
-        last = [b""]
-
-        def keep_last(chunk: bytes) -> None:
-            last[0] = chunk
-
         await respond(
             scope,
             send,
@@ -116,16 +96,13 @@ class ResponsesAPI:
             RESPONSES,
             stream=request.stream,
             resumable=services.resumable,
-            tap=keep_last,
         )
-        if request.store and last[0]:
-            response = final_response(last[0], request.stream)
-            if response is not None:
-                inputs = [item.model_dump(exclude_unset=True) for item in request.items]
-                self.store.put(
-                    response_id,
-                    StoredResponse(response, inputs, request.previous_response_id),
-                )
+        response = reader.result
+        if request.store and response is not None:
+            inputs = [item.model_dump(exclude_unset=True) for item in request.items]
+            self.store.put(
+                response_id, StoredResponse(response, inputs, request.previous_response_id)
+            )
 
     def _response_id(self, scope: Scope) -> str:
         return path_tail(scope, "/v1/responses/")

@@ -1,35 +1,31 @@
-"""Streamed responses: SSE events numbered (`id:`) in one place on their way to the client,
-sent straight to the connection or, with `--resume-window S`, through a resumable `EventLog`.
-
-A resumable stream's events go into its log, which the connection follows; when the client drops,
-the generation goes on into the log for S seconds, and `GET /v1/streams/{request-id}` with
-`Last-Event-ID` replays the events after that id and follows the rest live. Nothing is lost or
-sent twice across a reconnect: a reconnect starts at the event after the one the client names."""
+"""Resumable streams (`--resume-window S`): a stream's events go into its `EventLog`, which the
+connection follows; when the client drops, the generation goes on into the log for S seconds, and
+`GET /v1/streams/{request-id}` with `Last-Event-ID` replays the events after that id and follows
+the rest live. Nothing is lost or sent twice across a reconnect: a reconnect starts at the event
+after the one the client names."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 
-from mlxgate._native import Dialect, ErrorKind, Reader, number_events
+from mlxgate._native import Dialect, ErrorKind, Reader, events_after
+from mlxgate.api.delivery import frames
 from mlxgate.api.errors import ApiError, invalid
 from mlxgate.api.http import (
+    END,
     Receive,
     Scope,
     Send,
-    collect,
     header,
-    send_bytes,
     start_event_stream,
-    unless_disconnected,
     wait_disconnect,
 )
 from mlxgate.api.shared import Route, path_tail
-from mlxgate.streams import chunks
 
 log = logging.getLogger("mlxgate")
 
@@ -38,89 +34,10 @@ log = logging.getLogger("mlxgate")
 # replay (the bytes a dropped connection may have lost in flight).
 BUFFER_BYTES = 4 << 20
 
-# Where a stream's frames go: awaited per chunk of whole frames.
-Write = Callable[[bytes], Awaitable[None]]
-# Writes a stream's frames, from its readers, until they end.
-Produce = Callable[[Write], Awaitable[None]]
-# Sees every chunk of a response body as it goes out.
-Tap = Callable[[bytes], object]
-
-END = {"type": "http.response.body", "body": b"", "more_body": False}
-
 
 def request_id(scope: Scope) -> str:
     """The id the app gave the request (its `request-id` header); a stream's id too."""
     return str(scope["mlxgate.request_id"])
-
-
-async def stream_events(
-    scope: Scope,
-    send: Send,
-    receive: Receive,
-    readers: Sequence[Reader],
-    produce: Produce,
-    resumable: Resumable | None,
-) -> None:
-    """Answer with an SSE stream of what `produce` writes, every event numbered; without a resume
-    window a disconnect cancels the generation at once."""
-    if resumable is not None:
-        await resumable.stream(request_id(scope), send, receive, readers, produce)
-        return
-    await start_event_stream(send)
-    next_id = 1
-
-    async def write(data: bytes) -> None:
-        nonlocal next_id
-        numbered, next_id = number_events(data, next_id)
-        await send({"type": "http.response.body", "body": numbered, "more_body": True})
-
-    await unless_disconnected(receive, readers, produce(write))
-    await send(END)
-
-
-async def respond(
-    scope: Scope,
-    send: Send,
-    receive: Receive,
-    reader: Reader,
-    dialect: Dialect,
-    *,
-    stream: bool,
-    resumable: Resumable | None,
-    tap: Tap | None = None,
-) -> None:
-    """Answer with the generation: SSE as it happens, or the whole body with the status its end
-    implies (an error's, if the generation failed). `tap` sees what is sent, chunk by chunk
-    (before the events are numbered)."""
-    if stream:
-        produce = _relay(reader, dialect, tap)
-        await stream_events(scope, send, receive, [reader], produce, resumable)
-        return
-    body = await collect(receive, reader)
-    if body is not None:
-        if tap is not None:
-            tap(body)
-        await send_bytes(send, reader.status, body)
-
-
-def _relay(reader: Reader, dialect: Dialect, tap: Tap | None) -> Produce:
-    async def produce(write: Write) -> None:
-        try:
-            async for data in chunks(reader):
-                if tap is not None:
-                    tap(data)
-                await write(data)
-        except Exception:
-            # The status line is out: the client learns of the failure from a last error event.
-            log.exception("stream %d failed after its headers were sent", reader.stream_id)
-            reader.cancel()
-            error = ApiError(
-                ErrorKind.INTERNAL,
-                "the stream failed inside the server (the server log has details)",
-            )
-            await write(error.body(dialect, stream=True))
-
-    return produce
 
 
 class Resumable:
@@ -145,21 +62,18 @@ class Resumable:
         ]
 
     async def stream(
-        self,
-        stream_id: str,
-        send: Send,
-        receive: Receive,
-        readers: Sequence[Reader],
-        produce: Produce,
+        self, scope: Scope, send: Send, receive: Receive, reader: Reader, dialect: Dialect
     ) -> None:
         """Stream through a log this connection follows; when it leaves, the generation goes on
         (this returns when it ends) for a reconnect to pick up within the window."""
-        log = EventLog(stream_id, readers, self.window_s, self._logs.pop)
+        stream_id = request_id(scope)
+        log = EventLog(stream_id, reader, self.window_s, self._logs.pop)
         self._logs[stream_id] = log
 
         async def run() -> None:
             try:
-                await produce(log.append)
+                async for data, last_id in frames(reader, dialect):
+                    await log.append(data, last_id)
             finally:
                 log.close()
 
@@ -169,8 +83,7 @@ class Resumable:
             await producer
         finally:
             if not producer.done():  # this handler itself was cancelled (the server stops)
-                for reader in readers:
-                    reader.cancel()
+                reader.cancel()
                 producer.cancel()
 
     async def reconnect(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
@@ -195,7 +108,7 @@ class Resumable:
 class _Chunk:
     seq: int  # the chunk's place in the log
     first_id: int  # the id of its first event
-    next_id: int  # the id after its last event (== first_id: no event, e.g. a keep-alive)
+    next_id: int  # the id after its last event
     data: bytes  # numbered frames
 
 
@@ -203,14 +116,10 @@ class EventLog:
     """One stream's numbered frames, bounded, followed by at most one connection at a time."""
 
     def __init__(
-        self,
-        stream_id: str,
-        readers: Sequence[Reader],
-        window_s: float,
-        forget: Callable[[str], object],
+        self, stream_id: str, reader: Reader, window_s: float, forget: Callable[[str], object]
     ) -> None:
         self.stream_id = stream_id
-        self.readers = readers
+        self.reader = reader
         self.window_s = window_s
         self._forget = forget
         self._chunks: deque[_Chunk] = deque()
@@ -226,15 +135,14 @@ class EventLog:
 
     # The producer's side.
 
-    async def append(self, frames: bytes) -> None:
-        """Add whole frames, their events numbered on from the last; waits while the log holds
-        `BUFFER_BYTES` nobody has been handed."""
+    async def append(self, data: bytes, last_id: int) -> None:
+        """Add whole numbered frames, the last of them event `last_id`; waits while the log
+        holds `BUFFER_BYTES` nobody has been handed."""
         while self._unsent_bytes >= BUFFER_BYTES and not self.closed:
             await self._change()
-        data, next_id = number_events(frames, self.next_id)
-        self._chunks.append(_Chunk(self._next_seq, self.next_id, next_id, data))
+        self._chunks.append(_Chunk(self._next_seq, self.next_id, last_id + 1, data))
         self._next_seq += 1
-        self.next_id = next_id
+        self.next_id = last_id + 1
         self._held_bytes += len(data)
         self._unsent_bytes += len(data)
         self._trim()
@@ -277,7 +185,8 @@ class EventLog:
                 if fresh:
                     seq = fresh[-1].seq + 1
                     self._handed(fresh)
-                    data = b"".join([_from_event(fresh[0], skip_to), *(c.data for c in fresh[1:])])
+                    first = events_after(fresh[0].data, skip_to - 1) if skip_to else fresh[0].data
+                    data = b"".join([first, *(c.data for c in fresh[1:])])
                     skip_to = 0
                     await send({"type": "http.response.body", "body": data, "more_body": True})
                 elif self.closed:
@@ -345,16 +254,6 @@ class EventLog:
             log.info(
                 "stream %s: no reconnect within %g s; cancelling it", self.stream_id, self.window_s
             )
-        for reader in self.readers:
-            reader.cancel()
+        self.reader.cancel()
         self.close()
         self._forget(self.stream_id)
-
-
-def _from_event(chunk: _Chunk, event_id: int) -> bytes:
-    """`chunk`'s frames from the one with id `event_id` on (all of them if it starts later)."""
-    if event_id <= chunk.first_id:
-        return chunk.data
-    mark = b"id: %d\n" % event_id
-    at = chunk.data.find(b"\n\n" + mark)
-    return chunk.data[at + 2 :] if at >= 0 else b""
