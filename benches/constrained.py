@@ -64,11 +64,11 @@ def drain(reader: Any) -> None:
 
 def decode_tok_s(engine: Any, prompts: list[list[int]], tokens: int, grammar: Any) -> float:
     """Aggregate generated tokens per second for `prompts` at once, `tokens` each."""
-    from mlxgate._native import StreamSpec
+    from mlxgate._native import Reply, StreamSpec
     from mlxgate.engine import GenerationRequest
 
     spec = StreamSpec.anthropic(
-        model="m", message_id="msg_b", stream=True, stop_sequences=[], eos_ids=[]
+        model="m", message_id="msg_b", stream=True, stop_sequences=[], reply=Reply(eos_ids=[])
     )
     started = time.perf_counter()
     readers = [engine.admit(GenerationRequest(p, spec, tokens, grammar=grammar)) for p in prompts]

@@ -70,11 +70,11 @@ def first_token_s(engine: Any, prompt: list[int], steps: int) -> tuple[float, li
     """Seconds to the first streamed token, and the generated ids (token i reads `i,`)."""
     import orjson
 
-    from mlxgate._native import StreamSpec
+    from mlxgate._native import Reply, StreamSpec
     from mlxgate.engine import GenerationRequest
 
     spec = StreamSpec.anthropic(
-        model="m", message_id="msg_b", stream=True, stop_sequences=[], eos_ids=[]
+        model="m", message_id="msg_b", stream=True, stop_sequences=[], reply=Reply(eos_ids=[])
     )
     started = time.perf_counter()
     reader = engine.admit(GenerationRequest(prompt, spec, steps))

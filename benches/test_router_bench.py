@@ -28,7 +28,7 @@ import pytest
 from pure_python_stream import PyRouter, mlx_lm_tokenizer
 from stream_workload import GENERATED_TEXT, STOP_SEQUENCES, Workload, load_workload
 
-from mlxgate._native import FinishReason, Router, StreamSpec
+from mlxgate._native import FinishReason, Reply, Router, StreamSpec
 from mlxgate.streams import wake_all_for
 
 STREAM_COUNTS = [1, 32, 256]
@@ -92,7 +92,7 @@ class OpenStreams:
                         model="SmolLM2-135M-Instruct",
                         message_id=f"msg_{stream_id:024d}",
                         stop_sequences=stop_sequences,
-                        eos_ids=eos_ids,
+                        reply=Reply(eos_ids=eos_ids),
                     ),
                     prompt_tokens=70,
                     max_tokens=max_tokens,

@@ -21,7 +21,7 @@ import pytest
 from tiny_models import ARCHITECTURES, VOCAB, WINDOW, twins
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
-from mlxgate._native import Reader, Router, StreamSpec, Vocab
+from mlxgate._native import Reader, Reply, Router, StreamSpec, Vocab
 from mlxgate.engine import Engine, EngineSettings, GenerationRequest
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.models import LoadedModel
@@ -101,7 +101,11 @@ class Served:
 
     def submit(self, prompt: list[int], steps: int = STEPS) -> Reader:
         spec = StreamSpec.anthropic(
-            model="tiny", message_id="msg_t", stream=False, stop_sequences=[], eos_ids=[]
+            model="tiny",
+            message_id="msg_t",
+            stream=False,
+            stop_sequences=[],
+            reply=Reply(eos_ids=[]),
         )
         return self.engine.admit(GenerationRequest(prompt, spec, steps))
 

@@ -15,7 +15,7 @@ import pytest
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 
 import mlx.core as mx  # isort: skip
-from mlxgate._native import Dialect, Reader, Router, StreamSpec, Vocab
+from mlxgate._native import Dialect, Reader, Reply, Router, StreamSpec, Vocab
 from mlxgate.api.anthropic.routes import ADMISSION_ERRORS as ANTHROPIC_ADMISSION_ERRORS
 from mlxgate.engine import (
     Engine,
@@ -86,7 +86,7 @@ def submit(
         message_id="msg_test",
         stream=stream,
         stop_sequences=stop or [],
-        eos_ids=sorted(engine.loaded.tokenizer.eos_ids),
+        reply=Reply(eos_ids=sorted(engine.loaded.tokenizer.eos_ids)),
     )
     return engine.admit(GenerationRequest(ids, spec, max_tokens))
 
@@ -274,7 +274,7 @@ def choices_spec(engine: Engine) -> StreamSpec:
         completion_id="chatcmpl-n",
         created=1,
         stream=False,
-        eos_ids=sorted(engine.loaded.tokenizer.eos_ids),
+        reply=Reply(eos_ids=sorted(engine.loaded.tokenizer.eos_ids)),
     )
 
 

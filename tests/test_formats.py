@@ -344,10 +344,10 @@ def test_forced_tool_choice_opens_the_call_as_the_format_writes_it(family: Famil
         ({"type": "any"}, fmt.forced_opening(None)),
     ):
         prompt = r.render(request(tool_choice=choice))
-        assert prompt.text.endswith(opening) and prompt.prefill.endswith(opening)
+        assert prompt.text.endswith(opening) and prompt.reply.prefill.endswith(opening)
         assert prompt.ids == r.encode(prompt.text)
         if r.format.think is not None:  # the call is not made inside an open reasoning block
-            assert not prompt.prefill.startswith(r.format.think[0])
+            assert not prompt.reply.prefill.startswith(r.format.think[0])
     none = r.render(request(tool_choice={"type": "none"}))
     assert "The Bash tool" not in none.text and none.markup is r.format.markup_text
 
@@ -414,14 +414,14 @@ def test_a_forced_calls_grammar_admits_exactly_the_calls_the_schema_allows(famil
     def admits(prompt: chat.Prompt, call: str) -> bool:
         assert prompt.call_grammar is not None
         matcher = vocabulary.matcher(Grammar.lark(prompt.call_grammar), width)
-        rest = call.removeprefix(prompt.prefill)
+        rest = call.removeprefix(prompt.reply.prefill)
         assert rest != call, "the call starts with the forced opening"
         return all(matcher.consume_token(t) for t in r.encode(rest)) and matcher.is_accepting()
 
     named = r.render(request(tool_choice={"type": "tool", "name": "Bash"}))
     anyone = r.render(request(tool_choice={"type": "any"}))
     opening = fmt.forced_opening("Bash")
-    assert named.prefill.endswith(opening)
+    assert named.reply.prefill.endswith(opening)
     named = replace(named, prefill=opening)
     anyone = replace(anyone, prefill=fmt.forced_opening(None))
     assert admits(named, fmt.render_call("Bash", COMMAND))
@@ -466,6 +466,6 @@ def test_a_structured_reply_opens_the_answer_without_reasoning(family: Family) -
     prompt = r.render(replace(request(), structured=True))
     if family.tool_format == "harmony":
         opening = r.format.reasoning.answer
-        assert prompt.text.endswith(opening) and prompt.prefill == opening
+        assert prompt.text.endswith(opening) and prompt.reply.prefill == opening
     elif r.format.think is not None:
-        assert not prompt.prefill.startswith(r.format.think[0])
+        assert not prompt.reply.prefill.startswith(r.format.think[0])

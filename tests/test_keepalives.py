@@ -27,14 +27,14 @@ from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
 
 from conftest import RunningServer, start_server, stop_server
-from mlxgate._native import FinishReason, Router, StreamSpec, Vocab
+from mlxgate._native import FinishReason, Reply, Router, StreamSpec, Vocab
 
 EOS = 3
 _RAW_VOCAB = [b"Hello", b" world", b"!", b"</s>"]
 
 
 def _spec(dialect: str) -> StreamSpec:
-    common: dict[str, Any] = {"model": "smol", "eos_ids": [EOS]}
+    common: dict[str, Any] = {"model": "smol", "reply": Reply(eos_ids=[EOS])}
     if dialect == "anthropic":
         return StreamSpec.anthropic(message_id="msg_1", **common)
     if dialect == "responses":

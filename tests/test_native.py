@@ -21,6 +21,7 @@ from mlxgate._native import (
     Markup,
     NativeError,
     Reader,
+    Reply,
     Router,
     StreamSpec,
     Vocab,
@@ -238,12 +239,14 @@ def text_vocab() -> Vocab:
 
 def open_text(router: Router, sid: int, *, max_tokens: int = UNLIMITED, **kw: Any) -> Reader:
     """An Anthropic stream over text_vocab(): token 0 (`<eos>`) ends the turn."""
-    spec = StreamSpec.anthropic(model="m", message_id=f"msg_{sid}", eos_ids=[0], **kw)
+    spec = StreamSpec.anthropic(model="m", message_id=f"msg_{sid}", **kw, reply=Reply(eos_ids=[0]))
     return router.open(sid, spec, prompt_tokens=1, max_tokens=max_tokens)
 
 
 def open_openai(router: Router, sid: int, *, max_tokens: int = UNLIMITED, **kw: Any) -> Reader:
-    spec = StreamSpec.openai(model="m", completion_id="c", created=1, eos_ids=[0], **kw)
+    spec = StreamSpec.openai(
+        model="m", completion_id="c", created=1, **kw, reply=Reply(eos_ids=[0])
+    )
     return router.open(sid, spec, prompt_tokens=1, max_tokens=max_tokens)
 
 
@@ -687,10 +690,10 @@ def run_pieces(
     n = len(pieces)
     if dialect == "openai":
         spec = StreamSpec.openai(
-            model="m", completion_id="chatcmpl-1", created=1, eos_ids=[0], **kw
+            model="m", completion_id="chatcmpl-1", created=1, **kw, reply=Reply(eos_ids=[0])
         )
     else:
-        spec = StreamSpec.anthropic(model="m", message_id="msg_1", eos_ids=[0], **kw)
+        spec = StreamSpec.anthropic(model="m", message_id="msg_1", **kw, reply=Reply(eos_ids=[0]))
     reader = router.open(1, spec, prompt_tokens=1, max_tokens=n if max_tokens else UNLIMITED)
     out = bytearray(reader.take() or b"")
     ended: list[tuple[int, FinishReason]] = []
@@ -825,7 +828,7 @@ def test_prefill_forced_tool_call_starts_at_open() -> None:
     router = Router(Vocab.from_token_bytes([b"<eos>", b'{"command": "ls"}', b"}"], [0]))
     prefill = '<tool_call>\n{"name": "Bash", "arguments": '
     spec = StreamSpec.anthropic(
-        model="m", message_id="msg_1", markup=HERMES, prefill=prefill, eos_ids=[0]
+        model="m", message_id="msg_1", reply=Reply(markup=HERMES, prefill=prefill, eos_ids=[0])
     )
     reader = router.open(1, spec, prompt_tokens=1, max_tokens=UNLIMITED)
     start = reader.take() or b""
@@ -1002,9 +1005,9 @@ def test_harmony_tags_as_special_tokens_reach_the_parser() -> None:
     spec = StreamSpec.anthropic(
         model="m",
         message_id="msg_1",
-        markup=Markup(tool_call="harmony"),
-        eos_ids=[0, ids["<|call|>"]],
-        tools=[("get", "{}")],
+        reply=Reply(
+            markup=Markup(tool_call="harmony"), eos_ids=[0, ids["<|call|>"]], tools=[("get", "{}")]
+        ),
     )
     reader = router.open(1, spec, prompt_tokens=1, max_tokens=UNLIMITED)
     script = [
@@ -1058,7 +1061,9 @@ def test_kimi_special_tags_without_markup_render_nothing() -> None:
         (None, ["text"]),
     ]:
         router = Router(vocab)
-        spec = StreamSpec.anthropic(model="m", message_id="msg_1", markup=markup, eos_ids=[0])
+        spec = StreamSpec.anthropic(
+            model="m", message_id="msg_1", reply=Reply(markup=markup, eos_ids=[0])
+        )
         reader = router.open(1, spec, prompt_tokens=1, max_tokens=UNLIMITED)
         for token in script:
             router.step([1], [token])
@@ -1091,7 +1096,7 @@ def test_one_reader_answers_every_choice_numbered_as_queued() -> None:
     last id taken), one usage chunk and one [DONE] after the last choice."""
     router = Router(text_vocab())
     spec = StreamSpec.openai(
-        model="m", completion_id="c", created=1, eos_ids=[0], include_usage=True
+        model="m", completion_id="c", created=1, include_usage=True, reply=Reply(eos_ids=[0])
     )
     reader = router.open([1, 2], spec, prompt_tokens=3, max_tokens=UNLIMITED)
     first, last_id = reader.take_events() or (b"", 0)
@@ -1116,7 +1121,12 @@ def test_a_responses_reader_keeps_the_response_object() -> None:
     router = Router(text_vocab())
     for stream in (True, False):
         spec = StreamSpec.responses(
-            model="m", response_id="resp_1", created_at=1, echo="{}", stream=stream, eos_ids=[0]
+            model="m",
+            response_id="resp_1",
+            created_at=1,
+            echo="{}",
+            stream=stream,
+            reply=Reply(eos_ids=[0]),
         )
         reader = router.open(1, spec, prompt_tokens=2, max_tokens=UNLIMITED)
         assert reader.result is None

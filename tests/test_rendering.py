@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from mlxgate import chat, formats
-from mlxgate._native import FinishReason, Markup, Router, StreamSpec, Vocab
+from mlxgate._native import FinishReason, Markup, Reply, Router, StreamSpec, Vocab
 from mlxgate.api.anthropic.requests import MessagesRequest
 from mlxgate.api.anthropic.requests import conversation as anthropic_conversation
 from mlxgate.api.errors import ApiError
@@ -117,7 +117,7 @@ def test_a_tool_round_trip_is_the_same_conversation_in_both_dialects(
     assert '"arguments": {"command": "ls"}' in prompt.text
     assert "<tool_response>\na.txt\n</tool_response>" in prompt.text
     assert prompt.ids == renderer.encode(prompt.text)
-    assert prompt.markup is renderer.format.markup_tools
+    assert prompt.reply.markup is renderer.format.markup_tools
 
 
 def test_system_messages_anywhere_fold_into_alternating_turns(renderer: chat.Renderer) -> None:
@@ -162,7 +162,7 @@ def test_forced_tool_choice_starts_the_call_in_the_prompt(renderer: chat.Rendere
                 messages=[{"role": "user", "content": "go"}],
             )
         )
-        assert prompt.text.endswith(opening) and prompt.prefill.endswith(opening)
+        assert prompt.text.endswith(opening) and prompt.reply.prefill.endswith(opening)
     none = renderer.render(
         anthropic(
             max_tokens=10,
@@ -248,11 +248,9 @@ def _parse(markup: Markup, prefill: str, text: str) -> list[tuple[str, Any]]:
         completion_id="c",
         created=0,
         stream=False,
-        markup=markup,
-        prefill=prefill,
-        eos_ids=[0],
-        # The XML formats type parameter values by the tool's schema.
-        tools=[("Bash", json.dumps(BASH_SCHEMA))],
+        reply=Reply(
+            markup=markup, prefill=prefill, eos_ids=[0], tools=[("Bash", json.dumps(BASH_SCHEMA))]
+        ),
     )
     reader = router.open(1, spec, prompt_tokens=1, max_tokens=10_000)
     ended = router.step([1] * len(text), [chars.index(c) + 1 for c in text])

@@ -30,7 +30,7 @@ from tiny_models import VOCAB, build, quantized, twins
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from conftest import REPO, free_port, start_server, stop_server
 from forced import forced_model_dir, serve_args
-from mlxgate._native import StreamSpec
+from mlxgate._native import Reply, StreamSpec
 from mlxgate.engine import GenerationRequest
 from mlxgate.engine.cache_kinds import UnsupportedCache
 from mlxgate.engine.contract import SamplingParams
@@ -116,7 +116,11 @@ def test_a_stop_sequence_inside_a_kept_guess_ends_the_stream_there(
     oracle.spoil = 1000
     stop = f"{want[2]},{want[3]},"
     spec = StreamSpec.anthropic(
-        model="tiny", message_id="msg_s", stream=False, stop_sequences=[stop], eos_ids=[]
+        model="tiny",
+        message_id="msg_s",
+        stream=False,
+        stop_sequences=[stop],
+        reply=Reply(eos_ids=[]),
     )
     text_before = "".join(f"{t}," for t in want)
     cut = text_before.index(stop)
@@ -243,7 +247,7 @@ def test_sampling_with_guesses_keeps_the_distribution() -> None:
     served.engine.speculation.propose = lambda tokens, k: np.array(
         [likeliest, then[1]][len(tokens) - len(prompt) :], dtype=np.int64
     )[:k]
-    spec = StreamSpec.anthropic(model="tiny", message_id="m", stream=False, eos_ids=[])
+    spec = StreamSpec.anthropic(model="tiny", message_id="m", stream=False, reply=Reply(eos_ids=[]))
     sampling = SamplingParams(temperature=1.0, top_k=top_k)
     counts: Counter[tuple[int, int]] = Counter()
     rounds, per_round = 40, 64
@@ -273,7 +277,7 @@ def test_sampling_with_guesses_keeps_the_distribution() -> None:
 def test_a_seed_gives_the_same_tokens_with_guesses_or_without() -> None:
     served_model, _ = twins("llama")
     served = Served(served_model, speculation_max_rows=64, prefix_cache_mb=0)
-    spec = StreamSpec.anthropic(model="tiny", message_id="m", stream=False, eos_ids=[])
+    spec = StreamSpec.anthropic(model="tiny", message_id="m", stream=False, reply=Reply(eos_ids=[]))
     prompt = [7, 7, 8, 9, 10]
     sampling = SamplingParams(temperature=0.8, seed=1234)
     try:

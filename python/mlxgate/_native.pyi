@@ -36,6 +36,7 @@ __all__ = [
     "Markup",
     "NativeError",
     "Reader",
+    "Reply",
     "Router",
     "StreamSpec",
     "Vocab",
@@ -197,14 +198,39 @@ class Dialect:
         events are, and the id of the last one (a stream that failed outside the engine)."""
 
 @final
-class StreamSpec:
-    """How one request's stream reads and when it ends, all but the engine's numbers: built by
-    the API, handed to `Router.open` by the engine.
+class Reply:
+    """What a stream needs from the model's side, built once per rendered prompt.
 
     `markup` parses thinking and tool calls (see Markup). `prefill` is markup the prompt already
     ends with (an opened `<think>`, or `<tool_call>\n{"name": "Bash", "arguments": ` to force a
     tool): the parser starts as if it had read it, the text itself is not emitted, and a tool
-    call it names starts at once. Ignored without `markup`. `eos_ids` end the turn."""
+    call it names starts at once. Ignored without `markup`. `eos_ids` end the turn. `tools` are
+    the rendered tools' (name, input schema as JSON text): the XML formats type the parameters
+    they parse by them."""
+
+    def __new__(
+        cls,
+        *,
+        markup: Markup | None = None,
+        prefill: str = "",
+        eos_ids: list[int] = ...,
+        tools: Sequence[tuple[str, str]] = ...,
+    ) -> Reply: ...
+    @property
+    def markup(self) -> Markup | None: ...
+    @property
+    def prefill(self) -> str: ...
+    @property
+    def eos_ids(self) -> list[int]: ...
+    @property
+    def tools(self) -> list[tuple[str, str]]: ...
+    def __eq__(self, value: object, /) -> bool: ...
+
+@final
+class StreamSpec:
+    """How one request's stream reads and when it ends, all but the engine's numbers: built by
+    the API (its dialect's parameters, stop sequences and the prompt's `Reply`: plain text
+    without one), handed to `Router.open` by the engine."""
 
     @staticmethod
     def anthropic(
@@ -213,10 +239,7 @@ class StreamSpec:
         message_id: str,
         stream: bool = True,
         stop_sequences: list[str] = ...,
-        markup: Markup | None = None,
-        prefill: str = "",
-        eos_ids: list[int] = ...,
-        tools: Sequence[tuple[str, str]] = ...,
+        reply: Reply | None = None,
     ) -> StreamSpec:
         """An Anthropic Messages stream. stream=True queues message_start and ping at once;
         stream=False makes the whole JSON Message body readable once the stream ends."""
@@ -231,10 +254,7 @@ class StreamSpec:
         include_usage: bool = False,
         kind: Literal["chat", "completion"] = "chat",
         stop_sequences: list[str] = ...,
-        markup: Markup | None = None,
-        prefill: str = "",
-        eos_ids: list[int] = ...,
-        tools: Sequence[tuple[str, str]] = ...,
+        reply: Reply | None = None,
     ) -> StreamSpec:
         """An OpenAI stream. kind="chat" answers /v1/chat/completions (`chat.completion.chunk`s,
         the first with the assistant role, queued at once); "completion" answers /v1/completions
@@ -259,10 +279,7 @@ class StreamSpec:
         encrypted_reasoning: bool = False,
         namespaced: Sequence[tuple[str, str, str]] = ...,
         stop_sequences: list[str] = ...,
-        markup: Markup | None = None,
-        prefill: str = "",
-        eos_ids: list[int] = ...,
-        tools: Sequence[tuple[str, str]] = ...,
+        reply: Reply | None = None,
     ) -> StreamSpec:
         """An OpenAI Responses stream. Streaming: typed SSE events (`event:` + `data:` with `type`
         and `sequence_number`): `response.created`, `response.in_progress`, per output item

@@ -34,9 +34,10 @@ from mlxgate.api.http import (
 )
 from mlxgate.api.models import ModelNames
 from mlxgate.api.openai import OpenAIAPI
+from mlxgate.api.pipeline import Services
 from mlxgate.api.responses import ResponsesAPI
 from mlxgate.api.resumable import Resumable
-from mlxgate.api.shared import Route, Services
+from mlxgate.api.routing import Route
 from mlxgate.config import Config
 from mlxgate.engine import Engine, Generator, SamplingParams
 from mlxgate.engine.drafter import check_vocabularies

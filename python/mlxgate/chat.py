@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mlxgate import formats
-from mlxgate._native import Markup
+from mlxgate._native import Markup, Reply
 from mlxgate.formats import ToolFormat
 from mlxgate.formats.call_grammar import AddedTokens, forced_call, optional_calls
 from mlxgate.formats.reasoning import FIELD as REASONING
@@ -119,14 +119,9 @@ class ChatFormat:
 class Prompt:
     text: str
     ids: list[int]
-    # Markup appended after the template's generation prompt (a forced tool call's opening, an
-    # opened think tag); the router parses the reply as if it had already read this.
-    prefill: str
-    # What the router parses in the reply (thinking, tool calls once tools were rendered).
-    markup: Markup | None
-    # The rendered tools' names and input schemas (JSON text): the XML tool formats type the
-    # parameters they parse by them (`StreamSpec(tools=...)`).
-    tool_schemas: list[tuple[str, str]] = field(default_factory=list)
+    # How the reply reads (markup, what of it the prompt already holds, end-of-turn tokens,
+    # tools): what every dialect's stream is opened with.
+    reply: Reply
     # What the reply may be after a forced call's opening (llguidance Lark): the rest of one call
     # whose arguments validate against the tool's schema. None: unconstrained.
     call_grammar: str | None = None
@@ -330,14 +325,17 @@ class Renderer:
             # A forced call or a structured reply does not reason: close what the template opened.
             text, prefill = f"{text.rstrip()}\n\n{fmt.think[1]}\n\n", ""
         text += continuation + forced
-        return Prompt(
-            text=text,
-            ids=self.tokenizer.encode(text),
-            prefill=prefill + continuation + forced,
+        reply = Reply(
             markup=fmt.markup_tools if tools else fmt.markup_text,
-            tool_schemas=[
+            prefill=prefill + continuation + forced,
+            eos_ids=self.eos_ids,
+            tools=[
                 (tool["function"]["name"], json.dumps(tool["function"].get("parameters") or {}))
                 for tool in tools
             ],
-            call_grammar=call_grammar,
         )
+        return Prompt(text, self.tokenizer.encode(text), reply, call_grammar)
+
+    def plain(self, text: str) -> Prompt:
+        """A prompt given as text, no template (legacy completions): its reply is plain text."""
+        return Prompt(text, self.tokenizer.encode(text), Reply(eos_ids=self.eos_ids))

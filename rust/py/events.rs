@@ -3,7 +3,6 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::pybacked::PyBackedStr;
 use pyo3::types::PyBytes;
 
 use super::markup::PyMarkup;
@@ -174,22 +173,88 @@ pub struct PyStreamSpec {
     pub(crate) inner: StreamSpec,
 }
 
+/// What a stream needs from the model's side, built once per rendered prompt: the markup to
+/// parse, what of it the prompt already holds, the tokens that end the turn, the tools' schemas.
+#[pyclass(module = "mlxgate._native", name = "Reply", frozen)]
+pub struct PyReply {
+    markup: Option<Py<PyMarkup>>,
+    prefill: String,
+    eos_ids: Vec<u32>,
+    tools: Vec<(String, String)>,
+    schemas: Arc<ToolSchemas>,
+}
+
+#[pymethods]
+impl PyReply {
+    #[new]
+    #[pyo3(signature = (*, markup = None, prefill = "", eos_ids = Vec::new(), tools = Vec::new()))]
+    fn new(
+        markup: Option<Py<PyMarkup>>,
+        prefill: &str,
+        eos_ids: Vec<u32>,
+        tools: Vec<(String, String)>,
+    ) -> Self {
+        let schemas = Arc::new(ToolSchemas::new(&tools));
+        Self {
+            markup,
+            prefill: prefill.to_owned(),
+            eos_ids,
+            tools,
+            schemas,
+        }
+    }
+
+    #[getter]
+    fn markup(&self, py: Python<'_>) -> Option<Py<PyMarkup>> {
+        self.markup.as_ref().map(|m| m.clone_ref(py))
+    }
+
+    #[getter]
+    fn prefill(&self) -> &str {
+        &self.prefill
+    }
+
+    #[getter]
+    fn eos_ids(&self) -> Vec<u32> {
+        self.eos_ids.clone()
+    }
+
+    #[getter]
+    fn tools(&self) -> Vec<(String, String)> {
+        self.tools.clone()
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        let Ok(other) = other.cast::<PyReply>() else {
+            return false;
+        };
+        let other = other.get();
+        let same_markup = match (&self.markup, &other.markup) {
+            (Some(a), Some(b)) => a.is(b),
+            (None, None) => true,
+            _ => false,
+        };
+        same_markup
+            && self.prefill == other.prefill
+            && self.eos_ids == other.eos_ids
+            && self.tools == other.tools
+    }
+}
+
 fn spec(
     dialect: DialectParams,
     stop_sequences: Vec<String>,
-    markup: Option<&Bound<'_, PyMarkup>>,
-    prefill: &str,
-    eos_ids: Vec<u32>,
-    tools: Vec<(PyBackedStr, PyBackedStr)>,
+    reply: Option<&Bound<'_, PyReply>>,
 ) -> PyStreamSpec {
+    let reply = reply.map(Bound::get);
     PyStreamSpec {
         inner: StreamSpec {
             dialect,
             stop_sequences,
-            markup: markup.map(|m| m.get().inner.clone()),
-            prefill: prefill.to_owned(),
-            eos_ids,
-            tools: Arc::new(ToolSchemas::new(&tools)),
+            markup: reply.and_then(|r| r.markup.as_ref().map(|m| m.get().inner.clone())),
+            prefill: reply.map(|r| r.prefill.clone()).unwrap_or_default(),
+            eos_ids: reply.map(|r| r.eos_ids.clone()).unwrap_or_default(),
+            tools: reply.map(|r| r.schemas.clone()).unwrap_or_default(),
         },
     }
 }
@@ -197,41 +262,26 @@ fn spec(
 #[pymethods]
 impl PyStreamSpec {
     #[staticmethod]
-    #[pyo3(signature = (
-        *, model, message_id, stream = true, stop_sequences = Vec::new(), markup = None,
-        prefill = "", eos_ids = Vec::new(), tools = Vec::new(),
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (*, model, message_id, stream = true, stop_sequences = Vec::new(), reply = None))]
     fn anthropic(
         model: String,
         message_id: String,
         stream: bool,
         stop_sequences: Vec<String>,
-        markup: Option<&Bound<'_, PyMarkup>>,
-        prefill: &str,
-        eos_ids: Vec<u32>,
-        tools: Vec<(PyBackedStr, PyBackedStr)>,
+        reply: Option<&Bound<'_, PyReply>>,
     ) -> PyStreamSpec {
         let params = AnthropicParams {
             model,
             message_id,
             stream,
         };
-        spec(
-            DialectParams::Anthropic(params),
-            stop_sequences,
-            markup,
-            prefill,
-            eos_ids,
-            tools,
-        )
+        spec(DialectParams::Anthropic(params), stop_sequences, reply)
     }
 
     #[staticmethod]
     #[pyo3(signature = (
         *, model, completion_id, created, stream = true, include_usage = false, kind = "chat",
-        stop_sequences = Vec::new(), markup = None, prefill = "", eos_ids = Vec::new(),
-        tools = Vec::new(),
+        stop_sequences = Vec::new(), reply = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn openai(
@@ -242,10 +292,7 @@ impl PyStreamSpec {
         include_usage: bool,
         kind: &str,
         stop_sequences: Vec<String>,
-        markup: Option<&Bound<'_, PyMarkup>>,
-        prefill: &str,
-        eos_ids: Vec<u32>,
-        tools: Vec<(PyBackedStr, PyBackedStr)>,
+        reply: Option<&Bound<'_, PyReply>>,
     ) -> PyResult<PyStreamSpec> {
         let params = OpenAiParams {
             model,
@@ -255,21 +302,14 @@ impl PyStreamSpec {
             include_usage,
             kind: kind.parse::<CompletionKind>()?,
         };
-        Ok(spec(
-            DialectParams::OpenAi(params),
-            stop_sequences,
-            markup,
-            prefill,
-            eos_ids,
-            tools,
-        ))
+        Ok(spec(DialectParams::OpenAi(params), stop_sequences, reply))
     }
 
     #[staticmethod]
     #[pyo3(signature = (
         *, model, response_id, created_at, echo, stream = true, reasoning_summary = false,
         encrypted_reasoning = false, namespaced = Vec::new(), stop_sequences = Vec::new(),
-        markup = None, prefill = "", eos_ids = Vec::new(), tools = Vec::new(),
+        reply = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn responses(
@@ -282,10 +322,7 @@ impl PyStreamSpec {
         encrypted_reasoning: bool,
         namespaced: Vec<(String, String, String)>,
         stop_sequences: Vec<String>,
-        markup: Option<&Bound<'_, PyMarkup>>,
-        prefill: &str,
-        eos_ids: Vec<u32>,
-        tools: Vec<(PyBackedStr, PyBackedStr)>,
+        reply: Option<&Bound<'_, PyReply>>,
     ) -> PyStreamSpec {
         let params = ResponsesParams {
             model,
@@ -304,14 +341,7 @@ impl PyStreamSpec {
                 })
                 .collect(),
         };
-        spec(
-            DialectParams::Responses(params),
-            stop_sequences,
-            markup,
-            prefill,
-            eos_ids,
-            tools,
-        )
+        spec(DialectParams::Responses(params), stop_sequences, reply)
     }
 
     #[getter]

@@ -60,6 +60,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<vocab::PyVocab>()?;
     m.add_class::<markup::PyMarkup>()?;
     m.add_class::<events::PyStreamSpec>()?;
+    m.add_class::<events::PyReply>()?;
     m.add_class::<events::PyFinishReason>()?;
     m.add_class::<events::PyErrorKind>()?;
     m.add_class::<events::PyDialect>()?;

@@ -25,7 +25,7 @@ from mlxgate.api.http import (
     start_event_stream,
     wait_disconnect,
 )
-from mlxgate.api.shared import Route, path_tail
+from mlxgate.api.routing import Route, path_tail
 
 log = logging.getLogger("mlxgate")
 

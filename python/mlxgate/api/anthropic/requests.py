@@ -8,8 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxgate import chat
 from mlxgate.api.errors import invalid
-from mlxgate.api.shared import reply_grammar
-from mlxgate.engine import Grammar
+from mlxgate.api.requests import reply_grammar, sampling
+from mlxgate.engine import Grammar, SamplingParams
 from mlxgate.formats.reasoning import FIELD as REASONING
 
 # Claude Code sends a per-session block that would defeat prefix reuse; it carries no instructions.
@@ -107,6 +107,12 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=0)
     # mlxgate's own: false keeps this request out of speculative decoding (same tokens, no guesses)
     speculative_decoding: bool = True
+
+    def output_tokens(self) -> int:
+        return self.max_tokens
+
+    def sampling(self, defaults: SamplingParams) -> SamplingParams:
+        return sampling(defaults, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
 def _tool_result_text(block: ContentBlock) -> str:

@@ -6,25 +6,19 @@ import time
 import uuid
 from typing import Any
 
-from mlxgate._native import Dialect, StreamSpec
+from mlxgate._native import Dialect, Reply, StreamSpec
 from mlxgate.api.anthropic.requests import CountTokensRequest, MessagesRequest, conversation
-from mlxgate.api.delivery import respond
 from mlxgate.api.http import Receive, Scope, Send, send_json
-from mlxgate.api.shared import (
+from mlxgate.api.pipeline import (
     COMMON_ADMISSION_ERRORS,
     AdmissionErrors,
-    Route,
+    Pipeline,
     Services,
-    admit,
-    constraint,
-    output_limit,
-    parse,
-    path_tail,
     prompt_too_long,
-    render,
-    sampling,
 )
-from mlxgate.engine import GenerationRequest, PromptTooLong
+from mlxgate.api.requests import parse
+from mlxgate.api.routing import Route, path_tail
+from mlxgate.engine import PromptTooLong
 
 ANTHROPIC = Dialect.ANTHROPIC
 
@@ -37,6 +31,7 @@ ADMISSION_ERRORS: AdmissionErrors = {
 class AnthropicAPI:
     def __init__(self, services: Services) -> None:
         self.services = services
+        self.pipeline = Pipeline(services, ANTHROPIC, ADMISSION_ERRORS)
 
     def routes(self) -> list[Route]:
         # Longest suffix first: /v1/messages/count_tokens before /v1/messages.
@@ -55,50 +50,23 @@ class AnthropicAPI:
         ]
 
     async def messages(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
-        services = self.services
         request = parse(MessagesRequest, body)
-        services.models.check(request.model)
-        max_tokens = output_limit(services, request.max_tokens)
-        grammar = request.grammar()
-        prompt = render(services.renderer, conversation(request))
-        stream = StreamSpec.anthropic(
-            model=services.models.served,
-            message_id=f"msg_{uuid.uuid4().hex[:24]}",
-            stream=request.stream,
-            stop_sequences=request.stop_sequences or [],
-            markup=prompt.markup,
-            prefill=prompt.prefill,
-            eos_ids=services.renderer.eos_ids,
-            tools=prompt.tool_schemas,
-        )
-        generation = GenerationRequest(
-            prompt.ids,
-            stream,
-            max_tokens=max_tokens,
-            sampling=sampling(
-                services.default_sampling,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                top_k=request.top_k,
-            ),
-            grammar=constraint(prompt, grammar),
-            speculate=request.speculative_decoding,
-        )
-        reader = admit(services.engine, generation, ADMISSION_ERRORS)
-        await respond(
-            scope,
-            send,
-            receive,
-            reader,
-            ANTHROPIC,
-            stream=request.stream,
-            resumable=services.resumable,
-        )
+
+        def spec(reply: Reply) -> StreamSpec:
+            return StreamSpec.anthropic(
+                model=self.services.models.served,
+                message_id=f"msg_{uuid.uuid4().hex[:24]}",
+                stream=request.stream,
+                stop_sequences=request.stop_sequences or [],
+                reply=reply,
+            )
+
+        await self.pipeline.answer(scope, receive, send, request, conversation(request), spec)
 
     async def count_tokens(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(CountTokensRequest, body)
         self.services.models.check(request.model)
-        prompt = render(self.services.renderer, conversation(request))
+        prompt = self.pipeline.render(conversation(request))
         await send_json(send, 200, {"input_tokens": len(prompt.ids)})
 
     def _entry(self, name: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxgate import chat
 from mlxgate.api.errors import invalid
-from mlxgate.api.shared import reply_grammar, sampling
+from mlxgate.api.requests import reply_grammar, sampling
 from mlxgate.engine import Grammar, SamplingParams
 from mlxgate.formats.reasoning import FIELD as REASONING
 
@@ -111,6 +111,10 @@ class _Sampling(_Lenient):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def grammar(self) -> Grammar | None:
+        """What the reply's format says it must match (legacy completions have no format)."""
+        return None
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
@@ -127,6 +131,9 @@ class ChatCompletionRequest(_Sampling):
             raise invalid("top_logprobs: logprobs must be true to use it", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def output_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
     def grammar(self) -> Grammar | None:
         return self.response_format.grammar() if self.response_format else None
 
@@ -138,6 +145,9 @@ class CompletionRequest(_Sampling):
 
     def alternatives(self) -> int | None:
         return self.logprobs
+
+    def output_tokens(self) -> int:
+        return self.max_tokens
 
 
 def _text(content: str | list[ContentPart] | None, where: str) -> str:

@@ -4,33 +4,23 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
-from mlxgate import chat
-from mlxgate._native import Dialect, ErrorKind, StreamSpec
-from mlxgate.api.delivery import respond
-from mlxgate.api.errors import ApiError, invalid
+from mlxgate._native import Dialect, ErrorKind, Reply, StreamSpec
+from mlxgate.api.errors import ApiError
 from mlxgate.api.http import Receive, Scope, Send, send_json
-from mlxgate.api.openai.requests import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    _Sampling,
-    conversation,
-)
-from mlxgate.api.shared import (
+from mlxgate.api.openai.requests import ChatCompletionRequest, CompletionRequest, conversation
+from mlxgate.api.pipeline import (
     COMMON_ADMISSION_ERRORS,
     AdmissionErrors,
-    Route,
+    Pipeline,
     Services,
-    admit,
-    constraint,
-    output_limit,
-    parse,
-    path_tail,
     prompt_too_long,
-    render,
 )
-from mlxgate.engine import GenerationRequest, Grammar, PromptTooLong
+from mlxgate.api.requests import parse
+from mlxgate.api.routing import Route, path_tail
+from mlxgate.engine import PromptTooLong
 
 OPENAI = Dialect.OPENAI
 
@@ -43,6 +33,7 @@ ADMISSION_ERRORS: AdmissionErrors = {
 class OpenAIAPI:
     def __init__(self, services: Services) -> None:
         self.services = services
+        self.pipeline = Pipeline(services, OPENAI, ADMISSION_ERRORS)
 
     def routes(self) -> list[Route]:
         return [
@@ -56,85 +47,46 @@ class OpenAIAPI:
         self, scope: Scope, receive: Receive, send: Send, body: bytes
     ) -> None:
         request = parse(ChatCompletionRequest, body)
-        self.services.models.check(request.model)
-        grammar = request.grammar()
-        prompt = render(self.services.renderer, conversation(request))
-        await self._generate(
-            scope,
-            receive,
-            send,
-            request,
-            prompt.ids,
-            output_limit(self.services, request.max_completion_tokens or request.max_tokens),
-            kind="chat",
-            prompt=prompt,
-            grammar=constraint(prompt, grammar),
+        spec = self._spec(request, "chat")
+        await self.pipeline.answer(
+            scope, receive, send, request, conversation(request), spec, choices=request.n
         )
 
     async def completions(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(CompletionRequest, body)
-        self.services.models.check(request.model)
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         if len(prompts) != 1:
             raise ApiError(
                 ErrorKind.INVALID_REQUEST, "prompt: exactly one prompt is supported", param="prompt"
             )
-        ids = self.services.renderer.encode(prompts[0])
-        if len(ids) < 2:  # the engine decodes from the prompt's last token after the rest
-            raise invalid(
-                f"prompt: must be at least 2 tokens long; this one is {len(ids)}", param="prompt"
-            )
-        max_tokens = output_limit(self.services, request.max_tokens)
-        await self._generate(scope, receive, send, request, ids, max_tokens, kind="completion")
+        spec = self._spec(request, "completion")
+        await self.pipeline.answer(
+            scope, receive, send, request, prompts[0], spec, choices=request.n
+        )
 
-    async def _generate(
+    def _spec(
         self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        request: _Sampling,
-        prompt_ids: list[int],
-        max_tokens: int | None,
-        *,
+        request: ChatCompletionRequest | CompletionRequest,
         kind: Literal["chat", "completion"],
-        prompt: chat.Prompt | None = None,
-        grammar: Grammar | None = None,
-    ) -> None:
-        services = self.services
+    ) -> Callable[[Reply], StreamSpec]:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         completion_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        generation = GenerationRequest(
-            prompt_ids,
-            StreamSpec.openai(
-                model=services.models.served,
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+        def spec(reply: Reply) -> StreamSpec:
+            return StreamSpec.openai(
+                model=self.services.models.served,
                 completion_id=completion_id,
                 created=created,
                 stream=request.stream,
-                include_usage=bool(request.stream_options and request.stream_options.include_usage),
+                include_usage=include_usage,
                 kind=kind,
                 stop_sequences=request.stops(),
-                markup=prompt.markup if prompt else None,
-                prefill=prompt.prefill if prompt else "",
-                eos_ids=services.renderer.eos_ids,
-                tools=prompt.tool_schemas if prompt else [],
-            ),
-            max_tokens,
-            request.sampling(services.default_sampling),
-            grammar,
-            speculate=request.speculative_decoding,
-            choices=request.n,
-        )
-        reader = admit(services.engine, generation, ADMISSION_ERRORS)
-        await respond(
-            scope,
-            send,
-            receive,
-            reader,
-            OPENAI,
-            stream=request.stream,
-            resumable=services.resumable,
-        )
+                reply=reply,
+            )
+
+        return spec
 
     def _entry(self, name: str) -> dict[str, Any]:
         created = self.services.models.created

@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxgate import chat
 from mlxgate._native import reasoning_from_encrypted
 from mlxgate.api.errors import invalid
-from mlxgate.api.shared import reply_grammar
-from mlxgate.engine import Grammar
+from mlxgate.api.requests import reply_grammar, sampling
+from mlxgate.engine import Grammar, SamplingParams
 from mlxgate.formats.reasoning import FIELD as REASONING
 
 log = logging.getLogger("mlxgate")
@@ -100,6 +100,12 @@ class ResponsesRequest(_Lenient):
     @property
     def text_format(self) -> str:
         return self.text.format.type if self.text and self.text.format else "text"
+
+    def output_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    def sampling(self, defaults: SamplingParams) -> SamplingParams:
+        return sampling(defaults, temperature=self.temperature, top_p=self.top_p, top_k=None)
 
     def grammar(self) -> Grammar | None:
         schema = self.text.format.schema_ if self.text and self.text.format else None

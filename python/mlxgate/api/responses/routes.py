@@ -8,26 +8,20 @@ from typing import Any
 
 import orjson
 
-from mlxgate._native import Dialect, StreamSpec
-from mlxgate.api.delivery import respond
+from mlxgate._native import Dialect, Reply, StreamSpec
 from mlxgate.api.http import Receive, Scope, Send, send_bytes, send_json
-from mlxgate.api.responses.requests import Item, ResponsesRequest, conversation, tools
-from mlxgate.api.responses.store import ResponseStore, StoredResponse
-from mlxgate.api.shared import (
+from mlxgate.api.pipeline import (
     COMMON_ADMISSION_ERRORS,
     AdmissionErrors,
-    Route,
+    Pipeline,
     Services,
-    admit,
-    constraint,
-    output_limit,
-    parse,
-    path_tail,
     prompt_too_long,
-    render,
-    sampling,
 )
-from mlxgate.engine import GenerationRequest, PromptTooLong
+from mlxgate.api.requests import parse
+from mlxgate.api.responses.requests import Item, ResponsesRequest, conversation, tools
+from mlxgate.api.responses.store import ResponseStore, StoredResponse
+from mlxgate.api.routing import Route, path_tail
+from mlxgate.engine import PromptTooLong
 
 RESPONSES = Dialect.RESPONSES
 
@@ -41,6 +35,7 @@ class ResponsesAPI:
     def __init__(self, services: Services) -> None:
         self.services = services
         self.store = ResponseStore(services.config.responses_store_mb << 20)
+        self.pipeline = Pipeline(services, RESPONSES, ADMISSION_ERRORS)
 
     def routes(self) -> list[Route]:
         return [
@@ -50,53 +45,28 @@ class ResponsesAPI:
         ]
 
     async def create(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
-        services = self.services
         request = parse(ResponsesRequest, body)
-        services.models.check(request.model)
         history = []
         if previous := request.previous_response_id:
             history = [Item.model_validate(item) for item in self.store.history(previous)]
         given = tools(request)
-        grammar = request.grammar()
-        prompt = render(services.renderer, conversation(request, history, given))
         response_id = f"resp_{uuid.uuid4().hex}"
-        stream = StreamSpec.responses(
-            model=services.models.served,
-            response_id=response_id,
-            created_at=int(time.time()),
-            echo=orjson.dumps(request.echo(given.served)).decode(),
-            stream=request.stream,
-            reasoning_summary=request.reasoning_summary,
-            encrypted_reasoning=request.encrypted_reasoning,
-            namespaced=given.namespaced,
-            markup=prompt.markup,
-            prefill=prompt.prefill,
-            eos_ids=services.renderer.eos_ids,
-            tools=prompt.tool_schemas,
-        )
-        generation = GenerationRequest(
-            prompt.ids,
-            stream,
-            max_tokens=output_limit(services, request.max_output_tokens),
-            sampling=sampling(
-                services.default_sampling,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                top_k=None,
-            ),
-            grammar=constraint(prompt, grammar),
-            speculate=request.speculative_decoding,
-        )
-        reader = admit(services.engine, generation, ADMISSION_ERRORS)
-        await respond(
-            scope,
-            send,
-            receive,
-            reader,
-            RESPONSES,
-            stream=request.stream,
-            resumable=services.resumable,
-        )
+
+        def spec(reply: Reply) -> StreamSpec:
+            return StreamSpec.responses(
+                model=self.services.models.served,
+                response_id=response_id,
+                created_at=int(time.time()),
+                echo=orjson.dumps(request.echo(given.served)).decode(),
+                stream=request.stream,
+                reasoning_summary=request.reasoning_summary,
+                encrypted_reasoning=request.encrypted_reasoning,
+                namespaced=given.namespaced,
+                reply=reply,
+            )
+
+        prompt = conversation(request, history, given)
+        reader = await self.pipeline.answer(scope, receive, send, request, prompt, spec)
         response = reader.result
         if request.store and response is not None:
             inputs = [item.model_dump(exclude_unset=True) for item in request.items]

@@ -1,0 +1,183 @@
+"""One request's way through the server, whatever its dialect: parse, check the model, render,
+hold to a grammar, admit, respond. A dialect supplies only what differs: its request model and
+conversion, its stream's parameters (`StreamSpec`) and its admission table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mlxgate import chat, logs
+from mlxgate._native import Dialect, ErrorKind, Reader, Reply, StreamSpec
+from mlxgate.api.delivery import respond
+from mlxgate.api.errors import ApiError, invalid
+from mlxgate.api.http import Receive, Scope, Send
+from mlxgate.api.models import ModelNames
+from mlxgate.config import Config
+from mlxgate.engine import (
+    AdmissionError,
+    EngineStopped,
+    GenerationRequest,
+    Generator,
+    Grammar,
+    GrammarError,
+    PromptTooLong,
+    QueueFull,
+    SamplingParams,
+)
+
+if TYPE_CHECKING:
+    from mlxgate.api.resumable import Resumable
+
+# How a dialect words each admission error (one table per dialect).
+AdmissionErrors = Mapping[type[AdmissionError], Callable[[Any], ApiError]]
+
+# The entries every dialect words alike (each picks its own status for the kind: Anthropic's
+# clients retry 529 as "overloaded", OpenAI's 503). A dialect's table adds PromptTooLong.
+COMMON_ADMISSION_ERRORS: AdmissionErrors = {
+    QueueFull: lambda e: ApiError(
+        ErrorKind.OVERLOADED,
+        "the server is overloaded: too many requests waiting, retry later",
+        retry_after_s=e.retry_after_s,
+    ),
+    EngineStopped: lambda e: ApiError(ErrorKind.UNAVAILABLE, str(e)),
+}
+
+
+def prompt_too_long(
+    error: PromptTooLong, *, code: str | None = None, param: str | None = None
+) -> ApiError:
+    """A prompt over the context, in the words Claude Code and OpenAI's clients both parse (Claude
+    Code reads the two numbers to decide whether to compact; Codex acts on the OpenAI code)."""
+    return ApiError(
+        ErrorKind.INVALID_REQUEST,
+        f"prompt is too long: {error.prompt_tokens} tokens > {error.context_length} maximum",
+        should_retry=False,
+        code=code,
+        param=param,
+    )
+
+
+@dataclass(frozen=True)
+class Services:
+    """What a dialect is built with: the engine, the model's rendering, names and settings."""
+
+    engine: Generator
+    renderer: chat.Renderer
+    models: ModelNames
+    default_sampling: SamplingParams
+    # The server's settings, for the ones only one dialect reads.
+    config: Config
+    max_output_tokens: int | None = None
+    # Where streams go to be resumable (`--resume-window`); None: they are not.
+    resumable: Resumable | None = None
+
+
+def output_limit(services: Services, requested: int | None) -> int | None:
+    """The request's output limit under the server's (`--max-output-tokens`): the smaller of
+    the two. Clamped, not refused: Claude Code asks for 32k-128k tokens and retries a refusal
+    only when the limit is at least a few thousand tokens."""
+    limit = services.max_output_tokens
+    if limit is None or requested is None:
+        return requested if limit is None else limit
+    return min(requested, limit)
+
+
+def constraint(prompt: chat.Prompt, reply: Grammar | None) -> Grammar | None:
+    """What the engine holds the reply to: a forced call's grammar (arguments valid for the
+    tool's schema), else the reply's format (`reply`), else nothing."""
+    if prompt.call_grammar is None:
+        return reply
+    try:
+        return Grammar.lark(prompt.call_grammar)
+    except GrammarError as exc:
+        raise invalid(f"tools: the forced tool's schema cannot be enforced: {exc}") from None
+
+
+class Asked(Protocol):
+    """What every dialect's generation request says besides its prompt."""
+
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def stream(self) -> bool: ...
+    @property
+    def speculative_decoding(self) -> bool: ...
+
+    def output_tokens(self) -> int | None:
+        """The most tokens the reply may have, as asked; None: as many as fit."""
+        ...
+
+    def sampling(self, defaults: SamplingParams) -> SamplingParams: ...
+
+    def grammar(self) -> Grammar | None:
+        """What the reply's format says it must match."""
+        ...
+
+
+class Pipeline:
+    """A dialect's way to the engine: `answer` takes a parsed request to its response."""
+
+    def __init__(self, services: Services, dialect: Dialect, errors: AdmissionErrors) -> None:
+        self.services = services
+        self.dialect = dialect
+        self.errors = errors
+
+    async def answer(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        request: Asked,
+        prompt: chat.Conversation | str,
+        spec: Callable[[Reply], StreamSpec],
+        *,
+        choices: int = 1,
+    ) -> Reader:
+        """Generate the answer to `request` and respond with it: `prompt` rendered (a
+        conversation through the chat template, text as it is), `spec` made from the prompt's
+        `Reply`. Returns the reader (the response has been sent when this returns)."""
+        services = self.services
+        services.models.check(request.model)
+        grammar = request.grammar()
+        rendered = self.render(prompt)
+        generation = GenerationRequest(
+            rendered.ids,
+            spec(rendered.reply),
+            max_tokens=output_limit(services, request.output_tokens()),
+            sampling=request.sampling(services.default_sampling),
+            grammar=constraint(rendered, grammar),
+            speculate=request.speculative_decoding,
+            choices=choices,
+        )
+        try:
+            reader = services.engine.admit(generation)
+        except AdmissionError as exc:
+            raise self.errors[type(exc)](exc) from None
+        logs.opened(reader)
+        await respond(
+            scope,
+            send,
+            receive,
+            reader,
+            self.dialect,
+            stream=request.stream,
+            resumable=services.resumable,
+        )
+        return reader
+
+    def render(self, prompt: chat.Conversation | str) -> chat.Prompt:
+        renderer = self.services.renderer
+        if isinstance(prompt, str):
+            rendered = renderer.plain(prompt)
+            if len(rendered.ids) < 2:  # the engine decodes from the last token after the rest
+                raise invalid(
+                    f"prompt: must be at least 2 tokens long; this one is {len(rendered.ids)}",
+                    param="prompt",
+                )
+            return rendered
+        try:
+            return renderer.render(prompt)
+        except chat.ConversationError as exc:
+            raise invalid(str(exc)) from None

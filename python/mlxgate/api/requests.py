@@ -1,0 +1,67 @@
+"""What the dialects' request models share: a body parsed into one, the server's sampling
+defaults under it, a reply format's grammar."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from mlxgate.api.errors import invalid
+from mlxgate.engine import Grammar, GrammarError, SamplingParams
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def _validation_message(exc: ValidationError) -> str:
+    first = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}" if where else first["msg"]
+
+
+def parse(model: type[Model], body: bytes) -> Model:
+    """The request body validated as `model`, or a 400 saying what is wrong."""
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise invalid(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise invalid("request body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise invalid(_validation_message(exc)) from None
+
+
+def sampling(
+    defaults: SamplingParams,
+    *,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None = None,
+    logprobs: int | None = None,
+) -> SamplingParams:
+    """The request's sampling, the server's defaults where it says nothing."""
+    return SamplingParams(
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_p=defaults.top_p if top_p is None else top_p,
+        top_k=defaults.top_k if top_k is None else top_k,
+        seed=seed,
+        logprobs=logprobs,
+    )
+
+
+def reply_grammar(kind: str, schema: dict[str, Any] | None, param: str) -> Grammar | None:
+    """What a reply in `kind` ("text", "json_object", "json_schema") must match: any JSON object,
+    the schema's JSON (`strict` or not: enforced either way), or nothing; a schema the engine
+    cannot enforce is a 400 naming what in it."""
+    if kind == "text":
+        return None
+    if kind == "json_schema" and schema is None:
+        raise invalid(f"{param}: a json_schema format needs its schema", param=param)
+    try:
+        return Grammar.json_schema(schema)
+    except GrammarError as exc:
+        raise invalid(f"{param}: {exc}", param=param) from None
