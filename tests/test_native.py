@@ -1077,18 +1077,17 @@ def test_kimi_special_tags_without_markup_render_nothing() -> None:
             assert blocks[0]["text"] == "Sure.functions.ls:0{}"
 
 
-def test_markup_accepts_every_format_name() -> None:
-    for name in [
-        "qwen3_coder",
-        "harmony",
-        "glm",
-        "mistral_v11",
-        "kimi_k2",
-        "deepseek_v3",
-        "minimax_m2",
-        "seed_oss",
-    ]:
-        assert Markup(tool_call=name).tool_call == name  # type: ignore[arg-type]
+def test_markup_accepts_every_format_name_and_each_has_its_prompt_side() -> None:
+    from mlxgate import formats
+
+    names = Markup.tool_formats()
+    assert len(names) == 11 and names[-1] == "hermes"
+    for name in names:
+        assert Markup(tool_call=name).tool_call == name
+        assert name == formats.TOOL_FORMATS[name].NAME
+    assert list(formats.TOOL_FORMATS) == names
+    with pytest.raises(NativeError, match='unknown tool call format "qwen"'):
+        Markup(tool_call="qwen")
 
 
 def test_one_reader_answers_every_choice_numbered_as_queued() -> None:

@@ -14,19 +14,6 @@ class _IntArray(Protocol):
     def __array__(self) -> Any: ...
 
 _Ints = Sequence[int] | Buffer | _IntArray
-_ToolFormat = Literal[
-    "hermes",
-    "mistral",
-    "llama3_json",
-    "qwen3_coder",
-    "harmony",
-    "glm",
-    "mistral_v11",
-    "kimi_k2",
-    "deepseek_v3",
-    "minimax_m2",
-    "seed_oss",
-]
 _Waiter = TypeVar("_Waiter")
 
 __all__ = [
@@ -83,11 +70,9 @@ class Markup:
     sequences are matched on visible text only (never inside thinking or tool-call JSON).
     Whitespace where markup meets text is trimmed (`text\n\n<tool_call>` gives the text `text`).
 
-    think: open and close tags, e.g. ("<think>", "</think>"). Anthropic: a `thinking` block
-    (`thinking_delta`s, then an empty `signature_delta`); OpenAI: `delta.reasoning_content`.
-
     think: open and close tags, e.g. ("<think>", "</think>"), ("[THINK]", "[/THINK]") or
-    ("<seed:think>", "</seed:think>").
+    ("<seed:think>", "</seed:think>"). Anthropic: a `thinking` block (`thinking_delta`s, then an
+    empty `signature_delta`); OpenAI: `delta.reasoning_content`.
 
     tool_call: the format's name. JSON formats: "hermes" (`<tool_call>{"name": …, "arguments":
     {…}}</tool_call>`, Qwen/Hermes), "mistral" (`[TOOL_CALLS][{…}, …]`), "llama3_json" (a reply
@@ -97,7 +82,7 @@ class Markup:
     `tool▁calls▁begin`, then per call `tool▁call▁begin` NAME `tool▁sep` {…} `tool▁call▁end`,
     each tag between DeepSeek's fullwidth bars; also V3's fenced `function tool▁sep NAME` form).
     XML formats, whose parameters are raw
-    text typed by the tool's input schema (see StreamSpec's `tools`): "qwen3_coder"
+    text typed by the tool's input schema (see Reply's `tools`): "qwen3_coder"
     (`<tool_call><function=NAME><parameter=K>\nV\n</parameter></function></tool_call>`; a Hermes
     JSON object after `<tool_call>` is read too), "seed_oss" (the same inside `<seed:tool_call>`),
     "minimax_m2" (`<minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter>
@@ -127,14 +112,18 @@ class Markup:
         cls,
         *,
         think: tuple[str, str] | None = None,
-        tool_call: _ToolFormat | None = None,
+        tool_call: str | None = None,
     ) -> Markup:
         """Raises NativeError for an unknown tool_call format or an empty think tag."""
 
     @property
     def think(self) -> tuple[str, str] | None: ...
     @property
-    def tool_call(self) -> _ToolFormat | None: ...
+    def tool_call(self) -> str | None: ...
+    @staticmethod
+    def tool_formats() -> list[str]:
+        """Every tool-call format's name, in the order chat templates are matched against them
+        (Hermes, the fallback, last)."""
 
 @final
 class FinishReason:

@@ -25,20 +25,25 @@ mod xml_params;
 
 pub use schema::{ToolSchemas, Types};
 
-/// Every tool-call format, by the name a model is configured with. A new format is a module
-/// above and one line here.
+/// Every tool-call format, by the name a model is configured with: the one list of them (the
+/// prompt side, `python/mlxgate/formats/<name>.py`, is found by these names). A new format is a
+/// module above and one line here.
+///
+/// In the order chat templates are matched against them: the specific markers first (GLM,
+/// Qwen3-Coder and Hermes templates all contain `<tool_call>`, Mistral v11 and older Mistral
+/// templates `[TOOL_CALLS]`, Seed-OSS and Qwen3-Coder `<function=`), Hermes, the fallback, last.
 static FORMATS: &[&ToolSyntax] = &[
-    &hermes::SYNTAX,
-    &mistral::SYNTAX,
-    &llama3_json::SYNTAX,
-    &qwen3_coder::SYNTAX,
     &harmony::SYNTAX,
-    &glm::SYNTAX,
-    &mistral_v11::SYNTAX,
     &kimi_k2::SYNTAX,
     &deepseek_v3::SYNTAX,
     &minimax_m2::SYNTAX,
     &seed_oss::SYNTAX,
+    &mistral_v11::SYNTAX,
+    &mistral::SYNTAX,
+    &glm::SYNTAX,
+    &qwen3_coder::SYNTAX,
+    &llama3_json::SYNTAX,
+    &hermes::SYNTAX,
 ];
 
 /// The names of the tool-call formats [`MarkupSpec::new`] accepts.
@@ -968,30 +973,27 @@ mod tests {
 
     #[test]
     fn formats_come_from_the_registry() {
+        let names: Vec<&str> = format_names().collect();
+        assert_eq!(names.len(), 11);
         assert_eq!(
-            format_names().collect::<Vec<_>>(),
-            [
-                "hermes",
-                "mistral",
-                "llama3_json",
-                "qwen3_coder",
-                "harmony",
-                "glm",
-                "mistral_v11",
-                "kimi_k2",
-                "deepseek_v3",
-                "minimax_m2",
-                "seed_oss"
-            ]
+            names.last(),
+            Some(&"hermes"),
+            "the fallback is matched last"
         );
         for name in format_names() {
             let spec = MarkupSpec::new(None, Some(name)).unwrap();
             assert_eq!(spec.tool_call(), Some(name));
         }
-        let err = MarkupSpec::new(None, Some("qwen")).unwrap_err();
+        let err = MarkupSpec::new(None, Some("qwen")).unwrap_err().to_string();
+        let listed = names.iter().map(|n| format!("{n:?}")).collect::<Vec<_>>();
+        let (all_but_last, last) = listed.split_at(listed.len() - 1);
         assert_eq!(
-            err.to_string(),
-            "unknown tool call format \"qwen\" (expected \"hermes\", \"mistral\", \"llama3_json\", \"qwen3_coder\", \"harmony\", \"glm\", \"mistral_v11\", \"kimi_k2\", \"deepseek_v3\", \"minimax_m2\" or \"seed_oss\")"
+            err,
+            format!(
+                "unknown tool call format \"qwen\" (expected {} or {})",
+                all_but_last.join(", "),
+                last[0]
+            )
         );
     }
 }

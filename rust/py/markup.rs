@@ -21,6 +21,12 @@ impl PyMarkup {
         })
     }
 
+    /// The tool-call formats, in the order chat templates are matched against them.
+    #[staticmethod]
+    fn tool_formats() -> Vec<&'static str> {
+        crate::markup::format_names().collect()
+    }
+
     #[getter]
     fn think(&self) -> Option<(&str, &str)> {
         self.inner.think()

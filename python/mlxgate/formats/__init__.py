@@ -1,27 +1,17 @@
 """Tool-call and reasoning formats, one module per format, chosen from the model's chat template.
 
-A tool format module is the prompt side of a format the Rust markup parser reads (the parser of
-the same `NAME` lives in `rust/markup/`). Adding a format is a module here, its parser there and
-one line in `TOOL_FORMATS`.
+A tool format module is the prompt side of a format the Rust markup parser reads: the parser of
+the same name lives in `rust/markup/`, whose registry is the one list of formats (and the order
+templates are matched in). Adding a format is a module here and its parser, with its line in
+the registry, there.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import importlib
+from typing import Any, Protocol, cast
 
-from mlxgate.formats import (
-    deepseek_v3,
-    glm,
-    harmony,
-    hermes,
-    kimi_k2,
-    llama3_json,
-    minimax_m2,
-    mistral,
-    mistral_v11,
-    qwen3_coder,
-    seed_oss,
-)
+from mlxgate._native import Markup
 from mlxgate.formats.common import Message
 from mlxgate.formats.reasoning import (
     REASONING_FORMATS,
@@ -67,26 +57,13 @@ class ToolFormat(Protocol):
         ...
 
 
-# Detection order: the first whose `detect` accepts the template; Hermes is the fallback. The
-# specific markers come first: GLM, Qwen3-Coder and Hermes templates all contain `<tool_call>`,
-# Mistral v11 and older Mistral templates `[TOOL_CALLS]`, Seed-OSS and Qwen3-Coder `<function=`.
+# In the order templates are matched: the first whose `detect` accepts one; Hermes (the last)
+# is the fallback.
 TOOL_FORMATS: dict[str, ToolFormat] = {
-    fmt.NAME: fmt
-    for fmt in (
-        harmony,
-        kimi_k2,
-        deepseek_v3,
-        minimax_m2,
-        seed_oss,
-        mistral_v11,
-        mistral,
-        glm,
-        qwen3_coder,
-        llama3_json,
-        hermes,
-    )
+    name: cast(ToolFormat, importlib.import_module(f"{__name__}.{name}"))
+    for name in Markup.tool_formats()
 }
-DEFAULT_TOOL_FORMAT = hermes
+DEFAULT_TOOL_FORMAT = TOOL_FORMATS["hermes"]
 
 
 def detect_tool_format(template: str) -> ToolFormat:
