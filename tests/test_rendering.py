@@ -225,6 +225,22 @@ BASH_SCHEMA = {
 
 
 @pytest.mark.parametrize("name", list(formats.TOOL_FORMATS))
+def test_each_format_teaches_its_own_calls_and_results(name: str) -> None:
+    """A template that does not list tools gets them listed with a call written in the format's
+    own markup (which the Rust parser of that name reads back), never another format's tags."""
+    fmt = formats.TOOL_FORMATS[name]
+    prompt = fmt.tool_prompt([{"type": "function", "function": {"name": "Bash"}}])
+    assert "Bash" in prompt
+    if name not in ("hermes", "deepseek_v3"):  # these two teach calls in their models' own words
+        example = prompt[prompt.rindex("example:\n") + len("example:\n") :]
+        calls = _parse(Markup(tool_call=name), "", example)
+        assert calls == [("function_name", {"argument": "value"})], example
+        uses_tool_call_tag = "<tool_call>" in fmt.render_call("f", {})
+        assert ("<tool_call>" in prompt) == uses_tool_call_tag
+    assert "a.txt" in fmt.tool_result("a.txt")
+
+
+@pytest.mark.parametrize("name", list(formats.TOOL_FORMATS))
 def test_each_formats_prompt_side_parses_back_in_rust(name: str) -> None:
     """An earlier call as the format renders it, and a forced call's opening plus the model's
     rest, both come back from the Rust parser of the same name as the same tool call."""
@@ -234,7 +250,7 @@ def test_each_formats_prompt_side_parses_back_in_rust(name: str) -> None:
     opening = fmt.forced_opening("Bash")
     assert whole.startswith(opening)
     for prefill, text in (("", whole), (opening, whole[len(opening) :])):
-        calls = _parse(Markup(tool_call=name), prefill, text)  # type: ignore[arg-type]
+        calls = _parse(Markup(tool_call=name), prefill, text)
         assert calls == [("Bash", args)], (prefill, text)
 
 

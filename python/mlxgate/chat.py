@@ -21,23 +21,6 @@ from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
 Message = dict[str, Any]
 Tool = dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
 
-# For templates that do not render tools themselves: the Hermes / Qwen 2.5 convention, which
-# small instruction-tuned models follow best.
-GENERIC_TOOL_PROMPT = """# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{tools}
-</tools>
-
-For each function call, return a json object with function name and arguments within \
-<tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
-
 
 class ConversationError(ValueError):
     """The conversation cannot be rendered (the API layer answers 400)."""
@@ -131,9 +114,7 @@ def _with_tool_prompt(messages: list[Message], tools: list[Tool], fmt: ToolForma
     """The tools listed in the system message, for a template that does not list them."""
     if not tools:
         return messages
-    prompt = fmt.tool_prompt(tools) or GENERIC_TOOL_PROMPT.format(
-        tools="\n".join(json.dumps(tool) for tool in tools)
-    )
+    prompt = fmt.tool_prompt(tools)
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
@@ -151,12 +132,7 @@ def _inline_tools(messages: list[Message], tools: list[Tool], fmt: ToolFormat) -
             text = message.get("content") or ""
             out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
         elif message["role"] == "tool":
-            out.append(
-                {
-                    "role": "user",
-                    "content": f"<tool_response>\n{message['content']}\n</tool_response>",
-                }
-            )
+            out.append({"role": "user", "content": fmt.tool_result(message["content"])})
         else:
             out.append({"role": message["role"], "content": message.get("content") or ""})
     return out

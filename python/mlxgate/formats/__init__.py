@@ -47,9 +47,13 @@ class ToolFormat(Protocol):
         """The start of a call the prompt forces: of tool `name`, or of any tool (None)."""
         ...
 
-    def tool_prompt(self, tools: list[dict[str, Any]]) -> str | None:
-        """The tool listing for the system message, for templates that render calls but do not
-        list tools; None: mlxgate's generic listing."""
+    def tool_prompt(self, tools: list[dict[str, Any]]) -> str:
+        """The tool listing for the system message, and how to call one, for templates that do
+        not list tools."""
+        ...
+
+    def tool_result(self, content: str) -> str:
+        """A tool's result as a user turn, for templates that know nothing of tools."""
         ...
 
     def prepare(self, messages: list[Message]) -> list[Message]:

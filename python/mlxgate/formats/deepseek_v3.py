@@ -8,9 +8,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mlxgate.formats.common import tool_response as tool_result
 from mlxgate.formats.common import unchanged as prepare
 
-__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call", "tool_prompt"]
+__all__ = [
+    "NAME",
+    "detect",
+    "forced_opening",
+    "prepare",
+    "render_call",
+    "tool_prompt",
+    "tool_result",
+]
 
 NAME = "deepseek_v3"
 CALLS, CALL, SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"

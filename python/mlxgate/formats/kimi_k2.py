@@ -7,10 +7,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxgate.formats.common import no_tool_prompt as tool_prompt
+from mlxgate.formats.common import call_example, listed_tools
+from mlxgate.formats.common import tool_response as tool_result
 from mlxgate.formats.common import unchanged as prepare
 
-__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call", "tool_prompt"]
+__all__ = [
+    "NAME",
+    "detect",
+    "forced_opening",
+    "prepare",
+    "render_call",
+    "tool_prompt",
+    "tool_result",
+]
 
 NAME = "kimi_k2"
 SECTION = "<|tool_calls_section_begin|>"
@@ -34,3 +43,7 @@ def forced_opening(name: str | None) -> str:
         if name
         else f"{SECTION}<|tool_call_begin|>functions."
     )
+
+
+def tool_prompt(tools: list[dict[str, Any]]) -> str:
+    return listed_tools(tools, call_example(render_call))

@@ -6,10 +6,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxgate.formats.common import Message
-from mlxgate.formats.common import no_tool_prompt as tool_prompt
+from mlxgate.formats.common import Message, call_example, listed_tools
 
-__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call", "tool_prompt"]
+__all__ = [
+    "NAME",
+    "detect",
+    "forced_opening",
+    "prepare",
+    "render_call",
+    "tool_prompt",
+    "tool_result",
+]
 
 NAME = "mistral_v11"
 
@@ -38,3 +45,11 @@ def prepare(messages: list[Message]) -> list[Message]:
         else:
             out.append(message)
     return out
+
+
+def tool_prompt(tools: list[dict[str, Any]]) -> str:
+    return listed_tools(tools, call_example(render_call))
+
+
+def tool_result(content: str) -> str:
+    return f"[TOOL_RESULTS]{content}[/TOOL_RESULTS]"

@@ -5,11 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxgate.formats.common import no_tool_prompt as tool_prompt
+from mlxgate.formats.common import call_example, listed_tools, xml_value
+from mlxgate.formats.common import tool_response as tool_result
 from mlxgate.formats.common import unchanged as prepare
-from mlxgate.formats.common import xml_value
 
-__all__ = ["NAME", "detect", "forced_opening", "prepare", "render_call", "tool_prompt"]
+__all__ = [
+    "NAME",
+    "detect",
+    "forced_opening",
+    "prepare",
+    "render_call",
+    "tool_prompt",
+    "tool_result",
+]
 
 NAME = "seed_oss"
 
@@ -25,3 +33,7 @@ def render_call(name: str, arguments: dict[str, Any]) -> str:
 
 def forced_opening(name: str | None) -> str:
     return f"<seed:tool_call>\n<function={name}>\n" if name else "<seed:tool_call>\n<function="
+
+
+def tool_prompt(tools: list[dict[str, Any]]) -> str:
+    return listed_tools(tools, call_example(render_call))
