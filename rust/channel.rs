@@ -38,6 +38,8 @@ struct State<W> {
     numbering: Option<Numbering>,
     /// The response object a finished generation answers with (Responses: what is stored).
     result: Option<Vec<u8>>,
+    /// Since when the reader has held more than the bound unread (None while it keeps up).
+    over_since: Option<Instant>,
     closed: bool,
     cancelled: bool,
     /// The HTTP status a non-streamed answer gets: 200 unless the stream ended with an error.
@@ -106,6 +108,7 @@ impl<W> Channel<W> {
             spare: Vec::new(),
             numbering: numbered.then(Numbering::default),
             result: None,
+            over_since: None,
             closed: false,
             cancelled: false,
             status: 200,
@@ -242,6 +245,17 @@ impl<W> Channel<W> {
     /// Unread bytes exceed the bound: the reader is lagging.
     pub fn is_over_bound(&self) -> bool {
         self.lock().buf.len() > self.bound
+    }
+
+    /// How long the reader has lagged past the bound, as of `now` (None: it keeps up).
+    pub fn lagging_for(&self, now: Instant) -> Option<Duration> {
+        let mut state = self.lock();
+        if state.buf.len() <= self.bound {
+            state.over_since = None;
+            return None;
+        }
+        let since = *state.over_since.get_or_insert(now);
+        Some(now.saturating_duration_since(since))
     }
 
     // Consumer side.

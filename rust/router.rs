@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::channel::{CancelInbox, Channel};
 use crate::detok::Detok;
@@ -418,6 +419,25 @@ impl<W> Router<W> {
         }
         let protocol = &mut stream.protocol;
         stream.channel.append_with(|buf| protocol.ping(buf))
+    }
+
+    /// Ends with an `overloaded` error every response whose reader has lagged past the unread-byte
+    /// bound for longer than `timeout` (the engine never waits for a reader) and appends, sorted,
+    /// the ids of its streams. Appends the wakers to `wake`.
+    pub fn fail_stalled(&mut self, timeout: Duration, out: &mut Vec<u64>, wake: &mut Vec<W>) {
+        let now = Instant::now();
+        let start = out.len();
+        out.extend(
+            self.streams
+                .iter()
+                .filter(|(_, stream)| stream.channel.lagging_for(now).is_some_and(|d| d > timeout))
+                .map(|(&id, _)| id),
+        );
+        out[start..].sort_unstable();
+        for &stream_id in &out[start..] {
+            let message = "the client stopped reading the stream";
+            wake.extend(self.fail(stream_id, ErrorKind::Overloaded, message));
+        }
     }
 
     /// Appends, sorted, the ids of open streams whose readers lag past the unread-byte bound.
@@ -1104,6 +1124,29 @@ mod tests {
             r.step(&[2], &[], &mut d, &mut w),
             Err(CoreError::LengthMismatch { .. })
         ));
+    }
+
+    #[test]
+    fn readers_lagging_past_the_timeout_are_failed_once() {
+        let mut r = TestRouter::new(vocab(), 500);
+        let lagging = open_choices(&mut r, &[1, 2], true);
+        let keeping_up = open(&mut r, 3, true, &[], u64::MAX).unwrap();
+        for _ in 0..3 {
+            step(&mut r, &[1, 2, 3], &[1, 1, 1]);
+            read_all(&keeping_up);
+        }
+        let (mut out, mut wake) = (Vec::new(), Vec::new());
+        r.fail_stalled(Duration::from_secs(60), &mut out, &mut wake);
+        assert!(out.is_empty(), "lagging, but not for long");
+        std::thread::sleep(Duration::from_millis(20));
+        r.fail_stalled(Duration::from_millis(10), &mut out, &mut wake);
+        assert_eq!(out, [1, 2]);
+        assert_eq!(lagging.status(), 503);
+        assert_eq!(lagging.outcome().end, "overloaded");
+        assert!(read_all(&lagging).contains("the client stopped reading the stream"));
+        out.clear();
+        r.fail_stalled(Duration::ZERO, &mut out, &mut wake);
+        assert!(out.is_empty() && r.len() == 1);
     }
 
     #[test]

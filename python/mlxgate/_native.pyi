@@ -399,6 +399,11 @@ class Router:
         event, an empty OpenAI chunk, Responses' `response.in_progress`. Only a response's
         first choice pings."""
 
+    def fail_stalled(self, timeout_s: float) -> list[int]:
+        """End with an `overloaded` error every response whose reader has held more than
+        `max_unread_bytes` unread for longer than `timeout_s` (the router keeps the clock), and
+        return the ids of its streams, sorted: the engine drops them."""
+
     def over_bound(self) -> list[int]:
         """Sorted ids of open streams whose readers hold more than `max_unread_bytes` unread."""
 

@@ -239,6 +239,16 @@ impl PyRouter {
         wake(py, waker);
     }
 
+    /// Ends with an `overloaded` error every response whose reader has held more than
+    /// `max_unread_bytes` unread for longer than `timeout_s`; returns the ids of its streams.
+    fn fail_stalled(&self, py: Python<'_>, timeout_s: f64) -> Vec<u64> {
+        let timeout = std::time::Duration::from_secs_f64(timeout_s.max(0.0));
+        let (mut out, mut woken) = (Vec::new(), Vec::new());
+        self.lock().fail_stalled(timeout, &mut out, &mut woken);
+        wake(py, woken);
+        out
+    }
+
     /// Ids of open streams whose readers have more unread bytes than `max_unread_bytes`.
     fn over_bound(&self) -> Vec<u64> {
         let mut out = Vec::new();
