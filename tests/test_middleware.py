@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -376,6 +379,37 @@ def test_the_drain_waits_for_requests_then_stops_the_engine_for_the_rest() -> No
     ended, began = run(scenario())
     assert ended == ["quick", "slow"]
     assert len(stopped) == 1 and stopped[0] - began >= 0.3  # after the whole timeout
+
+
+DRAINED_PROCESS = """
+import asyncio, sys
+from mlxgate.api.drain import Drain
+
+async def main():
+    drain = Drain(5, lambda: print("engine stopped", flush=True))
+    drain.install()
+    with drain.running():
+        print("ready", flush=True)
+        while not drain.draining:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        print("request ended", flush=True)
+    await asyncio.sleep(30)  # the drain ends the process first
+    print("not drained", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_a_stop_signal_drains_then_ends_the_process() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", DRAINED_PROCESS], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline() == "ready\n"
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(20) == 0
+    assert child.stdout.read().splitlines() == ["request ended", "engine stopped"]
 
 
 def test_rate_limit_refuses_a_client_past_its_rate() -> None:

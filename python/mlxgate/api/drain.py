@@ -86,4 +86,10 @@ class Drain:
     async def _drain(self) -> None:
         await self.settled()
         await asyncio.sleep(LINGER_S)
-        raise SystemExit(0)  # the worker ends: granian's loop lets SystemExit through
+        asyncio.get_running_loop().call_soon(_exit)
+
+
+def _exit() -> None:
+    """End the worker: raised in a loop callback, SystemExit leaves granian's run of the loop
+    and the process exits 0."""
+    raise SystemExit(0)
