@@ -137,7 +137,7 @@ class EngineMetrics:
         )
         self.last_step_s = 0.0
         self._last_decode: tuple[int, float] | None = None  # (step number, when it ended)
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the engine's, around updates that go together
 
     def _latency(self, name: str, doc: str, then: Callable[[], None] | None = None) -> Latency:
         buckets = STEP_BUCKETS if name in ("step", "inter_token") else WAIT_BUCKETS
@@ -146,7 +146,8 @@ class EngineMetrics:
 
     def _decoded(self) -> None:
         """A decode step ended: the rows that decoded in the previous step too waited the time
-        since its end for their next token (when no step without decoding came between)."""
+        since its end for their next token (when no step without decoding came between). The
+        engine counts a step in `steps` before it appends the step's time."""
         now = time.perf_counter()
         if self._last_decode is not None and self.steps == self._last_decode[0] + 1:
             self.inter_token_s.append(now - self._last_decode[1])
