@@ -2,36 +2,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import secrets
 import threading
 import time
 from pathlib import Path
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.registry import Collector
 
 from mlxgate import chat, logs, trace
 from mlxgate._native import Dialect, ErrorKind, Router, Vocab
+from mlxgate.api import middleware as mw
 from mlxgate.api.anthropic import AnthropicAPI
 from mlxgate.api.drain import Drain
 from mlxgate.api.errors import ApiError
 from mlxgate.api.guard import Guard
-from mlxgate.api.http import (
-    BodyTooLarge,
-    ClientGone,
-    Message,
-    Receive,
-    Scope,
-    Send,
-    client_address,
-    header,
-    read_body,
-    send_bytes,
-    send_error,
-    send_json,
-)
+from mlxgate.api.http import Receive, Scope, Send, send_bytes, send_error, send_json
 from mlxgate.api.models import ModelNames
 from mlxgate.api.openai import OpenAIAPI
 from mlxgate.api.pipeline import Services
@@ -45,10 +32,6 @@ from mlxgate.metrics import EngineCollector
 
 log = logging.getLogger("mlxgate")
 
-HTTP_REQUESTS = Counter(
-    "mlxgate_http_requests_total", "HTTP requests by route and status", ["route", "status"]
-)
-
 # Each dialect's routes; adding a dialect is one line here.
 DIALECTS = (AnthropicAPI, OpenAIAPI, ResponsesAPI)
 
@@ -56,7 +39,8 @@ DIALECTS = (AnthropicAPI, OpenAIAPI, ResponsesAPI)
 class App:
     """Routes by path suffix, so a base-URL prefix (`http://host/some/prefix`) works too.
 
-    Each route has a dialect; every error on it is answered in that dialect's envelope.
+    Each route has a dialect; every error on it is answered in that dialect's envelope. The
+    request goes through the wrappers of api/middleware.py, stacked here.
     """
 
     def __init__(
@@ -66,7 +50,9 @@ class App:
         served: str,
         config: Config,
         drain: Drain | None = None,
+        metrics: Collector | None = None,
     ) -> None:
+        """`metrics`: what /metrics shows of the engine, besides the app's own counters."""
         self.engine = engine
         self.renderer = renderer
         self.config = config
@@ -100,118 +86,38 @@ class App:
         self.drain = drain or Drain(config.drain_timeout, self.stop_engine)
         self.recorder = trace.Recorder(Path(config.record_trace)) if config.record_trace else None
         self._engine_stopped = threading.Lock()
+        self.registry = CollectorRegistry()  # an app's own: a process may hold several apps
+        if metrics is not None:
+            self.registry.register(metrics)
+        self.asgi = self._stack()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        path: str = scope["path"].rstrip("/") or "/"
-        method: str = scope["method"]
-        route = self._route(scope, method, path)
-        dialect = route.dialect if route else _fallback_dialect(path)
-        label = route.path if route and not route.prefix else "other"
-        status = 0
-        started = time.monotonic()
-        streams = logs.OPENED.set([])
-        request_id = f"req_{secrets.token_hex(12)}".encode()
-        scope["mlxgate.request_id"] = request_id.decode()
+    def _stack(self) -> mw.ASGIApp:
+        """The wrappers, innermost first."""
         guard = self.guard
 
-        async def send_tracked(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message["headers"] = [
-                    *message.get("headers", []),
-                    (b"request-id", request_id),
-                    (b"x-request-id", request_id),
-                    *guard.cors_headers(scope),
-                ]
-            await send(message)
+        def generation(app: mw.ASGIApp) -> mw.ASGIApp:
+            app = mw.Slots(app, guard)
+            if self.recorder is not None:
+                app = mw.Trace(app, self.recorder)
+            app = mw.BodyLimit(app, self.config.max_body_bytes)
+            app = mw.RateLimit(app, guard)
+            return mw.DrainGate(app, self.drain)
 
-        try:
-            guard.check(scope)
-            if method == "OPTIONS" and header(scope, b"origin") is not None:
-                # A browser's preflight from an allowed origin (check() refused the others).
-                headers = guard.preflight_headers(scope)
-                await send_tracked(
-                    {"type": "http.response.start", "status": 204, "headers": headers}
-                )
-                await send_tracked({"type": "http.response.body", "body": b""})
-                return
-            if not path.endswith("/health") and not guard.authorized(scope):
-                raise ApiError(
-                    ErrorKind.AUTHENTICATION,
-                    "invalid x-api-key or Authorization bearer token",
-                    should_retry=False,
-                    code="invalid_api_key",
-                )
-            if route is None:
-                raise ApiError(
-                    ErrorKind.NOT_FOUND, f"{method} {scope['path']} is not a route of this server"
-                )
-            body = b""
-            if method == "POST":
-                if self.drain.draining:
-                    raise ApiError(
-                        ErrorKind.UNAVAILABLE,
-                        "the server is shutting down",
-                        retry_after_s=int(self.config.drain_timeout) + 1,
-                    )
-                client = guard.client(scope)
-                guard.take_token(client)
-                body = await read_body(receive, self.config.max_body_bytes)
-                counting = label.endswith("count_tokens")  # generates nothing: no slot
-                session = None
-                if self.recorder is not None and not counting:
-                    session = trace.session_of(scope["headers"], client_address(scope))
-                    self.recorder.started(session, route.path, body)
-                self.drain.in_flight += 1
-                try:
-                    with contextlib.nullcontext() if counting else guard.slot(client):
-                        await route.handler(scope, receive, send_tracked, body)
-                finally:
-                    self.drain.in_flight -= 1
-                    if session is not None and self.recorder is not None:
-                        self.recorder.ended(session)
-            else:
-                await route.handler(scope, receive, send_tracked, body)
-        except ApiError as exc:
-            await send_error(send_tracked, exc, dialect)
-        except BodyTooLarge as exc:
-            await send_error(send_tracked, ApiError(ErrorKind.REQUEST_TOO_LARGE, str(exc)), dialect)
-        except ClientGone:
-            pass
-        except Exception:
-            log.exception("unhandled error on %s %s", method, path)
-            if status == 0:
-                error = ApiError(
-                    ErrorKind.INTERNAL, "internal server error (the server log has the details)"
-                )
-                await send_error(send_tracked, error, dialect)
-        finally:
-            HTTP_REQUESTS.labels(label, str(status or 499)).inc()
-            fields = {
-                "id": request_id.decode(),
-                "method": method,
-                "route": route.path if route else path,
-                "dialect": repr(dialect).removeprefix("Dialect.").lower(),
-                "model": self.models.served,
-                "status": status,
-                "duration_s": round(time.monotonic() - started, 4),
-            }
-            logs.request_ended(fields, logs.OPENED.get() or [])
-            logs.OPENED.reset(streams)
+        app: mw.ASGIApp = mw.Posts(mw.dispatch, generation)
+        app = mw.NotFound(app)
+        app = mw.Auth(app, guard)
+        app = mw.Preflight(app, guard)
+        app = mw.HostGuard(app, guard)
+        app = mw.Envelopes(app)
+        app = mw.Counters(app, self.registry)
+        app = mw.RequestLog(app, self.models.served)
+        app = mw.RequestId(app)
+        app = mw.Cors(app, guard)
+        app = mw.Routing(app, self.routes)
+        return mw.Lifespan(app, startup=self.drain.install, shutdown=self.stop_engine)
 
-    def _route(self, scope: Scope, method: str, path: str) -> Route | None:
-        for route in self.routes:
-            if route.method != method or (route.header and header(scope, route.header) is None):
-                continue
-            if route.matches(path):
-                return route
-        return None
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.asgi(scope, receive, send)
 
     async def _health(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         if self.drain.draining:
@@ -225,24 +131,8 @@ class App:
             self.engine.stop()
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
-        await send_bytes(send, 200, generate_latest(), CONTENT_TYPE_LATEST.encode())
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                self.drain.install()
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                self.stop_engine()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
-
-def _fallback_dialect(path: str) -> Dialect:
-    """The envelope for a path no route has: OpenAI's where the path looks like OpenAI's."""
-    openai = any(word in path for word in ("completions", "embeddings", "/v1/models", "responses"))
-    return Dialect.OPENAI if openai else Dialect.ANTHROPIC
+        body = generate_latest(self.registry)
+        await send_bytes(send, 200, body, CONTENT_TYPE_LATEST.encode())
 
 
 class Loading:
@@ -254,19 +144,25 @@ class Loading:
         self.config = config
         self.app: App | None = None
         self.drain = Drain(config.drain_timeout, self._stop_engine)
+        self.asgi = mw.Lifespan(self._serve, startup=self._start, shutdown=self._stop_engine)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-        elif self.app is not None:
+        await self.asgi(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.app is not None:
             await self.app(scope, receive, send)
-        elif scope["type"] == "http":
-            path = scope["path"]
-            if path.rstrip("/").endswith("/health"):
-                await send_json(send, 503, {"status": "loading"}, [(b"retry-after", b"2")])
-                return
-            error = ApiError(ErrorKind.UNAVAILABLE, "the model is loading", retry_after_s=2)
-            await send_error(send, error, _fallback_dialect(path))
+            return
+        path = scope["path"]
+        if path.rstrip("/").endswith("/health"):
+            await send_json(send, 503, {"status": "loading"}, [(b"retry-after", b"2")])
+            return
+        error = ApiError(ErrorKind.UNAVAILABLE, "the model is loading", retry_after_s=2)
+        await send_error(send, error, mw.fallback_dialect(path))
+
+    def _start(self) -> None:
+        self.drain.install()
+        threading.Thread(target=self._load, name="mlxgate-load", daemon=True).start()
 
     def _load(self) -> None:
         try:
@@ -279,18 +175,6 @@ class Loading:
     def _stop_engine(self) -> None:
         if self.app is not None:
             self.app.stop_engine()
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                self.drain.install()
-                threading.Thread(target=self._load, name="mlxgate-load", daemon=True).start()
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                self._stop_engine()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
 
 def build_app(config: Config, drain: Drain | None = None) -> App:
@@ -345,7 +229,6 @@ def build_app(config: Config, drain: Drain | None = None) -> App:
         layout.reuse(),
     )
     engine.start()
-    REGISTRY.register(EngineCollector(engine))
     import mlx.core as mx
 
     log.info(
@@ -363,7 +246,7 @@ def build_app(config: Config, drain: Drain | None = None) -> App:
         config.host,
         config.port,
     )
-    return App(engine, renderer, loaded.name, config, drain)
+    return App(engine, renderer, loaded.name, config, drain, EngineCollector(engine))
 
 
 def _chosen(name: str, setting: str) -> str:

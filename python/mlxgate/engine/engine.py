@@ -667,6 +667,7 @@ class Engine:
         pending.torn = False
 
     def _start_prefill(self, pending: _Pending) -> None:
+        self.metrics.queue_wait_s.append(time.monotonic() - pending.submitted_at)
         if pending.match is not None:
             pending.caches = pending.match.caches()
             pending.done = pending.match.length
