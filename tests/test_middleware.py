@@ -15,8 +15,8 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from mlxgate import logs, trace
-from mlxgate._native import Dialect, ErrorKind
+from mlxgate import trace
+from mlxgate._native import Dialect, ErrorKind, Reply, Router, StreamSpec, Vocab
 from mlxgate.api import middleware as mw
 from mlxgate.api.drain import Drain
 from mlxgate.api.errors import ApiError
@@ -192,21 +192,21 @@ def test_each_request_gets_its_own_id_in_scope_and_headers() -> None:
 # What each request leaves: the log line and the counters -------------------------------------
 
 
-def test_the_request_log_has_one_line_with_status_route_and_the_opened_streams(
+def test_the_request_log_has_one_line_with_status_route_and_what_the_response_came_to(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    seen: list[object] = []
+    router = Router(Vocab.from_token_bytes([b"<eos>", b"Hi"], [0]))
 
     async def handler(scope: Scope, receive: Receive, send: Send) -> None:
-        seen.append(logs.OPENED.get())
+        spec = StreamSpec.anthropic(model="m", message_id="msg_1", reply=Reply(eos_ids=[0]))
+        scope[mw.READER] = router.open(1, spec, prompt_tokens=5, cached_tokens=2, max_tokens=9)
+        router.step([1, 1, 1], [1, 1, 0])
         await send({"type": "http.response.start", "status": 201, "headers": []})
 
     request = scope(route=MESSAGES)
     request[mw.REQUEST_ID] = "req_1"
     with caplog.at_level(logging.INFO, logger="mlxgate.requests"):
         call(mw.RequestLog(Inner(handler), "served-model"), request)
-    assert seen == [[]]  # a list of the request's own, for the handlers to add to
-    assert logs.OPENED.get() is None  # and reset after
     (record,) = [r for r in caplog.records if r.name == "mlxgate.requests"]
     fields: dict[str, Any] = record.fields  # type: ignore[attr-defined]
     assert fields["id"] == "req_1" and fields["status"] == 201
@@ -216,6 +216,7 @@ def test_the_request_log_has_one_line_with_status_route_and_the_opened_streams(
         "served-model",
     )
     assert fields["end"] == "finished"
+    assert (fields["prompt_tokens"], fields["cached_tokens"], fields["output_tokens"]) == (5, 2, 3)
 
 
 def test_the_request_log_names_an_unrouted_path_and_a_request_that_failed(

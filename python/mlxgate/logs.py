@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from contextvars import ContextVar
 from typing import Any
 
 import orjson
@@ -14,8 +13,6 @@ from mlxgate._native import Reader
 
 requests_log = logging.getLogger("mlxgate.requests")
 
-# The streams the current request opened (set per request by the app; the API adds to it).
-OPENED: ContextVar[list[Reader] | None] = ContextVar("mlxgate_opened", default=None)
 
 # A stream's end (`Reader.end`) as the request log words it.
 _ENDS = {
@@ -49,12 +46,6 @@ def configure(level: str, form: str) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
-
-
-def opened(reader: Reader) -> None:
-    """Count `reader` as the current request's response."""
-    if (streams := OPENED.get()) is not None:
-        streams.append(reader)
 
 
 def request_ended(fields: dict[str, Any], readers: Sequence[Reader]) -> None:

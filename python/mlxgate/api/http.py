@@ -21,6 +21,13 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
+# What the wrappers (api/middleware.py) and the handlers leave in a request's scope.
+ROUTE = "mlxgate.route"  # the request's Route, None when no route has it
+DIALECT = "mlxgate.dialect"  # the Dialect its errors are worded in
+REQUEST_ID = "mlxgate.request_id"
+BODY = "mlxgate.body"  # the whole request body, once read (POST)
+READER = "mlxgate.reader"  # the reader of the generation answering it, once admitted
+
 # The last message of a streamed response.
 END = {"type": "http.response.body", "body": b"", "more_body": False}
 

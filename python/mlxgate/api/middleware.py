@@ -23,6 +23,11 @@ from mlxgate.api.drain import Drain
 from mlxgate.api.errors import ApiError
 from mlxgate.api.guard import Guard
 from mlxgate.api.http import (
+    BODY,
+    DIALECT,
+    READER,
+    REQUEST_ID,
+    ROUTE,
     BodyTooLarge,
     ClientGone,
     Message,
@@ -39,11 +44,6 @@ from mlxgate.api.routing import Route
 log = logging.getLogger("mlxgate")
 
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-ROUTE = "mlxgate.route"  # the request's Route, None when no route has it
-DIALECT = "mlxgate.dialect"  # the Dialect its errors are worded in
-REQUEST_ID = "mlxgate.request_id"
-BODY = "mlxgate.body"  # the whole request body, once read (POST)
 
 
 def on_start(send: Send, hook: Callable[[Message], None]) -> Send:
@@ -155,8 +155,8 @@ class RequestId:
 
 
 class RequestLog:
-    """Leaves one log line per request when it ends (logs.request_ended), with the streams the
-    handler opened: the handlers add them to `logs.OPENED`, set here for the request."""
+    """Leaves one log line per request when it ends (logs.request_ended), with what its response
+    came to (the reader the handler left in the scope)."""
 
     def __init__(self, app: ASGIApp, model: str) -> None:
         self.app = app
@@ -165,7 +165,6 @@ class RequestLog:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         status = 0
         started = time.monotonic()
-        streams = logs.OPENED.set([])
 
         def seen(message: Message) -> None:
             nonlocal status
@@ -184,8 +183,8 @@ class RequestLog:
                 "status": status,
                 "duration_s": round(time.monotonic() - started, 4),
             }
-            logs.request_ended(fields, logs.OPENED.get() or [])
-            logs.OPENED.reset(streams)
+            reader = scope.get(READER)
+            logs.request_ended(fields, [reader] if reader is not None else [])
 
 
 class Counters:

@@ -8,11 +8,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mlxgate import chat, logs
+from mlxgate import chat
 from mlxgate._native import Dialect, ErrorKind, Reader, Reply, StreamSpec
 from mlxgate.api.delivery import respond
 from mlxgate.api.errors import ApiError, invalid
-from mlxgate.api.http import Receive, Scope, Send
+from mlxgate.api.http import READER, Receive, Scope, Send
 from mlxgate.api.models import ModelNames
 from mlxgate.config import Config
 from mlxgate.engine import (
@@ -155,7 +155,7 @@ class Pipeline:
             reader = services.engine.admit(generation)
         except AdmissionError as exc:
             raise self.errors[type(exc)](exc) from None
-        logs.opened(reader)
+        scope[READER] = reader  # for the request log
         await respond(
             scope,
             send,

@@ -18,6 +18,7 @@ from mlxgate.api.delivery import frames
 from mlxgate.api.errors import ApiError, invalid
 from mlxgate.api.http import (
     END,
+    REQUEST_ID,
     Receive,
     Scope,
     Send,
@@ -37,7 +38,7 @@ BUFFER_BYTES = 4 << 20
 
 def request_id(scope: Scope) -> str:
     """The id the app gave the request (its `request-id` header); a stream's id too."""
-    return str(scope["mlxgate.request_id"])
+    return str(scope[REQUEST_ID])
 
 
 class Resumable:
