@@ -63,6 +63,7 @@ def converted(path: Path) -> Path:
     # Written aside and renamed whole: a directory that exists is complete.
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
+        staging.chmod(0o755)  # (mkdtemp's is private)
         convert(path, staging)
         try:
             staging.rename(out)
