@@ -3,13 +3,14 @@
 The directory is what mlx-lm loads: `config.json`, the GGUF's tensors as MLX reads them (its
 4- and 8-bit blocks as MLX's affine quantization, groups of 32) under mlx-lm's names, and the
 tokenizer transformers builds from the file's metadata (`tokenizer.json`, its config and chat
-template). It is keyed by the file's path, size and modification time, so a changed file is
-converted again.
+template). It is keyed by the file's path, size and modification time (and the transformers
+version), so a changed file is converted again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -54,7 +55,9 @@ def cache_dir() -> Path:
 def converted(path: Path) -> Path:
     """The mlx-lm directory of the GGUF file `path`, converted on first use."""
     stat = path.stat()
-    key = f"{CONVERSION_VERSION}\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    # The tokenizer is transformers' conversion: a new transformers converts again too.
+    made_by = f"{CONVERSION_VERSION}\0{importlib.metadata.version('transformers')}"
+    key = f"{made_by}\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
     out = cache_dir() / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (out / "config.json").exists():
         return out
