@@ -1,4 +1,4 @@
-"""The embedded GGUF model: tokenizer rebuilt from metadata, weights loaded, greedy generation."""
+"""The embedded GGUF model, loaded by mlx-lm once converted: tokenizer, weights, greedy decoding."""
 
 from __future__ import annotations
 

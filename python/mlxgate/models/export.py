@@ -1,5 +1,6 @@
-"""The embedded model as an mlx-lm model directory, for servers that cannot read its GGUF
-(`mlx_lm.server`: `mlxgate bench --spawn mlx_lm`, benches/export_model.py)."""
+"""The embedded model as an mlx-lm model directory with the float32 weights mlxgate serves, for
+servers that should compute what it computes (`mlx_lm.server`: `mlxgate bench --spawn mlx_lm`,
+benches/export_model.py); the cached conversion (models/gguf.py) keeps the GGUF's 4-bit blocks."""
 
 from __future__ import annotations
 

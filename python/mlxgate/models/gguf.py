@@ -1,21 +1,28 @@
-"""Loads a llama-family GGUF into mlx-lm's llama model, the tokenizer rebuilt from its metadata."""
+"""Converts a llama-family GGUF file, once, into an mlx-lm model directory in the cache.
+
+The directory is what mlx-lm loads: `config.json`, the GGUF's tensors as MLX reads them (its
+4- and 8-bit blocks as MLX's affine quantization, groups of 32) under mlx-lm's names, and the
+tokenizer transformers builds from the file's metadata (`tokenizer.json`, its config and chat
+template). It is keyed by the file's path, size and modification time (and the transformers
+version), so a changed file is converted again.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models import llama
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tqdm import tqdm
+log = logging.getLogger("mlxgate")
 
-from mlxgate.models import context
-from mlxgate.models.context import ServedContext
-from mlxgate.models.tokenizer import DEFAULT_CHATML_TEMPLATE, ChatTokenizer, VocabKind
+# Part of the cache key: a change to what convert() writes converts every file again.
+CONVERSION_VERSION = 1
 
 # GGUF tensor name -> mlx-lm llama parameter name (per block, then global).
 _BLOCK_NAMES = {
@@ -35,20 +42,92 @@ _GLOBAL_NAMES = {
     "output": "lm_head",
 }
 
-# llama.cpp pre-tokenizer names -> the split regex used before byte-level BPE.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
-GGUF_TOKEN_NORMAL = 1
-GGUF_TOKEN_CONTROL = 3
+def cache_dir() -> Path:
+    """Where mlxgate keeps what it makes once: `$MLXGATE_CACHE`, else `$XDG_CACHE_HOME/mlxgate`,
+    else `~/.cache/mlxgate`."""
+    if own := os.environ.get("MLXGATE_CACHE"):
+        return Path(own).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "mlxgate"
 
 
-def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
-    value = meta.get(key, default)
-    return value.item() if isinstance(value, mx.array) else value
+def converted(path: Path) -> Path:
+    """The mlx-lm directory of the GGUF file `path`, converted on first use."""
+    stat = path.stat()
+    # The tokenizer is transformers' conversion: a new transformers converts again too.
+    made_by = f"{CONVERSION_VERSION}\0{importlib.metadata.version('transformers')}"
+    key = f"{made_by}\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    out = cache_dir() / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (out / "config.json").exists():
+        return out
+    log.info("converting %s into an mlx-lm model directory (once): %s", path, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written aside and renamed whole: a directory that exists is complete.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        staging.chmod(0o755)  # (mkdtemp's is private)
+        convert(path, staging)
+        try:
+            staging.rename(out)
+        except OSError:  # another process finished first
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The file's metadata as plain Python values (llama.cpp's `gguf` reader)."""
+    from gguf import GGUFReader
+
+    return {name: field.contents() for name, field in GGUFReader(path).fields.items()}
+
+
+def convert(path: Path, out: Path) -> None:
+    """Write the mlx-lm model directory of the llama-architecture GGUF file `path` into `out`."""
+    import mlx.core as mx
+
+    meta = read_metadata(path)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported (llama only)")
+    tensors: dict[str, mx.array] = mx.load(str(path))  # type: ignore[assignment]
+    weights = {_parameter_name(name): tensor for name, tensor in tensors.items()}
+    config = _config(path, meta, weights)
+    write_tokenizer(meta, out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+def _config(path: Path, meta: dict[str, Any], weights: dict[str, Any]) -> dict[str, Any]:
+    def hp(key: str, default: Any = None) -> Any:
+        return meta.get(f"llama.{key}", default)
+
+    heads = hp("attention.head_count")
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hp("embedding_length"),
+        "num_hidden_layers": hp("block_count"),
+        "intermediate_size": hp("feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": hp("attention.head_count_kv", heads),
+        "rms_norm_eps": hp("attention.layer_norm_rms_epsilon", 1e-5),
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        "rope_theta": hp("rope.freq_base", 10000.0),
+        # llama.cpp's converter permutes q/k rows for interleaved (GPT-J style) rotary.
+        "rope_traditional": True,
+        "tie_word_embeddings": "lm_head.weight" not in weights,
+        "max_position_embeddings": int(hp("context_length", 2048)),
+    }
+    if scaling := _their_rope_scaling(path, hp):
+        config["rope_scaling"] = scaling
+    if any(name.endswith(".scales") for name in weights):
+        # The default; mlx-lm reads each tensor's own bits from its shapes.
+        config["quantization"] = {"group_size": 32, "bits": 4}
+    return config
 
 
 def _parameter_name(gguf_name: str) -> str:
@@ -60,135 +139,7 @@ def _parameter_name(gguf_name: str) -> str:
     return f"{_GLOBAL_NAMES[base]}.{suffix}"
 
 
-def _dequantized(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
-    """Dequantize GGUF block-quantized tensors (weight/scales/biases triples, groups of 32)."""
-    out: dict[str, mx.array] = {}
-    names = [n for n in weights if not n.endswith((".scales", ".biases"))]
-    for name in tqdm(names, desc="loading weights", unit="tensor", leave=False):
-        tensor = weights[name]
-        stem = name.removesuffix(".weight")
-        if f"{stem}.scales" in weights:
-            scales, biases = weights[f"{stem}.scales"], weights[f"{stem}.biases"]
-            bits = tensor.shape[-1] // scales.shape[-1]  # 32-bit words per group of 32 values
-            tensor = mx.dequantize(tensor, scales, biases, group_size=32, bits=bits)
-        out[_parameter_name(name)] = tensor.astype(dtype)
-        mx.eval(out[_parameter_name(name)])
-    return out
-
-
-def _tokenizer(meta: dict[str, Any]) -> ChatTokenizer:
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    token_types = meta["tokenizer.ggml.token_type"].tolist()
-    kind = meta["tokenizer.ggml.model"]
-    if kind == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        tokenizer = Tokenizer(
-            models.BPE(
-                vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False
-            )
-        )
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        split = _LLAMA3_SPLIT if pre in ("llama-bpe", "llama3") else _GPT2_SPLIT
-        steps: list[pre_tokenizers.PreTokenizer] = [
-            pre_tokenizers.Split(Regex(split), behavior="isolated")
-        ]
-        if pre in ("smollm", "starcoder"):
-            steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
-        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
-        tokenizer.decoder = decoders.ByteLevel()
-        vocab_kind: VocabKind = "byte_level"
-    elif kind == "llama":
-        scores = meta["tokenizer.ggml.scores"].tolist()
-        unk = _scalar(meta, "tokenizer.ggml.unknown_token_id", 0)
-        tokenizer = Tokenizer(
-            models.Unigram(list(zip(tokens, scores, strict=True)), unk_id=unk, byte_fallback=True)
-        )
-        tokenizer.normalizer = normalizers.Sequence(
-            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-        )
-        tokenizer.decoder = decoders.Sequence(
-            [
-                decoders.Replace("▁", " "),
-                decoders.ByteFallback(),
-                decoders.Fuse(),
-                decoders.Strip(" ", 1, 0),
-            ]
-        )
-        vocab_kind = "sentencepiece"
-    else:
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
-
-    control = [i for i, t in enumerate(token_types) if t == GGUF_TOKEN_CONTROL]
-    tokenizer.add_special_tokens(
-        [AddedToken(tokens[i], special=True, normalized=False) for i in control]
-    )
-    bos_id = _scalar(meta, "tokenizer.ggml.bos_token_id")
-    eos_id = _scalar(meta, "tokenizer.ggml.eos_token_id")
-    eos_ids = {eos_id}
-    if (eot := _scalar(meta, "tokenizer.ggml.eot_token_id")) is not None:
-        eos_ids.add(eot)
-    add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False))
-    return ChatTokenizer(
-        tokenizer=tokenizer,
-        chat_template=meta.get("tokenizer.chat_template") or DEFAULT_CHATML_TEMPLATE,
-        vocab_kind=vocab_kind,
-        eos_ids=frozenset(eos_ids),
-        bos_token=tokens[bos_id] if bos_id is not None and add_bos else "",
-        eos_token=tokens[eos_id],
-        special_ids=frozenset(control),
-    )
-
-
-def load_gguf(
-    path: Path,
-    dtype: mx.Dtype = mx.float32,
-    context_length: int | None = None,
-    rope_scaling: str = "yarn",
-) -> tuple[nn.Module, ChatTokenizer, ServedContext]:
-    """Return (model, tokenizer, served context) for a llama-architecture GGUF file;
-    `context_length` (None: the file's own) past the file's own is reached by `rope_scaling`."""
-    loaded: Any = mx.load(str(path), return_metadata=True)
-    weights: dict[str, mx.array] = loaded[0]
-    meta: dict[str, Any] = loaded[1]
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported (llama only)")
-
-    def hp(key: str, default: Any = None) -> Any:
-        return _scalar(meta, f"llama.{key}", default)
-
-    theirs = _their_rope_scaling(path, hp)
-    native = context.covered(int(hp("context_length", 2048)), theirs)
-    their_text = context.describe_scaling(theirs) if theirs else None
-    served = context.choose("llama", native, context_length, rope_scaling, their_text)
-    heads = hp("attention.head_count")
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=hp("embedding_length"),
-        num_hidden_layers=hp("block_count"),
-        intermediate_size=hp("feed_forward_length"),
-        num_attention_heads=heads,
-        num_key_value_heads=hp("attention.head_count_kv", heads),
-        rms_norm_eps=hp("attention.layer_norm_rms_epsilon", 1e-5),
-        vocab_size=len(meta["tokenizer.ggml.tokens"]),
-        rope_theta=hp("rope.freq_base", 10000.0),
-        # llama.cpp's converter permutes q/k rows for interleaved (GPT-J style) rotary.
-        rope_traditional=True,
-        rope_scaling=served.rope_scaling() or theirs,
-        tie_word_embeddings="output.weight" not in weights,
-        max_position_embeddings=hp("context_length"),
-    )
-    model = llama.Model(args)
-    context.check_scaled(model, {"model_type": "llama"}, served)
-    if served.scaling is not None:  # its own rope too, for what fits the file's own context
-        served = context.switch_rope(model, llama.Model(replace(args, rope_scaling=theirs)), served)
-    model.load_weights(list(_dequantized(weights, dtype).items()), strict=True)
-    model.eval()
-    return model, _tokenizer(meta), served
-
-
-def _their_rope_scaling(path: Path, hp: Callable[[str], Any]) -> dict[str, Any] | None:
+def _their_rope_scaling(path: Path, hp: Any) -> dict[str, Any] | None:
     """The rope scaling a GGUF file declares (llama.cpp's `rope.scaling.*` keys)."""
     kind = hp("rope.scaling.type")
     if kind in (None, "none"):
@@ -201,3 +152,33 @@ def _their_rope_scaling(path: Path, hp: Callable[[str], Any]) -> dict[str, Any] 
         "factor": float(hp("rope.scaling.factor")),
         "original_max_position_embeddings": int(original),
     }
+
+
+def write_tokenizer(meta: dict[str, Any], out: Path) -> None:
+    """The tokenizer files of a Hugging Face model directory, built by transformers from a GGUF
+    file's metadata (as `AutoTokenizer.from_pretrained(..., gguf_file=...)` builds it, whose
+    own reader needs torch), plus `generation_config.json` with the file's end tokens."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    found = {
+        group: {
+            name: meta[f"tokenizer.{key}"]
+            for key, name in keys.items()
+            if f"tokenizer.{key}" in meta
+        }
+        for group, keys in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer, settings = found["tokenizer"], found["tokenizer_config"]
+    tokens = tokenizer["tokens"]
+    # As transformers' get_gguf_tokenizer: llama.cpp adds BOS to a sentencepiece vocabulary
+    # that does not say otherwise.
+    if tokenizer.get("tokenizer_type") == "llama":
+        settings.setdefault("add_bos_token", True)
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        settings[f"{name}_token"] = tokens[token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(meta["general.architecture"], tokenizer)
+    PreTrainedTokenizerFast(tokenizer_object=backend, **settings, **extra).save_pretrained(out)
+    ends = {meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")} - {None}
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(ends)}))

