@@ -2,6 +2,8 @@
 Instruct), on a free loopback port, for the run:
 
 - `mlxgate`: `mlxgate serve`;
+- `mlxgate-plain`: `mlxgate serve --max-draft-tokens 0`, without speculative decoding (the
+  baseline speculation is measured against, `--scenarios edit`);
 - `mlx_lm`: `mlx_lm.server` on the same float32 weights exported as an mlx-lm directory (made
   once, under `~/.cache/mlxgate/`), with OpenBLAS preloaded as mlxgate does it;
 - `llama-server`: llama.cpp's server on the GGUF the package ships (`llama-server` on the PATH,
@@ -27,11 +29,21 @@ import httpx
 
 from mlxgate.bench.target import Target
 
-SERVERS = ("mlxgate", "mlx_lm", "llama-server")
+SERVERS = ("mlxgate", "mlxgate-plain", "mlx_lm", "llama-server")
 EXPORT_DIR = Path.home() / ".cache" / "mlxgate" / "smollm2-mlx"
 # What each speaks best, and the model name its requests carry.
-DIALECT = {"mlxgate": "anthropic", "mlx_lm": "openai", "llama-server": "openai"}
-MODEL = {"mlxgate": "SmolLM2-135M-Instruct", "mlx_lm": "default_model", "llama-server": "smollm2"}
+DIALECT = {
+    "mlxgate": "anthropic",
+    "mlxgate-plain": "anthropic",
+    "mlx_lm": "openai",
+    "llama-server": "openai",
+}
+MODEL = {
+    "mlxgate": "SmolLM2-135M-Instruct",
+    "mlxgate-plain": "SmolLM2-135M-Instruct",
+    "mlx_lm": "default_model",
+    "llama-server": "smollm2",
+}
 
 
 def free_port() -> int:
@@ -60,6 +72,8 @@ def command(name: str, port: int, slots: int) -> list[str]:
     """The command line that serves the embedded model as `name` on `port`."""
     if name == "mlxgate":
         return mlxgate_command(port)
+    if name == "mlxgate-plain":
+        return mlxgate_command(port, ["--max-draft-tokens", "0"])
     if name == "mlx_lm":
         from mlxgate.models.export import export
 
