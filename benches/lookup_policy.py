@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from scenarios import EDITS, edit_prompt
 
 import mlxgate.engine.speculation as spec
+from mlxgate.bench.scenarios import EDITS, edit_prompt
 
 
 def replies(tokens: int) -> list[tuple[list[int], list[int]]]:

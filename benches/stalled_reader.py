@@ -21,11 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from servers import Server, free_port, server_command
-
 from mlxgate.bench.figures import percentile
 from mlxgate.bench.load import Load, request_body, run, story_prompt
 from mlxgate.bench.machine import rss_mb
+from mlxgate.bench.spawn import Server, free_port, mlxgate_command
 
 BENCHES = Path(__file__).resolve().parent
 
@@ -64,7 +63,7 @@ async def main_async(args: argparse.Namespace) -> None:
     server = Server(
         "mlxgate",
         # No prefix cache: the second run would reuse the first one's prompts.
-        server_command("mlxgate", port, BENCHES / ".cache/smollm2-mlx", ["--prefix-cache-mb", "0"]),
+        mlxgate_command(port, ["--prefix-cache-mb", "0"]),
         port,
         BENCHES / f".cache/logs/{stamp}-stalled-reader.log",
     )
