@@ -4,20 +4,16 @@ one in-process app whose engine can be made to fail on demand."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import httpx2  # what the anthropic and openai SDKs are built on
 import pytest
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before any test module imports mlx.core)
-from mlxgate.bench.spawn import free_port
+from mlxgate.bench.spawn import Server, free_port, mlxgate_command, stop_all
 
 if TYPE_CHECKING:
     from mlxgate._native import Router
@@ -26,49 +22,35 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parent.parent
 
 
-@dataclass
-class RunningServer:
-    url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+# A real server: mlxgate.bench.spawn's, as `mlxgate bench --spawn` starts one.
+RunningServer = Server
 
 
 def start_server(tmp_dir: Path, *extra_args: str, timeout_s: float = 120.0) -> RunningServer:
+    """`mlxgate serve` with `extra_args` on a free port, its output in `tmp_dir`; an error that
+    stops it from starting carries the log."""
     port = free_port()
-    log_path = tmp_dir / f"server-{port}.log"
-    log_file = log_path.open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mlxgate", "serve", "--port", str(port), *extra_args],
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
+    server = Server(
+        "mlxgate",
+        mlxgate_command(port, extra_args),
+        port,
+        tmp_dir / f"server-{port}.log",
         cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return RunningServer(url, process, log_path)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"server did not become healthy in {timeout_s}s:\n{log_path.read_text()}")
+    try:
+        server.start(timeout_s, poll_s=0.2)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}:\n{server.log()}") from None
+    return server
 
 
 def stop_server(server: RunningServer) -> None:
-    server.process.terminate()
-    try:
-        server.process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait()
+    server.stop(grace_s=15.0)
+
+
+def pytest_sessionfinish() -> None:
+    stop_all()  # a server a failed test left running
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,13 +105,15 @@ def command(name: str, port: int, slots: int) -> list[str]:
 @dataclass(eq=False)  # identity: a started server is tracked in a set
 class Server:
     """A server process in a session of its own (so that stopping it stops its workers too),
-    its output in `log_path`."""
+    its output in `log_path`. The tests start theirs with it too (tests/conftest.py)."""
 
     name: str
     command: list[str]
     port: int
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
+    cwd: Path | None = None
+    env: Mapping[str, str] | None = None  # the whole environment (None: this process's)
 
     @property
     def url(self) -> str:
@@ -127,7 +129,10 @@ class Server:
         # A server that speaks only chat completions gets an agent trace's turns as such.
         return Target(self.name, self.url, dialect, self.pid, MODEL[self.name], dialect == "openai")
 
-    def start(self, ready_timeout_s: float = 300.0) -> None:
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def start(self, ready_timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
@@ -135,6 +140,8 @@ class Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                cwd=self.cwd,
+                env=self.env,
                 start_new_session=True,
             )
         RUNNING.add(self)
@@ -151,7 +158,7 @@ class Server:
                         return
                 except httpx.HTTPError:
                     pass
-                time.sleep(0.5)
+                time.sleep(poll_s)
         self.stop()
         raise RuntimeError(
             f"{self.name} not ready after {ready_timeout_s:.0f} s; see {self.log_path}"
