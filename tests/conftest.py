@@ -3,6 +3,7 @@ one in-process app whose engine can be made to fail on demand."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -51,6 +52,33 @@ def stop_server(server: RunningServer) -> None:
 
 def pytest_sessionfinish() -> None:
     stop_all()  # a server a failed test left running
+
+
+# `make test-fast` runs the tests not marked slow. A test is slow when it, or a fixture it uses,
+# starts a real server (`mlxgate serve`, `mlxgate bench --spawn`), loads a model's weights, or
+# runs a model through the engine (the tiny models' `Served`).
+SLOW_FIXTURES = {"server", "strict_server", "limited_server", "aliased_server", "in_process"}
+SLOW_CALLS = ("start_server(", '"serve"', '"--spawn"', "load(None", "load_model(", "Served(")
+
+
+def _starts_or_loads(function: Any) -> bool:
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    return any(call in source for call in SLOW_CALLS)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        fixtures = item._fixtureinfo.name2fixturedefs
+        used = [defs[-1].func for defs in fixtures.values() if defs]
+        if SLOW_FIXTURES & set(item.fixturenames) or any(
+            _starts_or_loads(f) for f in [item.function, *used]
+        ):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
