@@ -14,7 +14,7 @@ import httpx2  # what the anthropic and openai SDKs are built on
 import pytest
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before any test module imports mlx.core)
-from mlxgate.bench.spawn import Server, free_port, mlxgate_command, stop_all
+from mlxgate.bench.spawn import Server, free_port, mlxgate_command
 
 if TYPE_CHECKING:
     from mlxgate._native import Router
@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # A real server: mlxgate.bench.spawn's, as `mlxgate bench --spawn` starts one.
 RunningServer = Server
+STARTED: list[Server] = []
 
 
 def start_server(tmp_dir: Path, *extra_args: str, timeout_s: float = 120.0) -> RunningServer:
@@ -38,7 +39,9 @@ def start_server(tmp_dir: Path, *extra_args: str, timeout_s: float = 120.0) -> R
         tmp_dir / f"server-{port}.log",
         cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        tracked=False,  # `mlxgate bench` stops the servers it tracks when a run ends
     )
+    STARTED.append(server)
     try:
         server.start(timeout_s, poll_s=0.2)
     except RuntimeError as exc:
@@ -51,7 +54,8 @@ def stop_server(server: RunningServer) -> None:
 
 
 def pytest_sessionfinish() -> None:
-    stop_all()  # a server a failed test left running
+    for server in STARTED:
+        server.stop(grace_s=5.0)  # a server a failed test left running
 
 
 # `make test-fast` runs the tests not marked slow. A test is slow when it, or a fixture it uses,

@@ -114,6 +114,7 @@ class Server:
     process: subprocess.Popen[bytes] | None = None
     cwd: Path | None = None
     env: Mapping[str, str] | None = None  # the whole environment (None: this process's)
+    tracked: bool = True  # in RUNNING while it runs, for `stop_all` (the tests keep their own)
 
     @property
     def url(self) -> str:
@@ -144,7 +145,8 @@ class Server:
                 env=self.env,
                 start_new_session=True,
             )
-        RUNNING.add(self)
+        if self.tracked:
+            RUNNING.add(self)
         deadline = time.monotonic() + ready_timeout_s
         with httpx.Client(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline:
