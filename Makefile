@@ -49,6 +49,19 @@ test: env ## run every Rust and Python test
 	cargo test --locked
 	$(VENV)/bin/pytest $(ARGS)
 
+.PHONY: test-fast
+test-fast: env ## the Rust tests and the Python tests that start no server and load no model
+	cargo test --locked
+	$(VENV)/bin/pytest -m "not slow" $(ARGS)
+
+.PHONY: pip-check
+pip-check: ## what a plain `pip install .` gives in a fresh venv (no uv): mlxgate and its extension import
+	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; set -e; \
+	python3 -m venv "$$tmp/venv"; \
+	"$$tmp/venv/bin/pip" install --quiet --disable-pip-version-check .; \
+	cd "$$tmp" && "$$tmp/venv/bin/python" -c \
+		"import mlxgate, mlxgate._native; print('pip install . imports', mlxgate.__file__)"
+
 .PHONY: compat
 compat: env ## the newest LiteLLM, OpenAI Agents, pydantic-ai, LangChain and openai against a real server
 	[ -x $(COMPAT_VENV)/bin/python ] || $(UV) venv --python python3 $(COMPAT_VENV)
@@ -92,15 +105,37 @@ bench-stream: env ## 1,000 streaming clients on a fake engine: Rust router vs pu
 soak: env ## 30 minutes of mixed load on one server: failures, RSS, ITL drift (benches/soak.py)
 	$(PY) benches/soak.py $(ARGS)
 
+.PHONY: fuzz-tools
+fuzz-tools: ## nightly Rust and cargo-fuzz, which the fuzz targets need (installed if missing)
+	@rustup run nightly rustc --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal
+	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+
 .PHONY: fuzz
 FUZZ_SECONDS ?= 600
+FUZZ_RUNS ?= 10000
 FUZZ_TARGETS = router jsonscan stop sse
-fuzz: ## run each libFuzzer target (fuzz/) for FUZZ_SECONDS from its committed corpus (nightly Rust)
-	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+fuzz: fuzz-tools ## run each libFuzzer target (fuzz/) for FUZZ_SECONDS from its committed corpus, adding to it
 	@for target in $(FUZZ_TARGETS); do \
 		echo "== $$target: $(FUZZ_SECONDS) s"; \
 		cargo +nightly fuzz run -O $$target fuzz/corpus/$$target -- \
 			-max_total_time=$(FUZZ_SECONDS) -max_len=512 -print_final_stats=1 || exit 1; \
+	done
+
+.PHONY: fuzz-smoke
+fuzz-smoke: fuzz-tools ## each fuzz target for FUZZ_RUNS inputs from its committed corpus (CI; the corpus is left as it is)
+	@new=$$(mktemp -d); trap 'rm -rf "$$new"' EXIT; \
+	for target in $(FUZZ_TARGETS); do \
+		echo "== $$target: $(FUZZ_RUNS) runs"; \
+		mkdir -p "$$new/$$target"; \
+		cargo +nightly fuzz run -O $$target "$$new/$$target" fuzz/corpus/$$target -- \
+			-runs=$(FUZZ_RUNS) -max_len=512 -print_final_stats=1 || exit 1; \
+	done
+
+.PHONY: fuzz-cmin
+fuzz-cmin: fuzz-tools ## after a campaign: keep only the corpus inputs that reach an edge no other one does
+	@for target in $(FUZZ_TARGETS); do \
+		cargo +nightly fuzz cmin -O $$target fuzz/corpus/$$target -- -use_counters=0 -max_len=512 \
+			|| exit 1; \
 	done
 
 .PHONY: clean

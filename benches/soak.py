@@ -33,7 +33,6 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from report import publish
-from servers import ROOT, Server, free_port, server_command
 
 from mlxgate.bench.client import send
 from mlxgate.bench.figures import percentile
@@ -47,6 +46,9 @@ from mlxgate.bench.load import (
 )
 from mlxgate.bench.machine import rss_mb
 from mlxgate.bench.records import Record
+from mlxgate.bench.spawn import Server, free_port, mlxgate_command
+
+ROOT = Path(__file__).resolve().parent.parent
 
 RESUME_WINDOW_S = 10
 WARM_UP_WINDOWS = 2  # the prefix cache (1 GB) and MLX's buffer cache fill in about 10 minutes
@@ -424,7 +426,7 @@ def main() -> None:
     args = parser.parse_args()
     port = free_port()
     extra = ["--resume-window", str(RESUME_WINDOW_S), *args.mlxgate_args.split()]
-    command = server_command("mlxgate", port, ROOT, extra)
+    command = mlxgate_command(port, extra)
     server = Server("mlxgate", command, port, ROOT / "benches" / ".cache" / "logs" / "soak.log")
     server.start()
     check_loopback(server.url)

@@ -26,8 +26,10 @@ from pathlib import Path
 
 import httpx
 import orjson
-from servers import PYTHON, CpuSampler, Server, free_port
 from stream_workload import STOP_SEQUENCES
+
+from mlxgate.bench.machine import CpuSampler
+from mlxgate.bench.spawn import Server, free_port
 
 BENCHES = Path(__file__).resolve().parent
 RESULTS = BENCHES / "results"
@@ -213,7 +215,7 @@ def summarize(
 def run_router(router: str, streams: int, max_tokens: int, timeout_s: float) -> RouterRun:
     port = free_port()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    command = [PYTHON, str(BENCHES / "fake_engine_app.py"), "--router", router]
+    command = [sys.executable, str(BENCHES / "fake_engine_app.py"), "--router", router]
     command += ["--port", str(port), "--gate", str(streams)]
     server = Server(f"stream-{router}", command, port, LOGS / f"{stamp}-stream-{router}.log")
     server.start(ready_timeout_s=120.0)

@@ -3,21 +3,18 @@ one in-process app whose engine can be made to fail on demand."""
 
 from __future__ import annotations
 
+import inspect
 import os
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import httpx2  # what the anthropic and openai SDKs are built on
 import pytest
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before any test module imports mlx.core)
-from mlxgate.bench.spawn import free_port
+from mlxgate.bench.spawn import Server, free_port, mlxgate_command
 
 if TYPE_CHECKING:
     from mlxgate._native import Router
@@ -26,49 +23,66 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parent.parent
 
 
-@dataclass
-class RunningServer:
-    url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+# A real server: mlxgate.bench.spawn's, as `mlxgate bench --spawn` starts one.
+RunningServer = Server
+STARTED: list[Server] = []
 
 
 def start_server(tmp_dir: Path, *extra_args: str, timeout_s: float = 120.0) -> RunningServer:
+    """`mlxgate serve` with `extra_args` on a free port, its output in `tmp_dir`; an error that
+    stops it from starting carries the log."""
     port = free_port()
-    log_path = tmp_dir / f"server-{port}.log"
-    log_file = log_path.open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mlxgate", "serve", "--port", str(port), *extra_args],
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
+    server = Server(
+        "mlxgate",
+        mlxgate_command(port, extra_args),
+        port,
+        tmp_dir / f"server-{port}.log",
         cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        tracked=False,  # `mlxgate bench` stops the servers it tracks when a run ends
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return RunningServer(url, process, log_path)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"server did not become healthy in {timeout_s}s:\n{log_path.read_text()}")
+    STARTED.append(server)
+    try:
+        server.start(timeout_s, poll_s=0.2)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}:\n{server.log()}") from None
+    return server
 
 
 def stop_server(server: RunningServer) -> None:
-    server.process.terminate()
+    server.stop(grace_s=15.0)
+
+
+def pytest_sessionfinish() -> None:
+    for server in STARTED:
+        server.stop(grace_s=5.0)  # a server a failed test left running
+
+
+# `make test-fast` runs the tests not marked slow. A test is slow when it, or a fixture it uses,
+# starts a real server (`mlxgate serve`, `mlxgate bench --spawn`), loads a model's weights, or
+# runs a model through the engine (the tiny models' `Served`).
+SLOW_FIXTURES = {"server", "strict_server", "limited_server", "aliased_server", "in_process"}
+SLOW_CALLS = ("start_server(", '"serve"', '"--spawn"', "load(None", "load_model(", "Served(")
+
+
+def _starts_or_loads(function: Any) -> bool:
     try:
-        server.process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait()
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    return any(call in source for call in SLOW_CALLS)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        fixtures = item._fixtureinfo.name2fixturedefs
+        used = [defs[-1].func for defs in fixtures.values() if defs]
+        if SLOW_FIXTURES & set(item.fixturenames) or any(
+            _starts_or_loads(f) for f in [item.function, *used]
+        ):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

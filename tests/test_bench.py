@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from conftest import RunningServer
-from mlxgate.bench import spawn
+from mlxgate.bench import scenarios, spawn
 from mlxgate.bench.client import send
 from mlxgate.bench.figures import Slo, summarize
 from mlxgate.bench.records import DIALECTS, PATHS, Record, Tally
@@ -369,6 +369,41 @@ def test_a_run_directory_is_complete(fake: FakeServer, tmp_path: Path) -> None:
     assert runs[("second", 1)]["cpu_s_per_output_token"] is None
     assert report.count("| first |") == 2 and report.count("| second |") == 2
     assert "| 1.00x |" in report
+
+
+def test_the_edit_scenario_reports_the_guesses_kept(
+    fake: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--scenarios edit`: the files asked back one after the other by one client, the decode
+    rate after the first token, and the speculation counters' growth over the run."""
+    counters = iter(
+        [
+            {"verify_passes": 10.0, "drafted_tokens": 40.0, "accepted_tokens": 20.0},
+            {"verify_passes": 20.0, "drafted_tokens": 80.0, "accepted_tokens": 38.0},
+        ]
+    )
+
+    async def read_counters(url: str) -> dict[str, float]:
+        return next(counters)
+
+    monkeypatch.setattr(scenarios, "speculation_counters", read_counters)
+    out = tmp_path / "run"
+    cli_main(["bench", "--target", f"fake={fake.url},dialect=openai", "--scenarios", "edit",
+              "--quick", "--out", str(out)])  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    [run] = summary["runs"]
+    assert run["scenario"] == "edit" and run["requests"] == 2 and run["failed"] == 0
+    figures = run["scenario_figures"]
+    assert figures["speculation"] == {
+        "verify_passes": 10.0, "drafted_tokens": 40.0, "accepted_tokens": 18.0
+    }  # fmt: skip
+    assert figures["decode_tok_s"] == pytest.approx(len(GAPS_S) / sum(GAPS_S), rel=0.2)
+    report = (out / "report.md").read_text()
+    assert (
+        "## Edit" in report and "18 of 40 guessed tokens kept (45%), 1.80 per verify pass" in report
+    )
+    assert "rgb_to_yiq renamed to rgb_to_ntsc" in scenarios.edit_prompt(*scenarios.EDITS[0]).user
+    assert "--max-draft-tokens" in spawn.command("mlxgate-plain", 8080, 1)
 
 
 def test_the_scenarios_on_the_real_server(server: RunningServer, tmp_path: Path) -> None:

@@ -75,8 +75,8 @@ def parser() -> argparse.ArgumentParser:
         "--scenarios", type=_scenarios, default=("sweep",), metavar="S,S,...",
         help="sweep: the concurrency sweep; long: long prompts at once; hol: running streams' "
         "gaps while a long prompt lands; prefix: a long system prompt asked twice; disconnect: "
-        "the server's CPU after a client goes (needs pid=); agent: replay --trace "
-        "(default: sweep)",
+        "the server's CPU after a client goes (needs pid=); edit: source files asked back "
+        "with a rename, speculative decoding's case; agent: replay --trace (default: sweep)",
     )  # fmt: skip
     bench.add_argument(
         "--quick", action="store_true",

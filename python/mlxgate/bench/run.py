@@ -27,7 +27,7 @@ from mlxgate.bench.load import Load, Prompt, run, story_prompt
 from mlxgate.bench.machine import cpu_seconds, load_average
 from mlxgate.bench.records import Record
 from mlxgate.bench.replay import replay as replay_trace
-from mlxgate.bench.scenarios import SCENARIOS, Outcome, Sizes
+from mlxgate.bench.scenarios import SCENARIOS, SPECULATION_COUNTERS, Outcome, Sizes
 from mlxgate.bench.target import Target
 from mlxgate.trace import read as read_trace
 from mlxgate.trace import sessions
@@ -50,6 +50,7 @@ CONCURRENCY: dict[str, Callable[[Sizes], int]] = {
     "hol": lambda sizes: sizes.hol_streams + 1,
     "prefix": lambda sizes: 1,
     "disconnect": lambda sizes: 1,
+    "edit": lambda sizes: 1,
 }
 
 
@@ -311,6 +312,7 @@ TITLES = {
     "hol": "Head-of-line: the gaps of running streams while a long prompt lands",
     "prefix": "Prefix reuse: a long system prompt asked about twice",
     "disconnect": "Disconnect: the server's CPU after the client goes",
+    "edit": "Edit: one client asking for source files back with a rename",
 }
 
 
@@ -352,8 +354,24 @@ def _disconnect(figures: dict[str, Any]) -> str:
     )
 
 
+def _edit(figures: dict[str, Any]) -> str:
+    decode = figures["decode_tok_s"]
+    line = f"decode {'-' if decode is None else f'{decode:.1f}'} tok/s after the first token; "
+    speculation = figures["speculation"]
+    if speculation is None:
+        return line + "no speculative-decoding counters on /metrics"
+    passes, drafted, kept = (speculation[name] for name in SPECULATION_COUNTERS)
+    if not passes:
+        return line + "no verify passes (speculation off)"
+    return (
+        line + f"{kept:.0f} of {drafted:.0f} guessed tokens kept ({100 * kept / drafted:.0f}%), "
+        f"{kept / passes:.2f} per verify pass"
+    )
+
+
 _FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "hol": _hol,
     "prefix": _prefix,
     "disconnect": _disconnect,
+    "edit": _edit,
 }

@@ -7,7 +7,10 @@ target and returns its records with the figures only it has:
 - `prefix`: a long shared system prompt asked twice: the second TTFT against the first, and the
   prompt tokens the server says it reused;
 - `disconnect`: a long generation closed mid-decode, then a long prompt closed mid-prefill: how
-  long the server goes on burning CPU for a client that left (read from /proc: needs the pid).
+  long the server goes on burning CPU for a client that left (read from /proc: needs the pid);
+- `edit`: one client asking for standard-library files back with a rename, one after the other
+  (an agent's Edit/Write, the case speculative decoding is for): the decode rate after the first
+  token and, from mlxgate's /metrics, the guesses drafted and kept.
 
 Prompts are plain words, about `tokens` tokens long by a BPE vocabulary's count; the servers'
 usage reports what they counted.
@@ -19,10 +22,15 @@ import asyncio
 import itertools
 import random
 import statistics
+import sysconfig
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from mlxgate.bench.load import Load, Prompt, make_client, run, send_prompt, story_prompt
 from mlxgate.bench.machine import CpuSampler
@@ -55,6 +63,8 @@ class Sizes:
     disconnect_prompt: int = 3000
     close_after_s: float = 1.0
     observe_s: float = 30.0  # how long to watch for the server going idle after a close
+    edit_files: int = 5
+    edit_output: int = 256
     timeout_s: float = 1800.0  # a request fails after this long in all
     stall_s: float = 600.0  # or after this long without a byte
 
@@ -74,6 +84,8 @@ class Sizes:
             disconnect_prompt=1200,
             close_after_s=0.5,
             observe_s=10.0,
+            edit_files=2,
+            edit_output=48,
         )
 
 
@@ -279,9 +291,89 @@ async def _wait_idle(pid: int, limit_s: float) -> float | None:
     return None
 
 
+# (standard-library file, a name in it, the new name): 150-250 lines each, a rename to ask for.
+EDITS = (
+    ("colorsys.py", "rgb_to_yiq", "rgb_to_ntsc"),
+    ("genericpath.py", "getsize", "file_size"),
+    ("sched.py", "enterabs", "enter_at"),
+    ("fnmatch.py", "translate", "to_regex"),
+    ("glob.py", "glob1", "glob_one"),
+)
+SPECULATION_COUNTERS = ("verify_passes", "drafted_tokens", "accepted_tokens")
+
+
+def edit_prompt(file: str, old: str, new: str) -> Prompt:
+    """A source file and a request for it back with one small change (an agent's Edit/Write)."""
+    source = (Path(sysconfig.get_paths()["stdlib"]) / file).read_text()
+    return Prompt(
+        f"Here is {file}:\n```python\n{source}```\nRewrite the whole file with {old} renamed "
+        f"to {new}. Output the complete file only."
+    )
+
+
+async def edit(target: Target, sizes: Sizes, nonce: str) -> Outcome:
+    """The files one after the other, one client. A reply copies most of its prompt, so prompt
+    lookup's guesses are mostly kept: compare mlxgate with `--max-draft-tokens 0`
+    (`--spawn mlxgate-plain`). The prompts are the same every run (a server's prefix cache may
+    serve a second run)."""
+    before = await speculation_counters(target.url)
+    load = Load(
+        target.url,
+        target.dialect,
+        sizes.edit_files,
+        1,
+        sizes.edit_output,
+        target.model,
+        prompt=lambda i: edit_prompt(*EDITS[i % len(EDITS)]),
+        timeout_s=sizes.timeout_s,
+        stall_s=sizes.stall_s,
+    )
+    records = await run(load)
+    after = await speculation_counters(target.url)
+    # Per request, after its first token (prefill left out), over all requests.
+    decoding = [
+        (r.output_tokens - 1, r.ended_at - r.sent_at - r.ttft_s)
+        for r in records
+        if r.ok and r.output_tokens and r.ttft_s is not None
+    ]
+    decode_s = sum(s for _, s in decoding)
+    speculation = None
+    if before is not None and after is not None:
+        speculation = {name: after[name] - before[name] for name in SPECULATION_COUNTERS}
+    return Outcome(
+        records,
+        {
+            "decode_tok_s": sum(n for n, _ in decoding) / decode_s if decode_s > 0 else None,
+            "speculation": speculation,
+        },
+    )
+
+
+async def speculation_counters(url: str) -> dict[str, float] | None:
+    """mlxgate's speculative-decoding counters from /metrics (None: a server without them)."""
+    try:
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+            response = await client.get(f"{url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    wanted = {f"mlxgate_engine_{name}": name for name in SPECULATION_COUNTERS}
+    try:
+        found = {
+            wanted[family.name]: family.samples[0].value
+            for family in text_string_to_metric_families(response.text)
+            if family.name in wanted and family.samples
+        }
+    except ValueError:  # not Prometheus text
+        return None
+    return found if len(found) == len(wanted) else None
+
+
 SCENARIOS: dict[str, Scenario] = {
     "long": long_prompts,
     "hol": head_of_line,
     "prefix": prefix_reuse,
     "disconnect": disconnect,
+    "edit": edit,
 }

@@ -2,6 +2,8 @@
 Instruct), on a free loopback port, for the run:
 
 - `mlxgate`: `mlxgate serve`;
+- `mlxgate-plain`: `mlxgate serve --max-draft-tokens 0`, without speculative decoding (the
+  baseline speculation is measured against, `--scenarios edit`);
 - `mlx_lm`: `mlx_lm.server` on the same float32 weights exported as an mlx-lm directory (made
   once, under `~/.cache/mlxgate/`), with OpenBLAS preloaded as mlxgate does it;
 - `llama-server`: llama.cpp's server on the GGUF the package ships (`llama-server` on the PATH,
@@ -19,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +29,21 @@ import httpx
 
 from mlxgate.bench.target import Target
 
-SERVERS = ("mlxgate", "mlx_lm", "llama-server")
+SERVERS = ("mlxgate", "mlxgate-plain", "mlx_lm", "llama-server")
 EXPORT_DIR = Path.home() / ".cache" / "mlxgate" / "smollm2-mlx"
 # What each speaks best, and the model name its requests carry.
-DIALECT = {"mlxgate": "anthropic", "mlx_lm": "openai", "llama-server": "openai"}
-MODEL = {"mlxgate": "SmolLM2-135M-Instruct", "mlx_lm": "default_model", "llama-server": "smollm2"}
+DIALECT = {
+    "mlxgate": "anthropic",
+    "mlxgate-plain": "anthropic",
+    "mlx_lm": "openai",
+    "llama-server": "openai",
+}
+MODEL = {
+    "mlxgate": "SmolLM2-135M-Instruct",
+    "mlxgate-plain": "SmolLM2-135M-Instruct",
+    "mlx_lm": "default_model",
+    "llama-server": "smollm2",
+}
 
 
 def free_port() -> int:
@@ -60,6 +72,8 @@ def command(name: str, port: int, slots: int) -> list[str]:
     """The command line that serves the embedded model as `name` on `port`."""
     if name == "mlxgate":
         return mlxgate_command(port)
+    if name == "mlxgate-plain":
+        return mlxgate_command(port, ["--max-draft-tokens", "0"])
     if name == "mlx_lm":
         from mlxgate.models.export import export
 
@@ -91,13 +105,16 @@ def command(name: str, port: int, slots: int) -> list[str]:
 @dataclass(eq=False)  # identity: a started server is tracked in a set
 class Server:
     """A server process in a session of its own (so that stopping it stops its workers too),
-    its output in `log_path`."""
+    its output in `log_path`. The tests start theirs with it too (tests/conftest.py)."""
 
     name: str
     command: list[str]
     port: int
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
+    cwd: Path | None = None
+    env: Mapping[str, str] | None = None  # the whole environment (None: this process's)
+    tracked: bool = True  # in RUNNING while it runs, for `stop_all` (the tests keep their own)
 
     @property
     def url(self) -> str:
@@ -113,7 +130,10 @@ class Server:
         # A server that speaks only chat completions gets an agent trace's turns as such.
         return Target(self.name, self.url, dialect, self.pid, MODEL[self.name], dialect == "openai")
 
-    def start(self, ready_timeout_s: float = 300.0) -> None:
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def start(self, ready_timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
@@ -121,9 +141,12 @@ class Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                cwd=self.cwd,
+                env=self.env,
                 start_new_session=True,
             )
-        RUNNING.add(self)
+        if self.tracked:
+            RUNNING.add(self)
         deadline = time.monotonic() + ready_timeout_s
         with httpx.Client(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline:
@@ -137,7 +160,7 @@ class Server:
                         return
                 except httpx.HTTPError:
                     pass
-                time.sleep(0.5)
+                time.sleep(poll_s)
         self.stop()
         raise RuntimeError(
             f"{self.name} not ready after {ready_timeout_s:.0f} s; see {self.log_path}"
