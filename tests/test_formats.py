@@ -349,7 +349,7 @@ def test_forced_tool_choice_opens_the_call_as_the_format_writes_it(family: Famil
         if r.format.think is not None:  # the call is not made inside an open reasoning block
             assert not prompt.reply.prefill.startswith(r.format.think[0])
     none = r.render(request(tool_choice={"type": "none"}))
-    assert "The Bash tool" not in none.text and none.markup is r.format.markup_text
+    assert "The Bash tool" not in none.text and none.reply.markup is r.format.markup_text
 
 
 def test_a_named_call_starts_the_render_of_that_call(family: Family) -> None:

@@ -63,9 +63,9 @@ def open_from(router: Router, spec: dict[str, Any]) -> Reader:
         "model": spec["model"],
         "stream": spec.get("stream", True),
         "stop_sequences": spec.get("stop_sequences", []),
-        "markup": markup,
-        "prefill": spec.get("prefill", ""),
-        "eos_ids": spec.get("eos_ids", []),
+        "reply": Reply(
+            markup=markup, prefill=spec.get("prefill", ""), eos_ids=spec.get("eos_ids", [])
+        ),
     }
     dialect = spec.get("dialect", "anthropic")
     if dialect == "responses":
@@ -237,16 +237,26 @@ def text_vocab() -> Vocab:
     )
 
 
+def reply_of(kw: dict[str, Any]) -> Reply:
+    """The `Reply` in `kw`'s markup, prefill and tools (they are taken out); token 0 ends it."""
+    return Reply(
+        markup=kw.pop("markup", None),
+        prefill=kw.pop("prefill", ""),
+        eos_ids=[0],
+        tools=kw.pop("tools", []),
+    )
+
+
 def open_text(router: Router, sid: int, *, max_tokens: int = UNLIMITED, **kw: Any) -> Reader:
     """An Anthropic stream over text_vocab(): token 0 (`<eos>`) ends the turn."""
-    spec = StreamSpec.anthropic(model="m", message_id=f"msg_{sid}", **kw, reply=Reply(eos_ids=[0]))
+    reply = reply_of(kw)
+    spec = StreamSpec.anthropic(model="m", message_id=f"msg_{sid}", **kw, reply=reply)
     return router.open(sid, spec, prompt_tokens=1, max_tokens=max_tokens)
 
 
 def open_openai(router: Router, sid: int, *, max_tokens: int = UNLIMITED, **kw: Any) -> Reader:
-    spec = StreamSpec.openai(
-        model="m", completion_id="c", created=1, **kw, reply=Reply(eos_ids=[0])
-    )
+    reply = reply_of(kw)
+    spec = StreamSpec.openai(model="m", completion_id="c", created=1, **kw, reply=reply)
     return router.open(sid, spec, prompt_tokens=1, max_tokens=max_tokens)
 
 
@@ -688,12 +698,13 @@ def run_pieces(
     the wire shows."""
     router = Router(Vocab.from_token_bytes([b"<eos>", *pieces], [0]))
     n = len(pieces)
+    reply = reply_of(kw)
     if dialect == "openai":
         spec = StreamSpec.openai(
-            model="m", completion_id="chatcmpl-1", created=1, **kw, reply=Reply(eos_ids=[0])
+            model="m", completion_id="chatcmpl-1", created=1, **kw, reply=reply
         )
     else:
-        spec = StreamSpec.anthropic(model="m", message_id="msg_1", **kw, reply=Reply(eos_ids=[0]))
+        spec = StreamSpec.anthropic(model="m", message_id="msg_1", **kw, reply=reply)
     reader = router.open(1, spec, prompt_tokens=1, max_tokens=n if max_tokens else UNLIMITED)
     out = bytearray(reader.take() or b"")
     ended: list[tuple[int, FinishReason]] = []

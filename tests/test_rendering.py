@@ -171,7 +171,7 @@ def test_forced_tool_choice_starts_the_call_in_the_prompt(renderer: chat.Rendere
             messages=[{"role": "user", "content": "go"}],
         )
     )
-    assert "Bash" not in none.text and none.markup is renderer.format.markup_text
+    assert "Bash" not in none.text and none.reply.markup is renderer.format.markup_text
 
 
 def test_conversations_that_cannot_render_are_400s(renderer: chat.Renderer) -> None:
