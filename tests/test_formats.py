@@ -412,9 +412,13 @@ def test_a_forced_calls_grammar_admits_exactly_the_calls_the_schema_allows(famil
     width = r.tokenizer.vocab_size
 
     def admits(prompt: chat.Prompt, call: str) -> bool:
+        """Whether the grammar takes what follows the forced opening (without any reasoning the
+        prefill holds before it)."""
         assert prompt.call_grammar is not None
         matcher = vocabulary.matcher(Grammar.lark(prompt.call_grammar), width)
-        rest = call.removeprefix(prompt.reply.prefill)
+        opening = fmt.forced_opening("Bash" if prompt is named else None)
+        assert prompt.reply.prefill.endswith(opening)
+        rest = call.removeprefix(opening)
         assert rest != call, "the call starts with the forced opening"
         return all(matcher.consume_token(t) for t in r.encode(rest)) and matcher.is_accepting()
 
@@ -422,8 +426,6 @@ def test_a_forced_calls_grammar_admits_exactly_the_calls_the_schema_allows(famil
     anyone = r.render(request(tool_choice={"type": "any"}))
     opening = fmt.forced_opening("Bash")
     assert named.reply.prefill.endswith(opening)
-    named = replace(named, prefill=opening)
-    anyone = replace(anyone, prefill=fmt.forced_opening(None))
     assert admits(named, fmt.render_call("Bash", COMMAND))
     assert admits(named, fmt.render_call("Bash", {"command": 'echo "a\nb" <x>', "timeout": 5}))
     assert not admits(named, fmt.render_call("Bash", {"description": "no command"}))
