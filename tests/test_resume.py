@@ -269,8 +269,8 @@ async def test_the_log_holds_a_bounded_amount(monkeypatch: pytest.MonkeyPatch) -
     forgotten: list[str] = []
     log = EventLog("req_1", cast(Reader, _Generation()), 0.05, forgotten.append)
     # As a reader hands them out: each event numbered, with the id of the chunk's last one.
-    frames = [(b"id: %d\ndata: %02d-padding\n\n" % (i + 1, i), i + 1) for i in range(12)]
-    for frame in frames[:4]:  # 4 x ~30 bytes: past the bound
+    frames = [(b"id: %d\ndata: %02d-padding-padding\n\n" % (i + 1, i), i + 1) for i in range(12)]
+    for frame in frames[:4]:  # 4 x 33 bytes: past the bound
         await log.append(*frame)
     blocked = asyncio.ensure_future(log.append(*frames[4]))
     await asyncio.sleep(0.01)
