@@ -29,6 +29,7 @@ import numpy as np
 from mlxgate._native import ErrorKind, FinishReason, Reader, Router
 from mlxgate.engine import batch_check, cache_kinds, heap
 from mlxgate.engine.batch import FREE, DecodeBatch
+from mlxgate.engine.batch_sampler import BatchSampler
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.constraints import Vocabulary
 from mlxgate.engine.contract import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
@@ -168,6 +169,7 @@ class Engine:
         # Taken from the queue by this step's prefill and not yet in the batch.
         self._joining: list[_Pending] = []
         self._batch = DecodeBatch(self.layout, self._banded)
+        self._sampler = BatchSampler()  # the batch's: made and dropped with it
         self._trim_heap = heap.trimmer()
         self._heap_trimmed_at = 0.0
 
@@ -267,7 +269,7 @@ class Engine:
 
     def _run(self) -> None:
         # MLX streams are per thread: every array the engine evaluates is made on this thread.
-        self._batch = DecodeBatch(self.layout, self._banded)
+        self._batch, self._sampler = DecodeBatch(self.layout, self._banded), BatchSampler()
         if self.speculation is not None:
             self.speculation.reset()
         while self._running.is_set():
@@ -307,7 +309,7 @@ class Engine:
             self.router.fail(stream_id, ErrorKind.INTERNAL, message)
         self._waiting.clear()
         self._joining = []
-        self._batch = DecodeBatch(self.layout, self._banded)
+        self._batch, self._sampler = DecodeBatch(self.layout, self._banded), BatchSampler()
         if self.speculation is not None:
             self.speculation.reset()
 
@@ -458,7 +460,7 @@ class Engine:
             drafts = speculation.drafts(batch.stream_ids)
         if drafts is None:
             logits = self._adapter.decode(batch.inputs, batch.caches, self._scaled_rows())
-            inputs = batch.sample(logits, self.vocabulary)
+            inputs = self._sampler.sample(logits, batch.samplers, self.vocabulary)
             mx.eval(inputs)
             tokens = np.array(inputs)[:, None]
             kept = np.zeros(len(tokens), dtype=np.int64)
@@ -467,10 +469,11 @@ class Engine:
             inputs = mx.array(tokens[np.arange(len(tokens)), kept])  # each row's last token
         slot_ids = batch.stream_ids
         # Free slots were computed too: their tokens go nowhere.
+        self._sampler.advance(inputs)
         batch.advance(inputs)
         if speculation is not None:
             self._guessed(speculation, slot_ids, drafts, kept, tokens)
-        if sampled := batch.logprobs():
+        if sampled := self._sampler.logprobs(batch.stream_ids):
             self.router.logprobs(sampled)
         # Each row's emitted tokens in order: the router ends a stream at the first that ends it.
         emitted = (np.arange(tokens.shape[1]) <= kept[:, None]) & (slot_ids != FREE)[:, None]
@@ -494,7 +497,11 @@ class Engine:
         guesses = mx.array(drafts.tokens.astype(np.uint32))
         inputs = mx.concatenate([batch.inputs[:, None], guesses], axis=1)
         logits = self._adapter.verify(inputs, batch.caches, self._scaled_rows())
-        tokens, kept = batch.sample_drafts(logits, drafts, self.vocabulary)
+        tokens = self._sampler.sample_positions(
+            logits, drafts.counts, batch.samplers, self.vocabulary
+        )
+        kept = drafts.kept(tokens)
+        self._sampler.keep(kept)
         batch.rewind(kept, drafts.width)
         return tokens, kept
 

@@ -1,6 +1,8 @@
-"""Speculative decoding: each running sequence guesses its next tokens, and one forward pass
-checks the guesses of every row. The guesses come from the sequence's own prompt and output
-(prompt lookup, here), or from a smaller draft model (`--draft-model`, engine/drafter.py).
+"""Speculative decoding: what each running sequence guesses, and which guesses it keeps.
+
+Each running sequence guesses its next tokens, and one forward pass checks the guesses of every
+row. The guesses come from the sequence's own prompt and output (prompt lookup, here), or from
+a smaller draft model (`--draft-model`, engine/drafter.py).
 
 On CPU a decode step is bound by reading the weights, so a pass over a few positions per row
 costs little more than over one. Agents quote files, tool output and code that already stand in
@@ -162,8 +164,9 @@ class Drafts:
         return int(self.tokens.shape[1]) + 1
 
     def kept(self, sampled: np.ndarray) -> np.ndarray:
-        """Per slot: how many guesses equal the tokens sampled at their positions, in a row from
-        the first (`sampled`: [slots, width], position 0 after the input token)."""
+        """The acceptance rule. Per slot: how many guesses equal the tokens sampled at their
+        positions, in a row from the first (`sampled`: [slots, width], position 0 after the input
+        token)."""
         k = self.tokens.shape[1]
         agree = (self.tokens == sampled[:, :k]) & (np.arange(k)[None, :] < self.counts[:, None])
         return np.cumprod(agree, axis=1).sum(axis=1)  # type: ignore[no-any-return]
