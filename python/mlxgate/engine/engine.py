@@ -32,7 +32,6 @@ from mlxgate.engine.batch_sampler import BatchSampler
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.constraints import Vocabulary
 from mlxgate.engine.contract import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
-from mlxgate.engine.drafter import DraftModel
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.policy import StepPolicy
 from mlxgate.engine.prefill import Pending, Prefill
@@ -97,7 +96,9 @@ class Engine:
             )
             self.settings = dataclasses.replace(self.settings, max_running=1)
         # Guessing tokens ahead (engine/speculation.py); None where it is off.
-        self.speculation = self._make_speculation(draft_model)
+        self.speculation = Speculation.configured(
+            self.settings, self.layout, loaded.context_length, draft_model
+        )
         self._gone: set[int] = set()  # cancelled stream ids not yet dropped
         self._over_since: dict[int, float] = {}  # stream id -> when its reader fell over the bound
         self._ids = itertools.count(1)
@@ -122,32 +123,6 @@ class Engine:
         self._sampler = BatchSampler()  # the batch's: made and dropped with it
         self._trim_heap = heap.trimmer()
         self._heap_trimmed_at = 0.0
-
-    def _make_speculation(self, draft_model: nn.Module | None) -> Speculation | None:
-        s = self.settings
-        if not s.max_draft_tokens or s.speculation_max_rows < 1:
-            return None
-        if not self.layout.cuttable:
-            log.info(
-                "speculative decoding is off: this model's layers (%s) cannot take back the "
-                "positions of rejected guesses",
-                self.layout.describe(),
-            )
-            return None
-        speculation = Speculation(s.max_draft_tokens, self.loaded.context_length)
-        if draft_model is not None:
-            speculation.draft_model = DraftModel(
-                draft_model,
-                s.prefix_cache_mb << 20,
-                s.max_prefill_chunk,
-                batched=s.max_running > 1 and s.speculation_max_rows > 1,
-            )
-            log.info(
-                "speculative decoding: a draft model (%s) guesses up to %d tokens ahead",
-                speculation.draft_model.layout.describe(),
-                s.max_draft_tokens,
-            )
-        return speculation
 
     def admit(self, request: GenerationRequest) -> Reader:
         """Open the request's stream and queue it, or raise an AdmissionError."""

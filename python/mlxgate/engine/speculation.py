@@ -28,14 +28,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+import mlx.nn as nn
 import numpy as np
 
+from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.contract import GenerationRequest
-
-if TYPE_CHECKING:
-    from mlxgate.engine.drafter import DraftModel
+from mlxgate.engine.drafter import DraftModel
+from mlxgate.engine.settings import EngineSettings
 
 log = logging.getLogger("mlxgate.engine")
 
@@ -182,6 +182,41 @@ class Speculation:
     draft_model: DraftModel | None = None  # guesses in place of `propose`, for all rows at once
     lookups: dict[int, Lookup] = field(default_factory=dict)
     steps: int = 0
+
+    @classmethod
+    def configured(
+        cls,
+        settings: EngineSettings,
+        layout: CacheLayout,
+        context: int,
+        draft_model: nn.Module | None,
+    ) -> Speculation | None:
+        """Speculation as `settings` and the served model's `layout` allow it (None where it is
+        off), guessing with `draft_model` if given, else by prompt lookup."""
+        s = settings
+        if not s.max_draft_tokens or s.speculation_max_rows < 1:
+            return None
+        if not layout.cuttable:
+            log.info(
+                "speculative decoding is off: this model's layers (%s) cannot take back the "
+                "positions of rejected guesses",
+                layout.describe(),
+            )
+            return None
+        speculation = cls(s.max_draft_tokens, context)
+        if draft_model is not None:
+            speculation.draft_model = DraftModel(
+                draft_model,
+                s.prefix_cache_mb << 20,
+                s.max_prefill_chunk,
+                batched=s.max_running > 1 and s.speculation_max_rows > 1,
+            )
+            log.info(
+                "speculative decoding: a draft model (%s) guesses up to %d tokens ahead",
+                speculation.draft_model.layout.describe(),
+                s.max_draft_tokens,
+            )
+        return speculation
 
     def start(self, stream_id: int, request: GenerationRequest) -> None:
         """Let a sequence joining the batch guess, unless its request opted out or is held to
