@@ -116,7 +116,8 @@ class Engine:
             self.metrics,
             grouped=self.batch_problems.prefill is None,
             cancelled=self._poll_cancelled,
-            ping=lambda stream_id: self.router.ping(stream_id),  # the router as it is then
+            # Looked up at each call: a router swapped in later (tests wrap it) is the one used.
+            ping=lambda stream_id: self.router.ping(stream_id),
             join=self._add_rows,
         )
         self._batch = DecodeBatch(self.layout, self._banded)
