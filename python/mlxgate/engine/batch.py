@@ -1,4 +1,4 @@
-"""The running batch: one row per decoding sequence, batched KV caches, batched sampling.
+"""The running batch: one row (slot) per decoding sequence, its KV caches, input and sampler.
 
 Rows live in bands of similar length, each band one `BatchKVCache` per layer whose rows are
 left-padded to the band's width. A 1,500-token row joining rows of 200 tokens starts a band of
@@ -14,25 +14,24 @@ Layers keep whatever their kind needs (engine/cache_kinds.py): bands of differen
 every layer to be attention, and a free slot takes a joining row only where no layer is a
 sliding window (whose rows share one write position); there joining rows are appended, and free
 slots wait for the compaction like any others.
+
+The rows' samplers are kept here, slot by slot; a step samples with them in
+engine/batch_sampler.py.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import llguidance
 import mlx.core as mx
 import numpy as np
 
 from mlxgate.engine import cache_kinds
 from mlxgate.engine.cache_kinds import CacheLayout
-from mlxgate.engine.constraints import Vocabulary
 from mlxgate.engine.contract import SamplingParams
 from mlxgate.engine.sampling import Sampler
-from mlxgate.engine.speculation import Drafts
 from mlxgate.models.banded_cache import BandedCache
 
 FREE = 0  # the stream id of a free slot (stream ids start at 1)
@@ -54,10 +53,6 @@ class DecodeBatch:
         self.layout = layout
         self.max_bands = MAX_BANDS if banded and layout.all_attention else 1
         self.bands: list[_Band] = []
-        # (slot, matcher) of the rows the last `sample` held to a grammar: `advance` moves them on.
-        self._matchers: list[tuple[int, llguidance.LLMatcher]] = []
-        # The last `sample`'s log-probabilities, for the rows that asked (see `logprobs`).
-        self._logprobs: _Logprobs | None = None
 
     def __len__(self) -> int:
         """Live rows (sequences decoding)."""
@@ -153,70 +148,12 @@ class DecodeBatch:
         self.bands = [band for band in self.bands if len(band)]
 
     def advance(self, tokens: mx.array) -> None:
-        """Feed each slot `tokens[slot]` next (and its grammar, if it has one)."""
-        token_ids = np.array(tokens, copy=False)
-        for slot, matcher in self._matchers:
-            matcher.consume_token(int(token_ids[slot]))
+        """Feed each slot `tokens[slot]` next."""
         start = 0
         for band in self.bands:
             stop = start + len(band.stream_ids)
             band.inputs = tokens[start:stop] if len(self.bands) > 1 else tokens
             start = stop
-
-    def sample(self, logits: mx.array, vocabulary: Vocabulary | None = None) -> mx.array:
-        """Next token per row: one argmax for greedy rows, per-row samplers for the others;
-        rows with a grammar choose among the tokens it allows."""
-        samplers = self.samplers
-        self._matchers = [
-            (i, s.matcher_in(vocabulary, logits.shape[-1]))
-            for i, s in enumerate(samplers)
-            if s.grammar is not None
-        ]
-        if self._matchers:
-            assert vocabulary is not None  # (matcher_in has made sure)
-            logits = _masked(logits, self._matchers, vocabulary)
-        if all(s.params.greedy for s in samplers):
-            tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
-        else:
-            greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
-            picks = [
-                greedy[i : i + 1] if s.params.greedy else s(logits[i : i + 1]).astype(mx.uint32)
-                for i, s in enumerate(samplers)
-            ]
-            tokens = mx.concatenate(picks)
-        asked = [(i, s.params) for i, s in enumerate(samplers) if s.params.logprobs is not None]
-        self._logprobs = _Logprobs.of(logits, tokens, asked) if asked else None
-        return tokens
-
-    def sample_drafts(
-        self, logits: mx.array, drafts: Drafts, vocabulary: Vocabulary | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """For a verify pass (`logits`: [slots, positions, vocab]): the token each row's sampler
-        samples at every position [slots, positions], and how many of each row's guesses they
-        keep. Position 0 is sampled as a decode step samples (grammars and log-probabilities
-        included: rows with those do not guess); the rest only for rows that guessed."""
-        first = self.sample(logits[:, 0, :], vocabulary)
-        samplers = self.samplers
-        guessing = np.flatnonzero(drafts.counts).tolist()
-        sampled_rows = [i for i in guessing if not samplers[i].params.greedy]
-        later = mx.argmax(logits[:, 1:, :], axis=-1).astype(mx.uint32)
-        if sampled_rows:
-            picks = [
-                samplers[i].ahead(logits[i, 1 : 1 + int(drafts.counts[i])]).astype(mx.uint32)
-                for i in sampled_rows
-            ]
-            mx.eval(first, later, picks)
-            later_np = np.array(later)
-            for i, pick in zip(sampled_rows, picks, strict=True):
-                later_np[i, : pick.size] = np.array(pick)
-        else:
-            mx.eval(first, later)
-            later_np = np.array(later)
-        tokens = np.concatenate([np.array(first)[:, None], later_np], axis=1)
-        kept = drafts.kept(tokens)
-        for i in sampled_rows:
-            samplers[i].keep(int(kept[i]))
-        return tokens, kept
 
     def rewind(self, kept: np.ndarray, width: int) -> None:
         """After a verify pass of `width` positions per slot: each slot keeps the keys/values of
@@ -226,72 +163,6 @@ class DecodeBatch:
             stop = start + len(band.stream_ids)
             band.rewind(kept[start:stop] + 1, width)
             start = stop
-
-    def logprobs(self) -> list[tuple[int, int, float, list[tuple[int, float]]]]:
-        """The last sampled tokens' log-probabilities, for the rows whose requests asked:
-        `(stream id, token id, logprob, [(alternative id, logprob), ...])` (`Router.logprobs`)."""
-        if self._logprobs is None:
-            return []
-        return self._logprobs.entries(self.stream_ids)
-
-
-@dataclass(frozen=True)
-class _Logprobs:
-    """Log-probabilities of one step's sampled tokens and top alternatives, for some rows."""
-
-    rows: list[int]
-    alternatives: list[int]  # per row, how many it asked for
-    tokens: mx.array  # the step's sampled tokens, every slot
-    chosen: mx.array  # [rows]
-    top_ids: mx.array  # [rows, max alternatives]
-    top: mx.array
-
-    @classmethod
-    def of(
-        cls, logits: mx.array, tokens: mx.array, asked: list[tuple[int, SamplingParams]]
-    ) -> _Logprobs:
-        rows = [i for i, _ in asked]
-        index = mx.array(rows)
-        # After temperature (a greedy row's logits as they are), as OpenAI documents.
-        scale = mx.array([1.0 / p.temperature if not p.greedy else 1.0 for _, p in asked])
-        scaled = logits[index].astype(mx.float32) * scale[:, None]
-        logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-        chosen = mx.take_along_axis(logprobs, tokens[index][:, None].astype(mx.int32), axis=-1)
-        alternatives = [p.logprobs or 0 for _, p in asked]
-        k = max(alternatives)
-        top_ids = (
-            mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
-            if k
-            else mx.zeros((len(rows), 0), mx.uint32)
-        )
-        top = mx.take_along_axis(logprobs, top_ids, axis=-1) if k else mx.zeros((len(rows), 0))
-        return cls(rows, alternatives, tokens, chosen[:, 0], top_ids, top)
-
-    def entries(
-        self, stream_ids: np.ndarray
-    ) -> list[tuple[int, int, float, list[tuple[int, float]]]]:
-        tokens, chosen, top_ids, top = (
-            np.array(a) for a in (self.tokens, self.chosen, self.top_ids, self.top)
-        )
-        out = []
-        for j, (slot, k) in enumerate(zip(self.rows, self.alternatives, strict=True)):
-            if stream_ids[slot] == FREE:
-                continue
-            order = np.argsort(-top[j], kind="stable")[:k]
-            alternatives = [(int(top_ids[j, o]), float(top[j, o])) for o in order]
-            out.append((int(stream_ids[slot]), int(tokens[slot]), float(chosen[j]), alternatives))
-        return out
-
-
-def _masked(
-    logits: mx.array, matchers: list[tuple[int, llguidance.LLMatcher]], vocabulary: Vocabulary
-) -> mx.array:
-    """`logits` with the tokens each constrained row's grammar forbids at -inf. One `where`
-    over the whole batch: at 32 rows MLX's CPU scatter of just the constrained rows took 5x as
-    long (10 ms against 2 ms)."""
-    allowed = np.ones(logits.shape, dtype=np.bool_)
-    allowed[[slot for slot, _ in matchers]] = vocabulary.allowed([m for _, m in matchers])
-    return mx.where(mx.array(allowed), logits, -mx.inf)
 
 
 class _Band:

@@ -4,8 +4,8 @@ The grammar engine is llguidance (Rust; no dependencies; JSON Schema, Lark and r
 expressions; masks computed for many sequences at once on its own threads, without the GIL).
 A request carries a `Grammar`; its row's sampler makes a matcher on the row's first step, and
 each step asks for the allowed tokens of every constrained row at once, masks those rows'
-logits and, once the tokens are sampled, moves their matchers on (engine/batch.py). Rows
-without a grammar pay nothing: with no constrained row nothing is computed, and beside
+logits and, once the tokens are sampled, moves their matchers on (engine/batch_sampler.py).
+Rows without a grammar pay nothing: with no constrained row nothing is computed, and beside
 constrained rows their logits pass through unchanged.
 
 When the grammar is complete the matcher allows only the end-of-turn tokens, so a constrained

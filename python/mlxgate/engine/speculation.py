@@ -1,6 +1,8 @@
-"""Speculative decoding: each running sequence guesses its next tokens, and one forward pass
-checks the guesses of every row. The guesses come from the sequence's own prompt and output
-(prompt lookup, here), or from a smaller draft model (`--draft-model`, engine/drafter.py).
+"""Speculative decoding: what each running sequence guesses, and which guesses it keeps.
+
+Each running sequence guesses its next tokens, and one forward pass checks the guesses of every
+row. The guesses come from the sequence's own prompt and output (prompt lookup, here), or from
+a smaller draft model (`--draft-model`, engine/drafter.py).
 
 On CPU a decode step is bound by reading the weights, so a pass over a few positions per row
 costs little more than over one. Agents quote files, tool output and code that already stand in
@@ -26,14 +28,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+import mlx.nn as nn
 import numpy as np
 
+from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.contract import GenerationRequest
-
-if TYPE_CHECKING:
-    from mlxgate.engine.drafter import DraftModel
+from mlxgate.engine.drafter import DraftModel
+from mlxgate.engine.settings import EngineSettings
 
 log = logging.getLogger("mlxgate.engine")
 
@@ -162,8 +164,9 @@ class Drafts:
         return int(self.tokens.shape[1]) + 1
 
     def kept(self, sampled: np.ndarray) -> np.ndarray:
-        """Per slot: how many guesses equal the tokens sampled at their positions, in a row from
-        the first (`sampled`: [slots, width], position 0 after the input token)."""
+        """The acceptance rule. Per slot: how many guesses equal the tokens sampled at their
+        positions, in a row from the first (`sampled`: [slots, width], position 0 after the input
+        token)."""
         k = self.tokens.shape[1]
         agree = (self.tokens == sampled[:, :k]) & (np.arange(k)[None, :] < self.counts[:, None])
         return np.cumprod(agree, axis=1).sum(axis=1)  # type: ignore[no-any-return]
@@ -179,6 +182,41 @@ class Speculation:
     draft_model: DraftModel | None = None  # guesses in place of `propose`, for all rows at once
     lookups: dict[int, Lookup] = field(default_factory=dict)
     steps: int = 0
+
+    @classmethod
+    def configured(
+        cls,
+        settings: EngineSettings,
+        layout: CacheLayout,
+        context: int,
+        draft_model: nn.Module | None,
+    ) -> Speculation | None:
+        """Speculation as `settings` and the served model's `layout` allow it (None where it is
+        off), guessing with `draft_model` if given, else by prompt lookup."""
+        s = settings
+        if not s.max_draft_tokens or s.speculation_max_rows < 1:
+            return None
+        if not layout.cuttable:
+            log.info(
+                "speculative decoding is off: this model's layers (%s) cannot take back the "
+                "positions of rejected guesses",
+                layout.describe(),
+            )
+            return None
+        speculation = cls(s.max_draft_tokens, context)
+        if draft_model is not None:
+            speculation.draft_model = DraftModel(
+                draft_model,
+                s.prefix_cache_mb << 20,
+                s.max_prefill_chunk,
+                batched=s.max_running > 1 and s.speculation_max_rows > 1,
+            )
+            log.info(
+                "speculative decoding: a draft model (%s) guesses up to %d tokens ahead",
+                speculation.draft_model.layout.describe(),
+                s.max_draft_tokens,
+            )
+        return speculation
 
     def start(self, stream_id: int, request: GenerationRequest) -> None:
         """Let a sequence joining the batch guess, unless its request opted out or is held to

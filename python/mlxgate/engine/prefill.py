@@ -1,0 +1,334 @@
+"""Prompts from admission until they join the decode batch: the queue and the prefill passes.
+
+A step prefills up to its budget (engine/policy.py), oldest prompt first. Several short prompts
+that fit go through the model together, one row each of a batched KV cache; a long prompt goes
+chunk by chunk, one chunk per step while streams decode. A prompt joins the running batch once
+all but its last token is in the KV cache; that last token is its first decode input.
+
+A pass stops between layers once every client it serves has left; such a prefill is torn: some
+layers hold more tokens than it finished. What it finished goes to the prefix cache, and where
+another choice of the same prompt goes on, its caches are cut back to that (mended).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxgate.engine import cache_kinds
+from mlxgate.engine.cache_kinds import CacheLayout
+from mlxgate.engine.contract import GenerationRequest
+from mlxgate.engine.metrics import EngineMetrics
+from mlxgate.engine.policy import StepPolicy
+from mlxgate.engine.prefix_cache import PrefixCache, PrefixMatch
+from mlxgate.models.adapter import ModelAdapter
+from mlxgate.models.rope_switch import ScaledRows
+
+
+@dataclass(eq=False)
+class Pending:
+    """A sequence from admission until it joins the running batch."""
+
+    stream_id: int
+    request: GenerationRequest
+    match: PrefixMatch | None
+    scaled: bool = False  # served with the scaled rope (models/rope_switch.py)
+    submitted_at: float = field(default_factory=time.monotonic)
+    last_ping: float = field(default_factory=time.monotonic)
+    caches: list[Any] | None = None  # per layer (`model.make_cache()`), once prefill started
+    done: int = 0  # prompt tokens whose keys/values are in `caches`
+    last_chunk: tuple[int, float] | None = None  # (tokens, seconds) of its latest prefill pass
+    torn: bool = False  # a pass stopped part way: `caches` hold more than `done` in some layers
+    # More choices of the same prompt (OpenAI's `n`): prefilled with this one, then each decodes
+    # from its own copy of the cache.
+    siblings: list[Pending] = field(default_factory=list)
+
+    @property
+    def todo(self) -> int:
+        """Prompt tokens still to prefill (the last prompt token is fed by the first decode)."""
+        return len(self.request.prompt_ids) - 1 - self.done
+
+    @property
+    def choices(self) -> list[Pending]:
+        return [self, *self.siblings]
+
+    def without(self, gone: set[int]) -> Pending | None:
+        """This sequence without its choices whose clients left: None if none is left; another
+        choice takes the lead if this one's left."""
+        staying = [p for p in self.choices if p.stream_id not in gone]
+        if not staying:
+            return None
+        if staying[0] is not self:
+            lead = staying[0]
+            lead.match, lead.caches, lead.done = self.match, self.caches, self.done
+            lead.last_chunk, lead.torn = self.last_chunk, self.torn
+        staying[0].siblings = staying[1:]
+        return staying[0]
+
+
+@dataclass(eq=False)
+class PromptGroup:
+    """Whole prompts prefilled together, one row each of a batched KV cache."""
+
+    rows: list[Pending]
+    tokens: np.ndarray  # [rows, columns]: the uncached rest of each prompt, right-padded
+    caches: list[Any]  # per layer, batch caches
+
+
+# Joins prefilled sequences (every choice of each) to the decode batch: the rows and, per
+# layer, a batch cache holding their prompts.
+Join = Callable[[list[Pending], list[Any]], None]
+
+
+class Prefill:
+    """The waiting sequences, oldest first, and the passes that prefill them. Engine thread only."""
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        layout: CacheLayout,
+        prefix_cache: PrefixCache,
+        policy: StepPolicy,
+        metrics: EngineMetrics,
+        *,
+        grouped: bool,
+        cancelled: Callable[[], set[int]],
+        ping: Callable[[int], None],
+        join: Join,
+    ) -> None:
+        """`grouped`: whether several prompts may share a pass. `cancelled`: the stream ids whose
+        clients left (polled during passes); `ping` sends a stream a keep-alive; `join` adds
+        prefilled sequences to the decode batch."""
+        self.adapter = adapter
+        self.layout = layout
+        self.prefix_cache = prefix_cache
+        self.policy = policy
+        self.settings = policy.settings
+        self.metrics = metrics
+        self.grouped = grouped
+        self._cancelled = cancelled
+        self._ping = ping
+        self._join = join
+        self.waiting: deque[Pending] = deque()
+        # Taken from the queue by this step's prefill and not yet in the batch.
+        self.joining: list[Pending] = []
+
+    def run(self, budget: int, allowance_s: float | None, running: int) -> int:
+        """Prefill up to `budget` prompt tokens beside `running` decoding rows, oldest sequence
+        first; returns how many.
+
+        With streams decoding (`allowance_s` set), a prompt already in prefill takes one chunk
+        sized from its previous pass instead.
+        """
+        admitted: list[Pending] = []
+        groups: list[PromptGroup] = []
+        idle = not running
+        spent = 0
+        while self.waiting and budget > 0:
+            self.ping()  # one step may prefill for long: a pass at a time
+            room = self.settings.max_running - running
+            room -= sum(len(p.choices) for p in admitted) + sum(len(g.rows) for g in groups)
+            if room < len(self.waiting[0].choices):
+                break
+            group = self._whole_prompts(budget, room) if self.grouped else None
+            if group is not None:
+                # Several short prompts that fit this step: one forward pass for all of them.
+                for _ in group.rows:
+                    self.joining.append(self.waiting.popleft())
+                self.metrics.prefill_tokens += sum(p.todo for p in group.rows)
+                self.metrics.prefill_passes += 1
+                if self._forward_group(group):
+                    groups.append(group)
+                else:
+                    self.metrics.requests_cancelled += len(group.rows)
+                budget -= group.tokens.size  # padding included: it is work all the same
+                spent += group.tokens.size
+                if idle and groups:
+                    break
+                continue
+            pending = self.waiting[0]
+            if pending.torn:
+                self._mend(pending)
+            if pending.caches is None:
+                self._start(pending)
+            steered = False
+            if allowance_s is not None and (last := pending.last_chunk) is not None:
+                chunk, steered = self.policy.steered_chunk(last, pending.todo, allowance_s), True
+            else:
+                chunk = self.policy.chunk(budget, pending.todo)
+            if chunk > 0:
+                prompt = pending.request.prompt_ids
+                tokens_in = mx.array(prompt[pending.done : pending.done + chunk])[None]
+                pass_started = time.perf_counter()
+                if not self._forward_prompt(tokens_in, pending):
+                    pending.torn = True
+                    break  # its client left mid-chunk; the next step drops it
+                pending.last_chunk = (chunk, time.perf_counter() - pass_started)
+                pending.done += chunk
+                budget = 0 if steered else budget - chunk
+                spent += chunk
+                self.metrics.prefill_tokens += chunk
+                self.metrics.prefill_passes += 1
+                if steered and pending.todo == 0:
+                    break  # joining copies the batch's cache: the next step does it, not this one
+            if pending.todo == 0:
+                admitted.append(self.waiting.popleft())
+                self.joining.append(pending)
+            if idle and admitted:
+                break  # the first stream can start; the next steps prefill beside it
+        if admitted:
+            self._join_one_by_one(admitted)
+        for group in groups:
+            self._join_group(group)
+        self.joining = []
+        return spent
+
+    def ping(self) -> None:
+        """A keep-alive for each waiting stream not pinged for the ping interval."""
+        now = time.monotonic()
+        for pending in self.waiting:
+            if now - pending.last_ping >= self.settings.ping_interval_s:
+                for choice in pending.choices:
+                    self._ping(choice.stream_id)
+                pending.last_ping = now
+
+    def drop(self, gone: set[int]) -> int:
+        """Drop the choices whose clients left (`gone`); returns how many sequences left the
+        queue. What a dropped prompt prefilled goes to the prefix cache, so that the same request
+        sent again (as Claude Code does after a stalled stream) resumes there."""
+        waiting = len(self.waiting)
+        staying = []
+        for pending in self.waiting:
+            if (kept := pending.without(gone)) is not None:
+                staying.append(kept)
+            elif pending.done and (caches := self._finished_part(pending)) is not None:
+                self._store(pending, pending.done, caches)
+        self.waiting = deque(staying)
+        return waiting - len(self.waiting)
+
+    def clear(self) -> list[int]:
+        """Forget every sequence (after a failed step); returns their stream ids."""
+        held = [c.stream_id for p in (*self.joining, *self.waiting) for c in p.choices]
+        self.waiting.clear()
+        self.joining = []
+        return held
+
+    def _whole_prompts(self, budget: int, room: int) -> PromptGroup | None:
+        """Two or more not yet started prompts at the head of the queue that fit `budget` together
+        (`policy.group`), or None.
+
+        Each row is the prompt's cached prefix (if any) followed by the rest of the prompt,
+        right-padded to the longest rest.
+        """
+        rests = self.policy.group(
+            (
+                # Not a long prompt already being prefilled chunk by chunk, nor n choices.
+                None
+                if p.caches is not None or p.siblings
+                else p.todo - (p.match.length if p.match else 0)
+                for p in self.waiting
+            ),
+            budget,
+            room,
+        )
+        if not rests:
+            return None
+        rows = list(itertools.islice(self.waiting, len(rests)))
+        for pending in rows:
+            self._start(pending)
+        width = max(rests)
+        tokens = np.zeros((len(rows), width), dtype=np.uint32)
+        for row, pending in enumerate(rows):
+            tokens[row, : rests[row]] = pending.request.prompt_ids[pending.done : -1]
+        caches = []
+        for layer in zip(*(p.caches for p in rows if p.caches is not None), strict=True):
+            cache = cache_kinds.merge(layer)
+            cache.prepare(lengths=rests, right_padding=[width - rest for rest in rests])
+            caches.append(cache)
+        return PromptGroup(rows, tokens, caches)
+
+    def _forward_group(self, group: PromptGroup) -> bool:
+        """Prefill a group's prompts together; False if every one of its clients left meanwhile."""
+        ids = {p.stream_id for p in group.rows}
+        scaled = np.array([p.scaled for p in group.rows])
+        if not self._forward(
+            mx.array(group.tokens), group.caches, lambda gone: ids <= gone, scaled
+        ):
+            return False
+        # The right padding moves to the left, where the decode batch expects it.
+        for cache in group.caches:
+            cache.finalize()
+        mx.eval([cache_kinds.arrays(c) for c in group.caches])
+        return True
+
+    def _forward_prompt(self, tokens: mx.array, pending: Pending) -> bool:
+        """Add `tokens` to the pending sequence's KV cache; False if it was cancelled meanwhile."""
+        assert pending.caches is not None
+        return self._forward(
+            tokens, pending.caches, lambda gone: pending.stream_id in gone, pending.scaled
+        )
+
+    def _forward(
+        self,
+        tokens: mx.array,
+        caches: list[Any],
+        left: Callable[[set[int]], bool],
+        scaled: ScaledRows,
+    ) -> bool:
+        """Prefill `tokens` into `caches`; False once `left(cancelled stream ids)` says its
+        clients went away (checked after each layer, where the model allows)."""
+        return self.adapter.prefill(tokens, caches, lambda: left(self._cancelled()), scaled)
+
+    def _mend(self, pending: Pending) -> None:
+        """A torn prefill that goes on (another choice of its prompt leads now): its caches are
+        cut back to what it finished, or it starts over where they cannot be."""
+        pending.caches = self._finished_part(pending)
+        if pending.caches is None:
+            pending.done = 0
+        pending.torn = False
+
+    def _finished_part(self, pending: Pending) -> list[Any] | None:
+        """Caches holding just the `done` prompt tokens a prefill finished: after a torn pass, cut
+        back to them; None where a torn recurrent state or window cannot be."""
+        if not pending.torn:
+            return pending.caches
+        if self.layout.cuttable:
+            assert pending.caches is not None
+            return [cache_kinds.cut(c, pending.done) for c in pending.caches]
+        return None
+
+    def _start(self, pending: Pending) -> None:
+        self.metrics.queue_wait_s.append(time.monotonic() - pending.submitted_at)
+        if pending.match is not None:
+            pending.caches = pending.match.caches()
+            pending.done = pending.match.length
+            self.metrics.cache_hit_tokens += pending.match.length
+            pending.match = None
+        else:
+            pending.caches = self.adapter.make_cache()
+
+    def _store(self, pending: Pending, tokens: int, caches: list[Any]) -> None:
+        """Keep the state of the first `tokens` prompt tokens for prompts served alike."""
+        prompt = pending.request.prompt_ids[:tokens]
+        self.prefix_cache.store(prompt, caches, variant=int(pending.scaled))
+
+    def _join_one_by_one(self, admitted: list[Pending]) -> None:
+        for pending in admitted:
+            assert pending.caches is not None
+            self._store(pending, pending.done, pending.caches)
+            # One at a time: together they would be padded to the longest before joining.
+            rows = pending.choices
+            self._join(rows, [cache_kinds.batch_of(c, len(rows)) for c in pending.caches])
+
+    def _join_group(self, group: PromptGroup) -> None:
+        for row, pending in enumerate(group.rows):
+            own = [cache.extract(row) for cache in group.caches]  # copies, padding left out
+            self._store(pending, len(pending.request.prompt_ids) - 1, own)
+        self._join(group.rows, group.caches)

@@ -1,0 +1,179 @@
+"""The engine's step policy alone: prefill budgets, chunk sizes and prompt groups, without MLX."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlxgate.engine.policy import MAX_GROUP_ROWS, StepPolicy, ema
+from mlxgate.engine.settings import EngineSettings
+
+SETTINGS = EngineSettings(
+    max_step_ratio=3.0, max_prefill_tokens=2048, max_prefill_chunk=256, min_prefill_chunk=16
+)
+
+
+def measured(decode_s: float, prefill_token_s: float) -> StepPolicy:
+    """A policy that has seen decode steps and prefill passes of these costs."""
+    return StepPolicy(SETTINGS, decode_s=decode_s, prefill_token_s=prefill_token_s)
+
+
+def test_the_module_runs_without_mlx() -> None:
+    code = "import sys, mlxgate.engine.policy; print(sorted(m for m in sys.modules if 'mlx.' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_running_average_starts_at_its_first_sample_and_moves_a_fifth_of_the_way() -> None:
+    assert ema(None, 0.5) == 0.5
+    assert ema(1.0, 2.0) == pytest.approx(1.2)
+    policy = StepPolicy(SETTINGS)
+    policy.decoded(0.1)
+    policy.decoded(0.2)
+    assert policy.decode_s == pytest.approx(0.12)
+
+
+def test_a_prefill_shorter_than_the_minimum_chunk_does_not_set_the_rate() -> None:
+    policy = StepPolicy(SETTINGS)
+    policy.prefilled(15, 1.0)
+    assert policy.prefill_token_s is None
+    policy.prefilled(0, 0.0)
+    assert policy.prefill_token_s is None
+    policy.prefilled(100, 0.5)
+    assert policy.prefill_token_s == pytest.approx(0.005)
+
+
+def test_with_nothing_decoding_a_step_prefills_all_it_may() -> None:
+    policy = measured(decode_s=0.1, prefill_token_s=0.001)
+    assert policy.allowance_s(decoding=0, waiting=3) is None
+    assert policy.budget(decoding=0, allowance_s=None) == 2048
+
+
+def test_before_any_measurement_a_step_beside_decoding_prefills_the_minimum_chunk() -> None:
+    policy = StepPolicy(SETTINGS)
+    assert policy.allowance_s(decoding=4, waiting=1) is None
+    assert policy.budget(decoding=4, allowance_s=None) == 16
+    policy.decoded(0.1)  # a decode step measured, no prefill yet
+    allowance = policy.allowance_s(decoding=4, waiting=1)
+    assert allowance == pytest.approx(0.2)
+    assert policy.budget(decoding=4, allowance_s=allowance) == 16
+
+
+def test_the_budget_fills_the_allowance_at_the_measured_rate() -> None:
+    # A step may take 3x a decode step: 0.2 s of prefill at 1 ms a token.
+    policy = measured(decode_s=0.1, prefill_token_s=0.001)
+    allowance = policy.allowance_s(decoding=4, waiting=1)
+    assert allowance == pytest.approx(0.2)
+    assert policy.budget(decoding=4, allowance_s=allowance) == 200
+
+
+def test_more_prompts_waiting_than_streams_decoding_stretch_the_allowance() -> None:
+    policy = measured(decode_s=0.1, prefill_token_s=0.001)
+    assert policy.allowance_s(decoding=2, waiting=2) == pytest.approx(0.2)
+    assert policy.allowance_s(decoding=2, waiting=8) == pytest.approx(0.8)
+    assert policy.budget(decoding=2, allowance_s=0.8) == 800
+
+
+def test_the_budget_stays_between_the_minimum_chunk_and_the_most_tokens() -> None:
+    assert measured(decode_s=0.1, prefill_token_s=1e-6).budget(4, 0.2) == 2048
+    assert measured(decode_s=0.1, prefill_token_s=0.1).budget(4, 0.2) == 16
+
+
+def test_a_fixed_step_budget_leaves_one_token_per_decoding_stream() -> None:
+    policy = StepPolicy(EngineSettings(step_token_budget=512, min_prefill_chunk=16))
+    policy.decoded(0.1)
+    assert policy.allowance_s(decoding=12, waiting=40) is None
+    assert policy.budget(decoding=12, allowance_s=None) == 500
+    assert policy.budget(decoding=510, allowance_s=None) == 16
+    assert policy.budget(decoding=0, allowance_s=None) == 2048
+
+
+def test_a_plain_chunk_is_the_least_of_budget_prompt_rest_and_chunk_size() -> None:
+    policy = StepPolicy(SETTINGS)
+    assert policy.chunk(budget=1000, todo=1000) == 256
+    assert policy.chunk(budget=100, todo=1000) == 100
+    assert policy.chunk(budget=1000, todo=40) == 40
+
+
+def test_a_steered_chunk_scales_the_last_pass_to_the_allowance() -> None:
+    policy = StepPolicy(SETTINGS)
+    # 100 tokens took 0.1 s; 0.15 s allowed: 150 tokens.
+    assert policy.steered_chunk((100, 0.1), todo=5000, allowance_s=0.15) == 150
+    # At most twice, at least half the last chunk.
+    assert policy.steered_chunk((100, 0.1), todo=5000, allowance_s=1.0) == 200
+    assert policy.steered_chunk((100, 0.1), todo=5000, allowance_s=0.01) == 50
+    # Never under the minimum chunk, over the chunk size or past the prompt's end.
+    assert policy.steered_chunk((20, 0.1), todo=5000, allowance_s=0.01) == 16
+    assert policy.steered_chunk((200, 0.1), todo=5000, allowance_s=1.0) == 256
+    assert policy.steered_chunk((100, 0.1), todo=30, allowance_s=0.15) == 30
+    # A pass timed at zero counts as a millisecond.
+    assert policy.steered_chunk((100, 0.0), todo=5000, allowance_s=0.00075) == 75
+
+
+def test_short_prompts_that_fit_together_make_a_group() -> None:
+    policy = StepPolicy(SETTINGS)
+    assert policy.group([40, 36, 44, 38], budget=2048, room=64) == [40, 36, 44, 38]
+    assert policy.group(iter([40, 36]), budget=2048, room=64) == [40, 36]
+
+
+def test_a_group_needs_two_prompts() -> None:
+    policy = StepPolicy(SETTINGS)
+    assert policy.group([40], budget=2048, room=64) == []
+    assert policy.group([40, None, 30], budget=2048, room=64) == []
+    assert policy.group([], budget=2048, room=64) == []
+
+
+def test_a_group_ends_at_the_first_prompt_that_cannot_join() -> None:
+    policy = StepPolicy(SETTINGS)
+    # Started already or with several choices (None), nothing left, longer than a chunk.
+    assert policy.group([40, 30, None, 30], budget=2048, room=64) == [40, 30]
+    assert policy.group([40, 30, 0, 30], budget=2048, room=64) == [40, 30]
+    assert policy.group([40, 30, 257, 30], budget=2048, room=64) == [40, 30]
+    assert policy.group([256, 256], budget=2048, room=64) == [256, 256]
+
+
+def test_padding_stays_under_a_quarter_of_a_groups_work() -> None:
+    policy = StepPolicy(SETTINGS)
+    # 100 and 80: 200 padded for 180 of work; adding 20 would pad 300 for 200.
+    assert policy.group([100, 80, 20, 100], budget=2048, room=64) == [100, 80]
+    assert policy.group([100, 50], budget=2048, room=64) == []
+
+
+def test_a_group_fits_the_budget_and_the_room_in_the_batch() -> None:
+    policy = StepPolicy(SETTINGS)
+    assert policy.group([100, 100, 100], budget=250, room=64) == [100, 100]
+    assert policy.group([100, 100, 100], budget=2048, room=2) == [100, 100]
+    assert len(policy.group([10] * 100, budget=4096, room=64)) == MAX_GROUP_ROWS
+
+
+@given(
+    decode_s=st.floats(1e-4, 10.0),
+    prefill_token_s=st.floats(1e-7, 1.0),
+    decoding=st.integers(1, 64),
+    waiting=st.integers(0, 64),
+)
+def test_beside_decoding_streams_the_budget_is_always_within_bounds(
+    decode_s: float, prefill_token_s: float, decoding: int, waiting: int
+) -> None:
+    policy = measured(decode_s, prefill_token_s)
+    allowance = policy.allowance_s(decoding, waiting)
+    assert allowance is not None and allowance >= 2.0 * decode_s * (1 - 1e-12)
+    assert 16 <= policy.budget(decoding, allowance) <= 2048
+
+
+@given(
+    tokens=st.integers(1, 256),
+    took=st.floats(0.0, 10.0),
+    todo=st.integers(1, 10_000),
+    allowance_s=st.floats(0.0, 10.0),
+)
+def test_a_steered_chunk_never_overruns_the_prompt_or_the_chunk_size(
+    tokens: int, took: float, todo: int, allowance_s: float
+) -> None:
+    chunk = StepPolicy(SETTINGS).steered_chunk((tokens, took), todo, allowance_s)
+    assert 1 <= chunk <= min(todo, 256)
+    assert chunk == todo or chunk >= 16
