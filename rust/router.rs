@@ -289,28 +289,15 @@ impl<W> Router<W> {
                 (None, TokenEnd::Running) => None,
             };
             let reason = finish.map(Finish::reason);
-            let waker = match finish {
-                None if text.is_empty() => None,
-                None => {
-                    let protocol = &mut stream.protocol;
-                    stream.channel.append_with(|buf| protocol.text(text, buf))
-                }
-                Some(finish) => {
-                    let tokens = stream.output_tokens;
-                    let (protocol, channel) = (&mut stream.protocol, &*stream.channel);
-                    end_stream(
-                        protocol,
-                        channel,
-                        stream.place,
-                        tokens,
-                        choices,
-                        finish,
-                        |p, buf| {
-                            p.text(text, buf);
-                        },
-                    )
-                }
-            };
+            let waker = release(
+                &mut stream.protocol,
+                &stream.channel,
+                (stream.place, stream.output_tokens),
+                choices,
+                finish,
+                !text.is_empty(),
+                |p, buf| p.text(text, buf),
+            );
             wake.extend(waker);
             if let Some(reason) = reason {
                 streams.remove(&stream_id);
@@ -528,31 +515,42 @@ fn step_markup<W>(
             f
         }
     });
-    let waker = match finish {
-        None if staged.is_empty() => None,
-        None => {
-            let protocol = &mut stream.protocol;
-            stream
-                .channel
-                .append_with(|buf| emit(protocol, staged, buf))
-        }
-        Some(finish) => {
-            let tokens = stream.output_tokens;
-            let (protocol, channel) = (&mut stream.protocol, &*stream.channel);
-            end_stream(
-                protocol,
-                channel,
-                stream.place,
-                tokens,
-                choices,
-                finish,
-                |p, buf| {
-                    emit(p, staged, buf);
-                },
-            )
-        }
-    };
+    let waker = release(
+        &mut stream.protocol,
+        &stream.channel,
+        (stream.place, stream.output_tokens),
+        choices,
+        finish,
+        !staged.is_empty(),
+        |p, buf| emit(p, staged, buf),
+    );
     (waker, finish.map(Finish::reason))
+}
+
+/// What a token released (`last` writes it, if `released`) goes out; with `finish`, the stream
+/// ends after it. Returns the waker to call.
+fn release<W>(
+    protocol: &mut Protocol,
+    channel: &Channel<W>,
+    (place, output_tokens): (Place, u64),
+    choices: &mut ChoicesBySerial,
+    finish: Option<Finish<'_>>,
+    released: bool,
+    last: impl FnOnce(&mut Protocol, &mut Vec<u8>),
+) -> Option<W> {
+    match finish {
+        None if !released => None,
+        None => channel.append_with(|buf| last(protocol, buf)),
+        Some(finish) => end_stream(
+            protocol,
+            channel,
+            place,
+            output_tokens,
+            choices,
+            finish,
+            last,
+        ),
+    }
 }
 
 /// A stream ends as `finish` says, after `last` writes what its last token released. The
