@@ -229,7 +229,7 @@ def test_each_format_teaches_its_own_calls_and_results(name: str) -> None:
     """A template that does not list tools gets them listed with a call written in the format's
     own markup (which the Rust parser of that name reads back), never another format's tags."""
     fmt = formats.TOOL_FORMATS[name]
-    prompt = fmt.tool_prompt([{"type": "function", "function": {"name": "Bash"}}])
+    prompt = formats.tool_prompt(fmt, [{"type": "function", "function": {"name": "Bash"}}])
     assert "Bash" in prompt
     if name not in ("hermes", "deepseek_v3"):  # these two teach calls in their models' own words
         example = prompt[prompt.rindex("example:\n") + len("example:\n") :]

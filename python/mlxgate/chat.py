@@ -114,7 +114,7 @@ def _with_tool_prompt(messages: list[Message], tools: list[Tool], fmt: ToolForma
     """The tools listed in the system message, for a template that does not list them."""
     if not tools:
         return messages
-    prompt = fmt.tool_prompt(tools)
+    prompt = formats.tool_prompt(fmt, tools)
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]

@@ -12,7 +12,7 @@ import importlib
 from typing import Any, Protocol, cast
 
 from mlxgate._native import Markup
-from mlxgate.formats.common import Message
+from mlxgate.formats.common import Message, call_example, listed_tools
 from mlxgate.formats.reasoning import (
     REASONING_FORMATS,
     ReasoningFormat,
@@ -47,9 +47,10 @@ class ToolFormat(Protocol):
         """The start of a call the prompt forces: of tool `name`, or of any tool (None)."""
         ...
 
-    def tool_prompt(self, tools: list[dict[str, Any]]) -> str:
-        """The tool listing for the system message, and how to call one, for templates that do
-        not list tools."""
+    def tool_prompt(self, tools: list[dict[str, Any]]) -> str | None:
+        """The format's own tool listing for the system message, and how to call one, for
+        templates that do not list tools; None: the common listing (`listed_tools`) with an
+        example call in the format's markup."""
         ...
 
     def tool_result(self, content: str) -> str:
@@ -68,6 +69,11 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
     for name in Markup.tool_formats()
 }
 DEFAULT_TOOL_FORMAT = TOOL_FORMATS["hermes"]
+
+
+def tool_prompt(fmt: ToolFormat, tools: list[dict[str, Any]]) -> str:
+    """The tool listing a template that does not list tools gets, in `fmt`'s words."""
+    return fmt.tool_prompt(tools) or listed_tools(tools, call_example(fmt.render_call))
 
 
 def detect_tool_format(template: str) -> ToolFormat:

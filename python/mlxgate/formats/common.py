@@ -36,6 +36,11 @@ def listed_tools(tools: list[dict[str, Any]], how_to_call: str) -> str:
     )
 
 
+def no_tool_prompt(tools: list[dict[str, Any]]) -> str | None:
+    """No tool listing of the format's own: the common one, with a call in its markup."""
+    return None
+
+
 def call_example(render_call: Callable[[str, dict[str, Any]], str]) -> str:
     """How to call a tool, shown by an example call in the format's markup."""
     example = render_call("function_name", {"argument": "value"})

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxgate.formats.common import call_example, listed_tools, xml_value
+from mlxgate.formats.common import no_tool_prompt as tool_prompt
 from mlxgate.formats.common import tool_response as tool_result
 from mlxgate.formats.common import unchanged as prepare
+from mlxgate.formats.common import xml_value
 
 __all__ = [
     "NAME",
@@ -37,7 +38,3 @@ def render_call(name: str, arguments: dict[str, Any]) -> str:
 def forced_opening(name: str | None) -> str:
     # The model writes the separator after the name itself (a newline in 4.5/4.6, none in 4.7).
     return f"<tool_call>{name}" if name else "<tool_call>"
-
-
-def tool_prompt(tools: list[dict[str, Any]]) -> str:
-    return listed_tools(tools, call_example(render_call))

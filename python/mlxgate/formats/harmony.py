@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxgate.formats.common import Message, call_example, listed_tools
+from mlxgate.formats.common import Message
+from mlxgate.formats.common import no_tool_prompt as tool_prompt
 from mlxgate.formats.common import tool_response as tool_result
 
 __all__ = [
@@ -66,7 +67,3 @@ def prepare(messages: list[Message]) -> list[Message]:
         out.append({**first, "thinking": analysis} if analysis else first)
         pending = [{"role": "assistant", "content": "", "tool_calls": [c]} for c in calls[1:]]
     return out + pending
-
-
-def tool_prompt(tools: list[dict[str, Any]]) -> str:
-    return listed_tools(tools, call_example(render_call))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxgate.formats.common import call_example, listed_tools
+from mlxgate.formats.common import no_tool_prompt as tool_prompt
 from mlxgate.formats.common import tool_response as tool_result
 from mlxgate.formats.common import unchanged as prepare
 
@@ -43,7 +43,3 @@ def forced_opening(name: str | None) -> str:
         if name
         else f"{SECTION}<|tool_call_begin|>functions."
     )
-
-
-def tool_prompt(tools: list[dict[str, Any]]) -> str:
-    return listed_tools(tools, call_example(render_call))

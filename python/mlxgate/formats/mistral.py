@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxgate.formats.common import call_example, json_call_opening, listed_tools
+from mlxgate.formats.common import json_call_opening
+from mlxgate.formats.common import no_tool_prompt as tool_prompt
 from mlxgate.formats.common import unchanged as prepare
 
 __all__ = [
@@ -31,10 +32,6 @@ def render_call(name: str, arguments: dict[str, Any]) -> str:
 
 def forced_opening(name: str | None) -> str:
     return f"[TOOL_CALLS][{json_call_opening(name)}"
-
-
-def tool_prompt(tools: list[dict[str, Any]]) -> str:
-    return listed_tools(tools, call_example(render_call))
 
 
 def tool_result(content: str) -> str:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxgate.formats.common import Message, call_example, listed_tools
+from mlxgate.formats.common import Message
+from mlxgate.formats.common import no_tool_prompt as tool_prompt
 
 __all__ = [
     "NAME",
@@ -45,10 +46,6 @@ def prepare(messages: list[Message]) -> list[Message]:
         else:
             out.append(message)
     return out
-
-
-def tool_prompt(tools: list[dict[str, Any]]) -> str:
-    return listed_tools(tools, call_example(render_call))
 
 
 def tool_result(content: str) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxgate.formats.common import call_example, listed_tools, xml_value
+from mlxgate.formats.common import no_tool_prompt as tool_prompt
 from mlxgate.formats.common import tool_response as tool_result
 from mlxgate.formats.common import unchanged as prepare
+from mlxgate.formats.common import xml_value
 
 __all__ = [
     "NAME",
@@ -33,7 +34,3 @@ def render_call(name: str, arguments: dict[str, Any]) -> str:
 
 def forced_opening(name: str | None) -> str:
     return f"<seed:tool_call>\n<function={name}>\n" if name else "<seed:tool_call>\n<function="
-
-
-def tool_prompt(tools: list[dict[str, Any]]) -> str:
-    return listed_tools(tools, call_example(render_call))
