@@ -186,6 +186,8 @@ def build_app(config: Config, drain: Drain | None = None) -> App:
         trust_remote_code=config.trust_remote_code,
         context_length=config.context_length,
         rope_scaling=config.rope_scaling,
+        weights=config.weights,
+        cpu_kernels=not config.no_cpu_kernels,
     )
     tokenizer = loaded.tokenizer
     vocab = Vocab.from_token_strings(
@@ -203,6 +205,8 @@ def build_app(config: Config, drain: Drain | None = None) -> App:
             trust_remote_code=config.trust_remote_code,
             context_length=loaded.context_length,
             rope_scaling=config.rope_scaling,
+            weights=config.weights,
+            cpu_kernels=not config.no_cpu_kernels,
         )
         check_vocabularies(tokenizer.token_strings(), draft.tokenizer.token_strings())
         log.info(
@@ -233,7 +237,7 @@ def build_app(config: Config, drain: Drain | None = None) -> App:
 
     log.info(
         "mlxgate ready: model %s (context %s, %s), tool calls %s, reasoning %s, device %s, "
-        "BLAS %s, loaded in %.1fs. "
+        "BLAS %s, kernels: %s, loaded in %.1fs. "
         "Point clients at http://%s:%d (ANTHROPIC_BASE_URL, or OPENAI_BASE_URL=.../v1)",
         loaded.name,
         loaded.describe_context(),
@@ -242,6 +246,7 @@ def build_app(config: Config, drain: Drain | None = None) -> App:
         _chosen(renderer.format.reasoning.name, config.reasoning_format),
         mx.default_device(),
         blas.blas_in_use(),
+        loaded.kernels,
         time.monotonic() - started,
         config.host,
         config.port,

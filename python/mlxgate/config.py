@@ -46,6 +46,18 @@ class Config:
         "divided by the factor)",
         choices=("yarn", "linear"),
     )
+    weights: str = setting(
+        "quantized",
+        "how a quantized model's weights are served: quantized (as stored: a GGUF's Q4_1 or Q8_0 "
+        "blocks as MLX's affine 4- or 8-bit, no precision lost) or float32 (dequantized once at "
+        "load: ~5x the memory, for comparison)",
+        choices=("quantized", "float32"),
+    )
+    no_cpu_kernels: bool = setting(
+        False,
+        "serve on MLX's own CPU ops, without mlxgate's kernels (quantized matmul, RMSNorm and "
+        "RoPE with AVX2; used by default on x86-64 CPUs that have AVX2)",
+    )
     trust_remote_code: bool = setting(
         False,
         "let a model directory whose config.json names a `model_file` run that Python file to "

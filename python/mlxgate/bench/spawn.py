@@ -4,12 +4,16 @@ Instruct), on a free loopback port, for the run:
 - `mlxgate`: `mlxgate serve`;
 - `mlxgate-plain`: `mlxgate serve --max-draft-tokens 0`, without speculative decoding (the
   baseline speculation is measured against, `--scenarios edit`);
+- `mlxgate-float32`: `mlxgate serve --weights float32 --no-cpu-kernels`, as mlxgate served
+  before its CPU kernels (the GGUF dequantized to float32, MLX's ops with OpenBLAS);
 - `mlx_lm`: `mlx_lm.server` on the same float32 weights exported as an mlx-lm directory (made
   once, under `~/.cache/mlxgate/`), with OpenBLAS preloaded as mlxgate does it;
 - `llama-server`: llama.cpp's server on the GGUF the package ships (`llama-server` on the PATH,
   or `$LLAMA_SERVER`; benches/build_llama_server.sh builds one from llama-cpp-python's sdist),
   with as many slots as the run's highest concurrency, continuous batching, and the context
-  mlxgate serves the model with.
+  mlxgate serves the model with;
+- `llama-server-8k`: the same, tuned as its users run it: the GGUF's own 8k context (no YaRN),
+  256-token batches.
 """
 
 from __future__ import annotations
@@ -29,20 +33,31 @@ import httpx
 
 from mlxgate.bench.target import Target
 
-SERVERS = ("mlxgate", "mlxgate-plain", "mlx_lm", "llama-server")
+SERVERS = (
+    "mlxgate",
+    "mlxgate-plain",
+    "mlxgate-float32",
+    "mlx_lm",
+    "llama-server",
+    "llama-server-8k",
+)
 EXPORT_DIR = Path.home() / ".cache" / "mlxgate" / "smollm2-mlx"
 # What each speaks best, and the model name its requests carry.
 DIALECT = {
     "mlxgate": "anthropic",
     "mlxgate-plain": "anthropic",
+    "mlxgate-float32": "anthropic",
     "mlx_lm": "openai",
     "llama-server": "openai",
+    "llama-server-8k": "openai",
 }
 MODEL = {
     "mlxgate": "SmolLM2-135M-Instruct",
     "mlxgate-plain": "SmolLM2-135M-Instruct",
+    "mlxgate-float32": "SmolLM2-135M-Instruct",
     "mlx_lm": "default_model",
     "llama-server": "smollm2",
+    "llama-server-8k": "smollm2",
 }
 
 
@@ -74,11 +89,13 @@ def command(name: str, port: int, slots: int) -> list[str]:
         return mlxgate_command(port)
     if name == "mlxgate-plain":
         return mlxgate_command(port, ["--max-draft-tokens", "0"])
+    if name == "mlxgate-float32":
+        return mlxgate_command(port, ["--weights", "float32", "--no-cpu-kernels"])
     if name == "mlx_lm":
         from mlxgate.models.export import export
 
         return mlx_lm_command(export(EXPORT_DIR), port)
-    if name == "llama-server":
+    if name in ("llama-server", "llama-server-8k"):
         from mlxgate.models import DEFAULT_MODEL_CONTEXT, default_model_path
 
         binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
@@ -91,13 +108,16 @@ def command(name: str, port: int, slots: int) -> list[str]:
         # may fill (an agent's prompt is longer than a pool split evenly among 32 slots), and
         # the model's own chat template, which tools need.
         context = DEFAULT_MODEL_CONTEXT
-        return [
+        common = [
             binary, "--model", str(default_model_path()), "--host", "127.0.0.1",
-            "--port", str(port), "--alias", MODEL[name], "--jinja",
-            "--ctx-size", str(max(context, 2048 * slots)), "--kv-unified",
-            "--rope-scaling", "yarn", "--rope-scale", str(context // 8192),
-            "--yarn-orig-ctx", "8192", "--parallel", str(slots), "--cont-batching",
-            "--threads", str(os.cpu_count() or 1),
+            "--port", str(port), "--alias", MODEL[name], "--jinja", "--kv-unified",
+            "--parallel", str(slots), "--cont-batching", "--threads", str(os.cpu_count() or 1),
+        ]  # fmt: skip
+        if name == "llama-server-8k":
+            return [*common, "--ctx-size", str(max(8192, 2048 * slots)), "-b", "256", "-ub", "256"]
+        return [
+            *common, "--ctx-size", str(max(context, 2048 * slots)), "--rope-scaling", "yarn",
+            "--rope-scale", str(context // 8192), "--yarn-orig-ctx", "8192",
         ]  # fmt: skip
     raise ValueError(f"unknown server {name!r} (one of {', '.join(SERVERS)})")
 

@@ -29,6 +29,7 @@ class LoadedModel:
     context_length: int
     source: str
     context: ServedContext | None = None  # how context_length relates to the model's own
+    kernels: str = "MLX's own"  # what runs its matmuls, norms and ropes on the CPU
 
     def describe_context(self) -> str:
         return self.context.describe() if self.context else str(self.context_length)
@@ -70,7 +71,7 @@ def _load_directory(
     trust_remote_code: bool,
     dequantize_to: mx.Dtype | None = None,
 ) -> tuple[nn.Module, ChatTokenizer, ServedContext]:
-    """`dequantize_to`: serve the weights dequantized, in that dtype (a GGUF file's)."""
+    """`dequantize_to`: serve quantized weights dequantized, in that dtype."""
     from mlx_lm.utils import dequantize_model, load_config, load_model
 
     config = load_config(path)
@@ -79,7 +80,7 @@ def _load_directory(
     model, _ = load_model(
         path, lazy=True, model_config=overrides, trust_remote_code=trust_remote_code
     )
-    if dequantize_to is not None:
+    if dequantize_to is not None and "quantization" in config:
         model = dequantize_model(model)
         model.update(tree_map(lambda w: w.astype(dequantize_to), model.parameters()))
         model.eval()
@@ -106,49 +107,54 @@ def _download(repo_id: str) -> Path:
 
 def load(
     spec: str | None,
-    dtype: mx.Dtype = mx.float32,
     trust_remote_code: bool = False,
     context_length: int | None = None,
     rope_scaling: str = "yarn",
+    weights: str = "quantized",
+    cpu_kernels: bool = True,
 ) -> LoadedModel:
     """Load the model named by `--model`; None means the embedded default. `trust_remote_code`
     lets a model directory's own `model_file` build its architecture (mlx-lm's custom models).
     `context_length` (None: the model's own; the embedded default's is DEFAULT_MODEL_CONTEXT)
-    past the model's own context is reached by `rope_scaling` ("yarn" or "linear")."""
+    past the model's own context is reached by `rope_scaling` ("yarn" or "linear").
+    `weights`: "quantized" serves quantized weights as stored, "float32" dequantizes them.
+    `cpu_kernels`: mlxgate's CPU kernels where this machine runs them (models/cpu_kernels.py).
+    """
     if spec is None and context_length is None:
         context_length = DEFAULT_MODEL_CONTEXT
-    loaded = _load(spec, dtype, trust_remote_code, context_length, rope_scaling)
-    install_kernels(loaded.model)
+    dequantize_to = mx.float32 if weights == "float32" else None
+    loaded = _load(spec, dequantize_to, trust_remote_code, context_length, rope_scaling)
+    loaded.kernels = install_kernels(loaded.model, native=cpu_kernels)
     return loaded
 
 
 def _load(
     spec: str | None,
-    dtype: mx.Dtype,
+    dequantize_to: mx.Dtype | None,
     trust_remote_code: bool,
     context_length: int | None,
     rope_scaling: str,
 ) -> LoadedModel:
     if spec is None:
         path = default_model_path()
-        return _load_gguf(DEFAULT_MODEL, path, dtype, context_length, rope_scaling)
+        return _load_gguf(DEFAULT_MODEL, path, dequantize_to, context_length, rope_scaling)
 
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no such GGUF file: {path}")
-        return _load_gguf(path.stem, path, dtype, context_length, rope_scaling)
+        return _load_gguf(path.stem, path, dequantize_to, context_length, rope_scaling)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not an mlx-lm model directory (no config.json)")
         model, tokenizer, served = _load_directory(
-            path, context_length, rope_scaling, trust_remote_code
+            path, context_length, rope_scaling, trust_remote_code, dequantize_to
         )
         return _loaded(path.name, model, tokenizer, served, str(path))
     if spec.count("/") == 1 and not path.exists():
         local = _download(spec)
         model, tokenizer, served = _load_directory(
-            local, context_length, rope_scaling, trust_remote_code
+            local, context_length, rope_scaling, trust_remote_code, dequantize_to
         )
         return _loaded(spec, model, tokenizer, served, f"huggingface:{spec}")
     raise FileNotFoundError(
@@ -157,12 +163,16 @@ def _load(
 
 
 def _load_gguf(
-    name: str, path: Path, dtype: mx.Dtype, context_length: int | None, rope_scaling: str
+    name: str,
+    path: Path,
+    dequantize_to: mx.Dtype | None,
+    context_length: int | None,
+    rope_scaling: str,
 ) -> LoadedModel:
     from mlxgate.models.gguf import converted
 
     model, tokenizer, served = _load_directory(
-        converted(path), context_length, rope_scaling, False, dequantize_to=dtype
+        converted(path), context_length, rope_scaling, False, dequantize_to
     )
     return _loaded(name, model, tokenizer, served, str(path))
 

@@ -1,27 +1,25 @@
 """Puts an mlxgate kernel in place of an mlx-lm function on one model instance, not in its module.
 
-mlx-lm's model code calls module globals (`scaled_dot_product_attention`, `swiglu`). Writing our
-kernel into the module would give it to every model of that architecture in the process. Here
-each submodule whose `__call__` calls the global gets a subclass whose `__call__` is the same
-code run with a copy of the module's globals where that one name is bound to the kernel.
+mlx-lm's model code calls module globals (`scaled_dot_product_attention`, `swiglu`, `mx`).
+Writing our kernel into the module would give it to every model of that architecture in the
+process. Here each submodule whose methods use the global gets a subclass whose methods (those
+that use it: `__call__`, `as_linear`...) are the same code run with a copy of the module's
+globals where that one name is bound to the kernel.
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-# (class, global name, kernel) -> the class whose `__call__` sees the kernel under that name.
-_rebound: dict[tuple[type, str, Callable[..., Any]], type] = {}
+# (class, global name, kernel) -> the class whose methods see the kernel under that name.
+_rebound: dict[tuple[type, str, Any], type] = {}
 
 
-def install(
-    model: nn.Module, name: str, original: Callable[..., Any], kernel: Callable[..., Any]
-) -> bool:
+def install(model: nn.Module, name: str, original: Any, kernel: Any) -> bool:
     """Give `model`'s modules that call `original` as the global `name` the `kernel` instead.
 
     CPU only: elsewhere MLX's own kernels are the fast ones. Returns whether any module took it.
@@ -36,7 +34,7 @@ def install(
     return taken
 
 
-def installed(model: nn.Module, name: str, kernel: Callable[..., Any]) -> bool:
+def installed(model: nn.Module, name: str, kernel: Any) -> bool:
     """Whether every module of `model` that calls the global `name` calls `kernel`, and one does."""
     bound = [b for m in model.modules() if (b := _bound(type(m), name)) is not None]
     return bool(bound) and all(b is kernel for b in bound)
@@ -50,16 +48,31 @@ def _bound(cls: type, name: str) -> Any:
     return call.__globals__.get(name)
 
 
-def _rebound_class(cls: type, name: str, kernel: Callable[..., Any]) -> type:
+def _methods_using(cls: type, name: str) -> dict[str, types.FunctionType]:
+    """The methods of `cls` (its own and inherited, but nn.Module's) whose code uses `name`."""
+    found: dict[str, types.FunctionType] = {}
+    for klass in reversed(cls.__mro__):
+        if klass in (object, nn.Module, dict):
+            continue
+        for attribute, value in vars(klass).items():
+            if isinstance(value, types.FunctionType) and name in value.__code__.co_names:
+                found[attribute] = value
+            elif attribute in found:
+                del found[attribute]  # overridden by a method that does not use it
+    return found
+
+
+def _rebound_class(cls: type, name: str, kernel: Any) -> type:
     key = (cls, name, kernel)
     if key not in _rebound:
-        call = cls.__call__
-        assert isinstance(call, types.FunctionType)
-        namespace = {**call.__globals__, name: kernel}
-        rebound = types.FunctionType(
-            call.__code__, namespace, call.__name__, call.__defaults__, call.__closure__
-        )
-        rebound.__kwdefaults__ = call.__kwdefaults__
-        rebound.__qualname__ = call.__qualname__
-        _rebound[key] = type(cls.__name__, (cls,), {"__call__": rebound})
+        methods = {}
+        for attribute, method in _methods_using(cls, name).items():
+            namespace = {**method.__globals__, name: kernel}
+            rebound = types.FunctionType(
+                method.__code__, namespace, method.__name__, method.__defaults__, method.__closure__
+            )
+            rebound.__kwdefaults__ = method.__kwdefaults__
+            rebound.__qualname__ = method.__qualname__
+            methods[attribute] = rebound
+        _rebound[key] = type(cls.__name__, (cls,), methods)
     return _rebound[key]

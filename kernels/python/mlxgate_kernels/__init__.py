@@ -1,0 +1,21 @@
+"""mlxgate's CPU kernels as MLX operations; see mlxgate.models.cpu_kernels for how they serve."""
+
+from mlxgate_kernels._ext import (
+    cpu_supported,
+    quantized_matmul,
+    rms_norm,
+    rope,
+    set_sgemm_rows,
+    sgemm_rows,
+    threads,
+)
+
+__all__ = [
+    "cpu_supported",
+    "quantized_matmul",
+    "rms_norm",
+    "rope",
+    "set_sgemm_rows",
+    "sgemm_rows",
+    "threads",
+]

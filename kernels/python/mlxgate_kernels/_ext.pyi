@@ -1,0 +1,36 @@
+import mlx.core as mx
+
+def cpu_supported() -> bool: ...
+def threads() -> int: ...
+def set_sgemm_rows(rows: int) -> None: ...
+def sgemm_rows() -> int: ...
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None = None,
+    transpose: bool = True,
+    group_size: int | None = None,
+    bits: int | None = None,
+    mode: str = "affine",
+    *,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array: ...
+def rms_norm(
+    x: mx.array,
+    weight: mx.array | None,
+    eps: float,
+    *,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array: ...
+def rope(
+    a: mx.array,
+    dims: int,
+    *,
+    traditional: bool,
+    base: float | None,
+    scale: float,
+    offset: int | mx.array,
+    freqs: mx.array | None = None,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array: ...

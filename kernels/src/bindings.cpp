@@ -1,0 +1,45 @@
+// The Python module mlxgate_kernels._ext: the operations of primitives.h under the names and
+// keywords of the MLX functions they stand in for.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "kernels.h"
+#include "pool.h"
+#include "primitives.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "mlxgate's CPU kernels as MLX operations (AVX2, FMA and F16C on x86-64)";
+
+  m.def("cpu_supported", &mlxgate::cpu_supported,
+        "Whether this CPU runs the kernels; where not, every operation is MLX's own.");
+  m.def("threads", &mlxgate::pool_threads, "Threads the kernels use, the caller's included.");
+  m.def("set_sgemm_rows", &mlxgate::set_sgemm_rows, "rows"_a,
+        "Rows from which quantized_matmul dequantizes tiles for sgemm (0: never).");
+  m.def("sgemm_rows", &mlxgate::sgemm_rows);
+
+  m.def("quantized_matmul", &mlxgate::quantized_matmul, nb::arg("x"), nb::arg("w"),
+        "scales"_a, "biases"_a = nb::none(), "transpose"_a = true,
+        "group_size"_a = nb::none(), "bits"_a = nb::none(), "mode"_a = "affine",
+        nb::kw_only(), "stream"_a = nb::none(),
+        "mx.quantized_matmul, with the kernel where it applies.");
+  m.def("rms_norm", &mlxgate::rms_norm, nb::arg("x"), nb::arg("weight").none(), "eps"_a,
+        nb::kw_only(), "stream"_a = nb::none(), "mx.fast.rms_norm, with the kernel where it applies.");
+  m.def(
+      "rope",
+      [](const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale,
+         const std::variant<int, mx::array>& offset, const std::optional<mx::array>& freqs,
+         mx::StreamOrDevice s) {
+        const auto at = std::holds_alternative<int>(offset) ? mx::array(std::get<int>(offset))
+                                                            : std::get<mx::array>(offset);
+        return mlxgate::rope(x, dims, traditional, base, scale, at, freqs, s);
+      },
+      nb::arg("a"), "dims"_a, nb::kw_only(), "traditional"_a, "base"_a.none(), "scale"_a,
+      "offset"_a, "freqs"_a = nb::none(), "stream"_a = nb::none(),
+      "mx.fast.rope, with the kernel where it applies.");
+}

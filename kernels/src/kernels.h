@@ -1,0 +1,45 @@
+// The raw CPU kernels, free of MLX: plain pointers in, plain pointers out. Each runs on one
+// thread over a range of rows or columns; primitives.cpp splits the work over the pool.
+#pragma once
+
+#include <cstdint>
+
+namespace mlxgate {
+
+// How a quantized weight's scales and biases are stored (MLX keeps them in the model's dtype).
+enum class ScaleType { float32, float16, bfloat16 };
+
+struct QuantizedWeight {
+  const uint32_t* packed;  // [n, k * bits / 32], MLX's affine layout (element j at bit j * bits)
+  const void* scales;      // [n, k / group]
+  const void* biases;      // [n, k / group]
+  ScaleType scale_type;
+  int bits;   // 4 or 8
+  int group;  // 32 or 64
+  int n;
+  int k;
+};
+
+// Whether this CPU runs the kernels below (x86-64 with AVX2, FMA and F16C).
+bool cpu_supported();
+
+// out[r, c] = sum_j x[r, j] * w[c, j] for rows [0, rows) and columns [c0, c1), the weight
+// dequantized in registers; each weight row is read once for all rows.
+void quantized_matmul_columns(
+    const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1);
+
+// The dequantized weight's rows [c0, c1) into dst ([c1 - c0, k], row-major).
+void dequantize_columns(const QuantizedWeight& w, float* dst, int c0, int c1);
+
+// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight, for rows [r0, r1) of width d.
+void rms_norm_rows(
+    const float* x, const float* weight, float eps, int d, float* out, int r0, int r1);
+
+// One rotary embedding: rows [r0, r1) of x [rows, d] where row r sits at position
+// positions[r]; the first `dims` features rotate by position * inv_freqs[i] (non-traditional
+// halves, or traditional pairs), the rest are copied.
+void rope_rows(
+    const float* x, const float* positions, const float* inv_freqs, int dims, bool traditional,
+    int d, float* out, int r0, int r1);
+
+}  // namespace mlxgate

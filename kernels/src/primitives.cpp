@@ -1,0 +1,319 @@
+#include "primitives.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/fast.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/transforms.h"
+#include "pool.h"
+
+namespace mlxgate {
+namespace {
+
+// Columns of the weight each pool task computes (decode) or dequantizes (sgemm tiles).
+constexpr int COLUMNS_PER_TASK = 64;
+constexpr int SGEMM_TILE_COLUMNS = 1024;
+// Rows of a norm or rope each pool task takes.
+constexpr int ROWS_PER_TASK = 16;
+
+int sgemm_rows_ = 32;
+
+bool on_cpu(const mx::Stream& stream) { return stream.device == mx::Device::cpu; }
+
+std::optional<ScaleType> scale_type(mx::Dtype dtype) {
+  if (dtype == mx::float32) return ScaleType::float32;
+  if (dtype == mx::float16) return ScaleType::float16;
+  if (dtype == mx::bfloat16) return ScaleType::bfloat16;
+  return std::nullopt;
+}
+
+// OpenBLAS's cblas_sgemm where it is loaded (mlxgate preloads it before mlx), else null.
+using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
+                       float, float*, int);
+Sgemm find_sgemm() {
+  static Sgemm sgemm = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return sgemm;
+}
+constexpr int CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112;
+
+// An input's float32 elements in row-major order: its own buffer when it is row-contiguous (as
+// nearly every input is), else a copy gathered from its strides (a transposed view).
+class RowMajor {
+ public:
+  explicit RowMajor(const mx::array& a) : data_(a.data<float>()) {
+    if (a.flags().row_contiguous) return;
+    copy_.resize(a.size());
+    const auto& shape = a.shape();
+    const auto& strides = a.strides();
+    const int last = static_cast<int>(a.ndim()) - 1;
+    const int64_t width = shape[last];
+    for (size_t row = 0; row < a.size() / width; ++row) {
+      int64_t at = 0;
+      size_t rest = row;
+      for (int axis = last - 1; axis >= 0; --axis) {
+        at += static_cast<int64_t>(rest % shape[axis]) * strides[axis];
+        rest /= shape[axis];
+      }
+      for (int64_t j = 0; j < width; ++j) copy_[row * width + j] = data_[at + j * strides[last]];
+    }
+    data_ = copy_.data();
+  }
+  const float* data() const { return data_; }
+
+ private:
+  const float* data_;
+  std::vector<float> copy_;
+};
+
+class Kernel : public mx::Primitive {
+ public:
+  using mx::Primitive::Primitive;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlxgate's kernels run on the CPU only");
+  }
+};
+
+class QuantizedMatmul : public Kernel {
+ public:
+  QuantizedMatmul(mx::Stream stream, int group, int bits)
+      : Kernel(stream), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    QuantizedWeight weight{
+        w.data<uint32_t>(), inputs[2].data<void>(), inputs[3].data<void>(),
+        *scale_type(inputs[2].dtype()), bits_, group_, static_cast<int>(w.shape(0)),
+        static_cast<int>(w.shape(1)) * 32 / bits_};
+    const int rows = static_cast<int>(x.size() / weight.k);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), rows, weight, o = out.data<float>()] {
+      const RowMajor input(x);
+      const float* xs = input.data();
+      Sgemm sgemm = find_sgemm();
+      if (sgemm != nullptr && sgemm_rows_ > 0 && rows >= sgemm_rows_) {
+        multiply_by_tiles(sgemm, xs, rows, weight, o);
+        return;
+      }
+      const int tasks = (weight.n + COLUMNS_PER_TASK - 1) / COLUMNS_PER_TASK;
+      parallel_for(tasks, [&](int t) {
+        const int c0 = t * COLUMNS_PER_TASK;
+        quantized_matmul_columns(xs, rows, weight, o, c0, std::min(weight.n, c0 + COLUMNS_PER_TASK));
+      });
+    });
+  }
+
+  const char* name() const override { return "MlxgateQuantizedMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& that = static_cast<const QuantizedMatmul&>(other);
+    return group_ == that.group_ && bits_ == that.bits_;
+  }
+
+ private:
+  // Many rows (a prefill chunk): the weight dequantized a tile at a time, each tile multiplied
+  // by OpenBLAS, whose blocking beats dot products once the rows outnumber the registers.
+  static void multiply_by_tiles(
+      Sgemm sgemm, const float* x, int rows, const QuantizedWeight& w, float* out) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>(SGEMM_TILE_COLUMNS) * w.k);
+    float* tile = scratch.data();  // the workers see this thread's buffer, not their own
+    for (int c0 = 0; c0 < w.n; c0 += SGEMM_TILE_COLUMNS) {
+      const int columns = std::min(SGEMM_TILE_COLUMNS, w.n - c0);
+      const int tasks = (columns + COLUMNS_PER_TASK - 1) / COLUMNS_PER_TASK;
+      parallel_for(tasks, [&](int t) {
+        const int a = c0 + t * COLUMNS_PER_TASK;
+        const int b = std::min(c0 + columns, a + COLUMNS_PER_TASK);
+        dequantize_columns(w, tile + static_cast<size_t>(a - c0) * w.k, a, b);
+      });
+      sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, rows, columns, w.k, 1.0f, x, w.k,
+            tile, w.k, 0.0f, out + c0, w.n);
+    }
+  }
+
+  int group_;
+  int bits_;
+};
+
+class RMSNorm : public Kernel {
+ public:
+  RMSNorm(mx::Stream stream, float eps) : Kernel(stream), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    const int d = static_cast<int>(x.shape(-1));
+    const int rows = static_cast<int>(x.size() / d);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = inputs[1].data<float>(), eps = eps_,
+                      d, rows, o = out.data<float>()] {
+      const RowMajor input(x);
+      const float* xs = input.data();
+      parallel_for((rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, [&](int t) {
+        const int r0 = t * ROWS_PER_TASK;
+        rms_norm_rows(xs, w, eps, d, o, r0, std::min(rows, r0 + ROWS_PER_TASK));
+      });
+    });
+  }
+
+  const char* name() const override { return "MlxgateRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RMSNorm&>(other).eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+class RoPE : public Kernel {
+ public:
+  RoPE(mx::Stream stream, int dims, bool traditional, float scale)
+      : Kernel(stream), dims_(dims), traditional_(traditional), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& offset = inputs[1];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    const int batch = static_cast<int>(x.shape(0));
+    const int heads = static_cast<int>(x.shape(1));
+    const int tokens = static_cast<int>(x.shape(2));
+    const int d = static_cast<int>(x.shape(3));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), offsets = offset.data<int32_t>(),
+                      per_row = offset.size() > 1, inv_freqs = inputs[2].data<float>(),
+                      dims = dims_, traditional = traditional_, scale = scale_, batch, heads,
+                      tokens, d, o = out.data<float>()] {
+      const RowMajor input(x);
+      const float* xs = input.data();
+      // Each row's position, as MLX computes it: (token index + offset) * scale in float32.
+      std::vector<float> positions(static_cast<size_t>(batch) * heads * tokens);
+      for (int b = 0; b < batch; ++b) {
+        const float start = static_cast<float>(offsets[per_row ? b : 0]);
+        for (int h = 0; h < heads; ++h) {
+          for (int t = 0; t < tokens; ++t) {
+            positions[(static_cast<size_t>(b) * heads + h) * tokens + t] =
+                (static_cast<float>(t) + start) * scale;
+          }
+        }
+      }
+      const int rows = batch * heads * tokens;
+      parallel_for((rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, [&](int t) {
+        const int r0 = t * ROWS_PER_TASK;
+        rope_rows(xs, positions.data(), inv_freqs, dims, traditional, d, o, r0,
+                  std::min(rows, r0 + ROWS_PER_TASK));
+      });
+    });
+  }
+
+  const char* name() const override { return "MlxgateRoPE"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& that = static_cast<const RoPE&>(other);
+    return dims_ == that.dims_ && traditional_ == that.traditional_ && scale_ == that.scale_;
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float scale_;
+};
+
+// The inverse frequencies of a rope with this base, computed by MLX's own ops as its rope
+// computes them, once per (base, dims).
+mx::array inverse_frequencies(float base, int dims, const mx::Stream& s) {
+  static std::mutex mutex;
+  static std::vector<std::tuple<float, int, mx::array>> computed;
+  std::lock_guard lock(mutex);
+  for (auto& [b, n, freqs] : computed) {
+    if (b == base && n == dims) return freqs;
+  }
+  const int half = dims / 2;
+  auto freqs = mx::exp(
+      mx::multiply(mx::arange(0, -half, -1, mx::float32, s),
+                   mx::array(std::log(base) / half, mx::float32), s),
+      s);
+  mx::eval(freqs);
+  computed.emplace_back(base, dims, freqs);
+  return freqs;
+}
+
+}  // namespace
+
+void set_sgemm_rows(int rows) { sgemm_rows_ = rows; }
+int sgemm_rows() { return sgemm_rows_; }
+
+mx::array quantized_matmul(
+    const mx::array& x, const mx::array& w, const mx::array& scales,
+    const std::optional<mx::array>& biases, bool transpose, std::optional<int> group_size,
+    std::optional<int> bits, const std::string& mode, mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  const int group = group_size.value_or(64);
+  const int width = bits.value_or(4);
+  const bool fits = cpu_supported() && on_cpu(stream) && transpose && mode == "affine" &&
+      biases.has_value() && (width == 4 || width == 8) && (group == 32 || group == 64) &&
+      x.dtype() == mx::float32 && x.ndim() >= 1 && w.dtype() == mx::uint32 && w.ndim() == 2 &&
+      scale_type(scales.dtype()).has_value() && biases->dtype() == scales.dtype() &&
+      x.shape(-1) == w.shape(1) * 32 / width && x.shape(-1) % group == 0 &&
+      scales.ndim() == 2 && scales.shape(0) == w.shape(0) &&
+      scales.shape(1) == x.shape(-1) / group && biases->shape() == scales.shape() &&
+      scales.flags().row_contiguous && biases->flags().row_contiguous &&
+      w.flags().row_contiguous && x.size() > 0;
+  if (!fits) {
+    return mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits, mode, s);
+  }
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(
+      std::move(shape), mx::float32, std::make_shared<QuantizedMatmul>(stream, group, width),
+      {x, w, scales, *biases});
+}
+
+mx::array rms_norm(
+    const mx::array& x, const std::optional<mx::array>& weight, float eps, mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  const bool fits = cpu_supported() && on_cpu(stream) && x.dtype() == mx::float32 &&
+      x.ndim() >= 1 && x.size() > 0 && weight.has_value() && weight->dtype() == mx::float32 &&
+      weight->ndim() == 1 && weight->shape(0) == x.shape(-1) && weight->flags().row_contiguous;
+  if (!fits) return mx::fast::rms_norm(x, weight, eps, s);
+  return mx::array(
+      x.shape(), mx::float32, std::make_shared<RMSNorm>(stream, eps),
+      {x, *weight});
+}
+
+mx::array rope(
+    const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale,
+    const mx::array& offset, const std::optional<mx::array>& freqs, mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  const bool fits = cpu_supported() && on_cpu(stream) && x.dtype() == mx::float32 &&
+      x.ndim() == 4 && x.size() > 0 && dims > 0 && dims % 2 == 0 && dims <= x.shape(3) &&
+      base.has_value() != freqs.has_value() && offset.ndim() <= 1 &&
+      (offset.size() == 1 || offset.size() == static_cast<size_t>(x.shape(0))) &&
+      mx::issubdtype(offset.dtype(), mx::integer) &&
+      (!freqs || (freqs->ndim() == 1 && freqs->shape(0) == dims / 2));
+  if (!fits) return mx::fast::rope(x, dims, traditional, base, scale, offset, freqs, s);
+  auto inv_freqs = freqs ? mx::reciprocal(mx::astype(*freqs, mx::float32, stream), stream)
+                         : inverse_frequencies(*base, dims, stream);
+  return mx::array(
+      x.shape(), mx::float32, std::make_shared<RoPE>(stream, dims, traditional, scale),
+      {x, mx::astype(offset, mx::int32, stream), inv_freqs});
+}
+
+}  // namespace mlxgate

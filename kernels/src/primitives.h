@@ -1,0 +1,38 @@
+// MLX operations backed by mlxgate's CPU kernels. Each takes what the MLX op it stands in for
+// takes; where the kernel does not apply (another device, dtype, mode or shape) it returns
+// that MLX op itself, so a caller never has to ask first.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "mlx/array.h"
+#include "mlx/stream.h"
+#include "mlx/utils.h"
+
+namespace mlxgate {
+
+namespace mx = mlx::core;
+
+// mx.quantized_matmul for the affine mode, 4 or 8 bits, group 32 or 64, float32 activations,
+// transposed weights (what QuantizedLinear computes).
+mx::array quantized_matmul(
+    const mx::array& x, const mx::array& w, const mx::array& scales,
+    const std::optional<mx::array>& biases, bool transpose, std::optional<int> group_size,
+    std::optional<int> bits, const std::string& mode, mx::StreamOrDevice s);
+
+// mx.fast.rms_norm for float32 rows.
+mx::array rms_norm(
+    const mx::array& x, const std::optional<mx::array>& weight, float eps, mx::StreamOrDevice s);
+
+// mx.fast.rope for float32 [batch, heads, tokens, features] (the offset an int or one per row).
+mx::array rope(
+    const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale,
+    const mx::array& offset, const std::optional<mx::array>& freqs, mx::StreamOrDevice s);
+
+// Rows from which quantized_matmul dequantizes a tile of the weight and calls the BLAS sgemm
+// instead of its own dot products (prefill chunks); 0 turns the sgemm path off.
+void set_sgemm_rows(int rows);
+int sgemm_rows();
+
+}  // namespace mlxgate

@@ -1,0 +1,174 @@
+"""mlxgate's CPU kernels (kernels/, models/cpu_kernels.py) against the MLX ops they replace.
+
+Each kernel is compared with MLX's own op on random shapes: odd sizes, group edges, 1..65 rows
+(both the dot-product and the sgemm path of the quantized matmul), every scale dtype,
+transposed views. Where a kernel does not apply it must be MLX's op itself, bit for bit. The
+served models' token-for-token agreement with mlx-lm runs with the kernels on in
+test_architectures.py (4-bit variants of every family) and on the embedded model everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlxgate  # noqa: F401, I001  (preloads OpenBLAS before mlx.core)
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlxgate.models import cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.unavailable() is not None, reason=f"{cpu_kernels.unavailable()}"
+)
+
+
+@pytest.fixture(scope="module")
+def ext() -> Any:
+    import mlxgate_kernels
+
+    return mlxgate_kernels
+
+
+def quantized(n: int, k: int, bits: int, group: int, dtype: mx.Dtype, seed: int) -> tuple:
+    w = mx.random.normal((n, k), key=mx.random.key(seed))
+    packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    return packed, scales.astype(dtype), biases.astype(dtype)
+
+
+def close(got: mx.array, want: mx.array, tolerance: float = 2e-5) -> None:
+    """Equal up to float32 rounding of a different summation order, relative to the size."""
+    got_np, want_np = np.asarray(got), np.asarray(want)
+    assert got_np.shape == want_np.shape
+    scale = max(1.0, float(np.abs(want_np).max()))
+    np.testing.assert_allclose(got_np, want_np, rtol=0, atol=tolerance * scale)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=str)
+def test_quantized_matmul_equals_mlx(ext: Any, bits: int, group: int, dtype: mx.Dtype) -> None:
+    for seed, (n, groups) in enumerate([(37, 3), (130, 9), (1, 1), (65, 18)]):
+        k = group * groups
+        packed, scales, biases = quantized(n, k, bits, group, dtype, seed)
+        for rows in (1, 2, 3, 7, 8, 9, 31, 47, 48, 64, 65):
+            x = mx.random.normal((rows, k), key=mx.random.key(100 + rows))
+            want = mx.quantized_matmul(x, packed, scales, biases, True, group, bits)
+            got = ext.quantized_matmul(x, packed, scales, biases, True, group, bits)
+            close(got, want)
+
+
+def test_quantized_matmul_takes_batches_and_views(ext: Any) -> None:
+    packed, scales, biases = quantized(96, 128, 4, 32, mx.float16, seed=7)
+    x = mx.random.normal((3, 128, 5), key=mx.random.key(8)).transpose(0, 2, 1)  # not contiguous
+    want = mx.quantized_matmul(x, packed, scales, biases, True, 32, 4)
+    got = ext.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=32, bits=4)
+    assert got.shape == (3, 5, 96)
+    close(got, want)
+
+
+def test_the_sgemm_path_and_the_dot_products_agree(ext: Any) -> None:
+    packed, scales, biases = quantized(300, 256, 4, 64, mx.float16, seed=9)
+    x = mx.random.normal((80, 256), key=mx.random.key(10))
+    before = ext.sgemm_rows()
+    try:
+        ext.set_sgemm_rows(0)
+        dots = ext.quantized_matmul(x, packed, scales, biases, True, 64, 4)
+        mx.eval(dots)
+        ext.set_sgemm_rows(1)
+        tiles = ext.quantized_matmul(x, packed, scales, biases, True, 64, 4)
+        mx.eval(tiles)
+    finally:
+        ext.set_sgemm_rows(before)
+    close(tiles, dots)
+
+
+def test_where_the_kernel_does_not_apply_the_answer_is_mlx_own(ext: Any) -> None:
+    w = mx.random.normal((64, 128), key=mx.random.key(11))
+    x32 = mx.random.normal((4, 128), key=mx.random.key(12))
+    cases: list[tuple[mx.array, tuple, dict[str, Any]]] = []
+    packed3, s3, b3 = mx.quantize(w, group_size=32, bits=3)
+    cases.append((x32, (packed3, s3, b3), {"group_size": 32, "bits": 3}))
+    packed, scales, biases = mx.quantize(w, group_size=128, bits=4)  # group 128
+    cases.append((x32, (packed, scales, biases), {"group_size": 128, "bits": 4}))
+    packed, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    cases.append((x32.astype(mx.float16), (packed, scales, biases), {"group_size": 32}))
+    for x, (p, s, b), options in cases:
+        want = mx.quantized_matmul(x, p, s, b, **options)
+        got = ext.quantized_matmul(x, p, s, b, **options)
+        np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)), np.asarray(want))
+
+
+def test_rms_norm_equals_mlx(ext: Any) -> None:
+    for d in (7, 64, 77, 576):
+        weight = mx.random.normal((d,), key=mx.random.key(d))
+        x = mx.random.normal((2, 5, d), key=mx.random.key(d + 1)) * 3
+        close(ext.rms_norm(x, weight, 1e-5), mx.fast.rms_norm(x, weight, 1e-5))
+        view = x.transpose(1, 0, 2)
+        close(ext.rms_norm(view, weight, 1e-6), mx.fast.rms_norm(view, weight, 1e-6))
+    half = mx.random.normal((3, 8), key=mx.random.key(1)).astype(mx.float16)
+    np.testing.assert_array_equal(
+        np.asarray(ext.rms_norm(half, None, 1e-5)), np.asarray(mx.fast.rms_norm(half, None, 1e-5))
+    )
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [64, 32])
+def test_rope_equals_mlx(ext: Any, traditional: bool, dims: int) -> None:
+    # [batch, heads, tokens, features] as attention passes it: a transposed view.
+    x = mx.random.normal((2, 7, 3, 64), key=mx.random.key(dims)).transpose(0, 2, 1, 3)
+    freqs = mx.random.uniform(1, 1000, (dims // 2,), key=mx.random.key(3))
+    for offset in (0, 19, mx.array([4, 300])):
+        for base, scale, f in ((10000.0, 1.0, None), (500000.0, 0.25, None), (None, 1.0, freqs)):
+            options = dict(traditional=traditional, base=base, scale=scale, offset=offset, freqs=f)
+            close(ext.rope(x, dims, **options), mx.fast.rope(x, dims, **options), 1e-5)
+
+
+def tiny_quantized_llama() -> nn.Module:
+    from mlx_lm.models import llama
+    from mlx_lm.utils import quantize_model
+
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=256,
+        tie_word_embeddings=True,
+    )
+    mx.random.seed(0)
+    model = llama.Model(args)
+    quantize_model(model, {}, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_kernels_go_to_one_instance_not_to_mlx_or_its_siblings() -> None:
+    from mlx_lm.models import llama
+
+    ours, sibling = tiny_quantized_llama(), tiny_quantized_llama()
+    tokens = mx.array([list(range(40))])
+    before = sibling(tokens)
+
+    assert cpu_kernels.install(ours)
+    assert cpu_kernels.installed(ours)
+    assert not cpu_kernels.installed(sibling)
+    assert type(sibling.model.layers[0].self_attn) is llama.Attention
+    assert mx.quantized_matmul is not None and not hasattr(mx, "__mlxgate__")
+    assert "Mlxgate" not in str(type(sibling.model.norm))
+    # The tied embedding's LM head (`as_linear`, not `__call__`) goes through the kernel too.
+    assert "as_linear" in vars(type(ours.model.embed_tokens))
+    close(ours(tokens), before, 1e-4)
+    np.testing.assert_array_equal(np.asarray(sibling(tokens)), np.asarray(before))
+
+
+def test_without_the_extension_the_model_keeps_mlx_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "_extension", lambda: "this CPU lacks AVX2, FMA or F16C")
+    model = tiny_quantized_llama()
+    assert not cpu_kernels.install(model)
+    assert not cpu_kernels.installed(model)
+    assert cpu_kernels.describe() == "MLX's own (this CPU lacks AVX2, FMA or F16C)"
