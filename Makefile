@@ -72,8 +72,8 @@ compat: env ## the newest LiteLLM, OpenAI Agents, pydantic-ai, LangChain and ope
 
 .PHONY: lint
 lint: env ## ruff, mypy, stub check and clippy
-	$(VENV)/bin/ruff check python tests benches compat
-	$(VENV)/bin/ruff format --check python tests benches compat
+	$(VENV)/bin/ruff check python tests benches compat kernels
+	$(VENV)/bin/ruff format --check python tests benches compat kernels
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest mlxgate._native
 	cargo clippy --all-targets --locked -- -D warnings

@@ -221,6 +221,7 @@ def test_prefill_fills_the_caches_as_mlx_lm_does_and_stops_between_layers() -> N
 
 def test_greedy_decode_through_the_adapter_equals_mlx_lm(smollm: LoadedModel) -> None:
     import mlx.core as mx
+    import mlx.nn as nn
     from mlx_lm.generate import generate_step
     from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
@@ -233,6 +234,12 @@ def test_greedy_decode_through_the_adapter_equals_mlx_lm(smollm: LoadedModel) ->
     steps = 32
     # mlx-lm alone: a second instance over the same weights, without mlxgate's kernels.
     plain = llama.Model(smollm.model.args)
+    served = dict(smollm.model.named_modules())  # quantized as the GGUF's blocks are served
+    nn.quantize(
+        plain,
+        class_predicate=lambda path, _: hasattr(served[path], "bits")
+        and {"group_size": served[path].group_size, "bits": served[path].bits},
+    )
     plain.update(smollm.model.parameters())
     assert not cpu_attention.installed(plain)
     expected = [int(token) for token, _ in generate_step(mx.array(prompt), plain, max_tokens=steps)]

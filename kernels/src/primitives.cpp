@@ -26,7 +26,7 @@ constexpr int SGEMM_TILE_COLUMNS = 1024;
 // Rows of a norm or rope each pool task takes.
 constexpr int ROWS_PER_TASK = 16;
 
-int sgemm_rows_ = 32;
+int sgemm_rows_ = 64;
 
 bool on_cpu(const mx::Stream& stream) { return stream.device == mx::Device::cpu; }
 
