@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import mlxgate  # noqa: F401, I001  (preloads OpenBLAS before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlxgate.models import cpu_kernels
+from mlxgate.models import cpu_kernels  # (conftest imports mlxgate first: OpenBLAS)
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.unavailable() is not None, reason=f"{cpu_kernels.unavailable()}"

@@ -237,8 +237,10 @@ def test_greedy_decode_through_the_adapter_equals_mlx_lm(smollm: LoadedModel) ->
     served = dict(smollm.model.named_modules())  # quantized as the GGUF's blocks are served
     nn.quantize(
         plain,
-        class_predicate=lambda path, _: hasattr(served[path], "bits")
-        and {"group_size": served[path].group_size, "bits": served[path].bits},
+        class_predicate=lambda path, _: (
+            hasattr(served[path], "bits")
+            and {"group_size": served[path].group_size, "bits": served[path].bits}
+        ),
     )
     plain.update(smollm.model.parameters())
     assert not cpu_attention.installed(plain)
