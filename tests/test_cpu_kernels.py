@@ -124,6 +124,40 @@ def test_rope_equals_mlx(ext: Any, traditional: bool, dims: int) -> None:
             close(ext.rope(x, dims, **options), mx.fast.rope(x, dims, **options), 1e-5)
 
 
+@pytest.mark.parametrize(
+    ("batch", "heads", "kv_heads", "n", "t", "dim"),
+    [
+        (1, 9, 3, 1, 1, 64),  # a first decode step
+        (2, 9, 3, 1, 70, 64),  # decode, grouped query heads
+        (3, 4, 4, 5, 71, 128),  # a verify pass, every head its own keys
+        (1, 2, 1, 40, 300, 48),  # a prefill chunk, an unspecialised head size
+        (2, 8, 2, 130, 130, 64),  # a whole prompt: key blocks, partly masked rows
+    ],
+)
+def test_attention_equals_mlx(
+    ext: Any, batch: int, heads: int, kv_heads: int, n: int, t: int, dim: int
+) -> None:
+    key = mx.random.key(n * t)
+    q = mx.random.normal((batch, n, heads, dim), key=key).transpose(0, 2, 1, 3)  # a view
+    cache = mx.random.normal((2, batch, kv_heads, t + 9, dim), key=mx.random.key(t))
+    k, v = cache[0, :, :, :t], cache[1, :, :, :t]  # views of a longer cache, as mlx-lm's
+    # Boolean masks that leave every row a key (an all-masked row is a padded slot: zeros).
+    keep = mx.random.uniform(shape=(batch, 1, n, t), key=mx.random.key(5)) > 0.3
+    keep = keep | (mx.arange(t) == 0)
+    additive = mx.random.normal((batch, heads, n, t), key=mx.random.key(6))
+    for mask in (None, "causal", keep, additive):
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=dim**-0.5, mask=mask)
+        got = ext.scaled_dot_product_attention(q, k, v, scale=dim**-0.5, mask=mask)
+        close(got, want, 1e-5)
+
+
+def test_attention_gives_zeros_for_a_row_with_every_key_masked(ext: Any) -> None:
+    q, k, v = (mx.random.normal((1, 2, 3, 64), key=mx.random.key(i)) for i in range(3))
+    mask = mx.array([True, True, False])[:, None] & mx.array([True, True, True])
+    got = np.asarray(ext.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
+    assert not got[:, :, 2].any() and got[:, :, :2].any()
+
+
 def tiny_quantized_llama() -> nn.Module:
     from mlx_lm.models import llama
     from mlx_lm.utils import quantize_model

@@ -42,4 +42,18 @@ NB_MODULE(_ext, m) {
       nb::arg("a"), "dims"_a, nb::kw_only(), "traditional"_a, "base"_a.none(), "scale"_a,
       "offset"_a, "freqs"_a = nb::none(), "stream"_a = nb::none(),
       "mx.fast.rope, with the kernel where it applies.");
+  m.def(
+      "scaled_dot_product_attention",
+      [](const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+         const std::optional<std::variant<std::string, mx::array>>& mask, mx::StreamOrDevice s) {
+        if (mask && std::holds_alternative<mx::array>(*mask)) {
+          return mlxgate::scaled_dot_product_attention(q, k, v, scale, "array",
+                                                       std::get<mx::array>(*mask), s);
+        }
+        const std::string mode = mask ? std::get<std::string>(*mask) : "";
+        return mlxgate::scaled_dot_product_attention(q, k, v, scale, mode, std::nullopt, s);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::kw_only(), "scale"_a,
+      "mask"_a = nb::none(), "stream"_a = nb::none(),
+      "mx.fast.scaled_dot_product_attention without sinks, with the kernel where it applies.");
 }

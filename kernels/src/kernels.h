@@ -42,4 +42,29 @@ void rope_rows(
     const float* x, const float* positions, const float* inv_freqs, int dims, bool traditional,
     int d, float* out, int r0, int r1);
 
+// One [batch, heads, rows, features] operand of attention: where it starts and its strides in
+// elements (the features contiguous). Keys and values are usually views of a larger cache.
+struct Strided4 {
+  const float* data;
+  int64_t batch, head, row;
+};
+
+enum class MaskKind { none, causal, boolean, additive };
+
+struct Attention {
+  Strided4 queries;  // [batch, heads, n, key_dim]
+  Strided4 keys;     // [batch, kv_heads, t, key_dim]
+  Strided4 values;   // [batch, kv_heads, t, value_dim]
+  int heads, kv_heads, n, t, key_dim, value_dim;
+  float scale;
+  MaskKind mask_kind;
+  const void* mask;         // bool or float32, broadcast to [batch, heads, n, t]
+  int64_t mask_strides[4];  // in elements (0 where broadcast)
+};
+
+// softmax(q k^T * scale + mask) v for query rows [r0, r1) of head `head` of batch row `b`,
+// into out ([batch, heads, n, value_dim], contiguous). One pass over the keys in blocks with a
+// running maximum and sum (as flash attention does); a row whose keys are all masked gives 0.
+void attention_rows(const Attention& a, int b, int head, int r0, int r1, float* out);
+
 }  // namespace mlxgate

@@ -2,8 +2,10 @@
 // nothing here runs before cpu_supported() says yes). Elsewhere, a portable stub says no.
 #include "kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(MLXGATE_X86)
 #include <immintrin.h>
@@ -188,6 +190,183 @@ void rope_rows(
   }
 }
 
+namespace {
+
+// e^x for eight floats (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; relative
+// error ~1e-7). -inf gives 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  const __m256 is_minus_inf = _mm256_cmp_ps(x, minus_inf, _CMP_EQ_OQ);
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  __m256 pow2n = _mm256_castsi256_ps(_mm256_slli_epi32(n, 23));
+  return _mm256_andnot_ps(is_minus_inf, _mm256_mul_ps(y, pow2n));
+}
+
+inline float dot(const float* a, const float* b, int d) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 16 <= d; j += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+  }
+  for (; j + 8 <= d; j += 8) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+  }
+  float sum = horizontal_sum(_mm256_add_ps(acc0, acc1));
+  for (; j < d; ++j) sum += a[j] * b[j];
+  return sum;
+}
+
+// Lane i of the result is the sum of the lanes of v[i].
+inline __m256 transpose_sum(const __m256 (&v)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// scores[j] = q . keys[j] for j in [0, count), eight keys at a time (count rounded up to 8;
+// the keys past `count` are read from key 0 and their scores are garbage for the caller).
+template <int DK8>
+inline void block_scores(const float* q, const float* keys, int64_t stride, int count, float* scores) {
+  for (int j = 0; j < count; j += 8) {
+    const float* key[8];
+    for (int i = 0; i < 8; ++i) key[i] = keys + (j + i < count ? (j + i) : 0) * stride;
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int d = 0; d < DK8; ++d) {
+      const __m256 qv = _mm256_loadu_ps(q + 8 * d);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[i] + 8 * d), acc[i]);
+    }
+    _mm256_storeu_ps(scores + j, transpose_sum(acc));
+  }
+}
+
+// o += sum_j p[j] * values[j], the output held in registers for the block.
+template <int DV8>
+inline void block_values(const float* p, const float* values, int64_t stride, int count, float* o) {
+  __m256 acc[DV8];
+  for (int d = 0; d < DV8; ++d) acc[d] = _mm256_loadu_ps(o + 8 * d);
+  for (int j = 0; j < count; ++j) {
+    const __m256 weight = _mm256_set1_ps(p[j]);
+    const float* v = values + j * stride;
+    for (int d = 0; d < DV8; ++d) acc[d] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * d), acc[d]);
+  }
+  for (int d = 0; d < DV8; ++d) _mm256_storeu_ps(o + 8 * d, acc[d]);
+}
+
+// Keys per block: the block's keys and values stay in L1/L2 while the rows go over them.
+constexpr int KEY_BLOCK = 64;
+constexpr int MAX_ROWS = 64;  // rows one call takes at most (the caller splits)
+
+}  // namespace
+
+void attention_rows(const Attention& a, int b, int head, int r0, int r1, float* out) {
+  const int rows = r1 - r0;
+  const int kv_head = head / (a.heads / a.kv_heads);
+  const int dk = a.key_dim, dv = a.value_dim;
+  const float* keys = a.keys.data + b * a.keys.batch + kv_head * a.keys.head;
+  const float* values = a.values.data + b * a.values.batch + kv_head * a.values.head;
+  // Each row's query times the scale (as MLX scales the queries before the product), its
+  // running maximum and sum, and its running output.
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(MAX_ROWS) * (dk + dv + 2) + KEY_BLOCK);
+  float* queries = scratch.data();
+  float* acc = queries + MAX_ROWS * dk;
+  float* peak = acc + MAX_ROWS * dv;
+  float* total = peak + MAX_ROWS;
+  float* scores = total + MAX_ROWS;
+  for (int r = 0; r < rows; ++r) {
+    const float* q = a.queries.data + b * a.queries.batch + head * a.queries.head +
+        static_cast<int64_t>(r0 + r) * a.queries.row;
+    for (int j = 0; j < dk; ++j) queries[r * dk + j] = q[j] * a.scale;
+    std::memset(acc + r * dv, 0, sizeof(float) * dv);
+    peak[r] = -INFINITY;
+    total[r] = 0.0f;
+  }
+  for (int k0 = 0; k0 < a.t; k0 += KEY_BLOCK) {
+    for (int r = 0; r < rows; ++r) {
+      const int row = r0 + r;
+      int k1 = std::min(a.t, k0 + KEY_BLOCK);
+      if (a.mask_kind == MaskKind::causal) k1 = std::min(k1, a.t - a.n + row + 1);
+      if (k1 <= k0) continue;
+      const int count = k1 - k0;
+      const float* q = queries + r * dk;
+      const float* block_keys = keys + static_cast<int64_t>(k0) * a.keys.row;
+      if (dk == 64) {
+        block_scores<8>(q, block_keys, a.keys.row, count, scores);
+      } else if (dk == 128) {
+        block_scores<16>(q, block_keys, a.keys.row, count, scores);
+      } else {
+        for (int j = 0; j < count; ++j) scores[j] = dot(q, block_keys + j * a.keys.row, dk);
+      }
+      if (a.mask_kind == MaskKind::boolean || a.mask_kind == MaskKind::additive) {
+        const int64_t at = b * a.mask_strides[0] + head * a.mask_strides[1] +
+            row * a.mask_strides[2] + k0 * a.mask_strides[3];
+        for (int j = 0; j < count; ++j) {
+          const int64_t m = at + j * a.mask_strides[3];
+          if (a.mask_kind == MaskKind::boolean) {
+            if (!static_cast<const bool*>(a.mask)[m]) scores[j] = -INFINITY;
+          } else {
+            scores[j] += static_cast<const float*>(a.mask)[m];
+          }
+        }
+      }
+      float block_peak = -INFINITY;
+      for (int j = 0; j < count; ++j) block_peak = std::max(block_peak, scores[j]);
+      if (block_peak == -INFINITY) continue;
+      float* o = acc + r * dv;
+      if (block_peak > peak[r]) {
+        const float rescale = peak[r] == -INFINITY ? 0.0f : std::exp(peak[r] - block_peak);
+        const __m256 factor = _mm256_set1_ps(rescale);
+        int j = 0;
+        for (; j + 8 <= dv; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(o + j), factor));
+        for (; j < dv; ++j) o[j] *= rescale;
+        total[r] *= rescale;
+        peak[r] = block_peak;
+      }
+      const int padded = (count + 7) & ~7;
+      for (int j = count; j < padded; ++j) scores[j] = -INFINITY;
+      const __m256 shift = _mm256_set1_ps(peak[r]);
+      __m256 sum = _mm256_setzero_ps();
+      for (int j = 0; j < padded; j += 8) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), shift));
+        _mm256_storeu_ps(scores + j, p);
+        sum = _mm256_add_ps(sum, p);
+      }
+      total[r] += horizontal_sum(sum);
+      const float* block_values_at = values + static_cast<int64_t>(k0) * a.values.row;
+      if (dv == 64) {
+        block_values<8>(scores, block_values_at, a.values.row, count, o);
+      } else if (dv == 128) {
+        block_values<16>(scores, block_values_at, a.values.row, count, o);
+      } else {
+        for (int j = 0; j < count; ++j) {
+          const float* v = block_values_at + j * a.values.row;
+          for (int d = 0; d < dv; ++d) o[d] += scores[j] * v[d];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    float* dst = out + ((static_cast<int64_t>(b) * a.heads + head) * a.n + r0 + r) * dv;
+    const float inverse = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
+    for (int d = 0; d < dv; ++d) dst[d] = acc[r * dv + d] * inverse;
+  }
+}
+
 }  // namespace mlxgate
 
 #else  // not x86-64: MLX's own ops serve (Metal on a Mac)
@@ -198,6 +377,7 @@ void quantized_matmul_columns(const float*, int, const QuantizedWeight&, float*,
 void dequantize_columns(const QuantizedWeight&, float*, int, int) {}
 void rms_norm_rows(const float*, const float*, float, int, float*, int, int) {}
 void rope_rows(const float*, const float*, const float*, int, bool, int, float*, int, int) {}
+void attention_rows(const Attention&, int, int, int, int, float*) {}
 }  // namespace mlxgate
 
 #endif

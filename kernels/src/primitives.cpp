@@ -25,6 +25,8 @@ constexpr int COLUMNS_PER_TASK = 64;
 constexpr int SGEMM_TILE_COLUMNS = 1024;
 // Rows of a norm or rope each pool task takes.
 constexpr int ROWS_PER_TASK = 16;
+// Query rows of one head each attention task takes (at most the kernel's MAX_ROWS).
+constexpr int ATTENTION_ROWS = 16;
 
 int sgemm_rows_ = 64;
 
@@ -183,8 +185,14 @@ class RMSNorm : public Kernel {
 
 class RoPE : public Kernel {
  public:
-  RoPE(mx::Stream stream, int dims, bool traditional, float scale)
-      : Kernel(stream), dims_(dims), traditional_(traditional), scale_(scale) {}
+  // `frequencies`: the third input holds frequencies (a model's own: YaRN, Llama 3), whose
+  // reciprocals the kernel takes, as MLX's rope does; else the inverse frequencies.
+  RoPE(mx::Stream stream, int dims, bool traditional, float scale, bool frequencies)
+      : Kernel(stream),
+        dims_(dims),
+        traditional_(traditional),
+        scale_(scale),
+        frequencies_(frequencies) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
@@ -199,11 +207,18 @@ class RoPE : public Kernel {
     encoder.set_input_array(x);
     encoder.set_output_array(out);
     encoder.dispatch([x = mx::array::unsafe_weak_copy(x), offsets = offset.data<int32_t>(),
-                      per_row = offset.size() > 1, inv_freqs = inputs[2].data<float>(),
-                      dims = dims_, traditional = traditional_, scale = scale_, batch, heads,
+                      per_row = offset.size() > 1, given = inputs[2].data<float>(),
+                      frequencies = frequencies_, dims = dims_, traditional = traditional_, scale = scale_, batch, heads,
                       tokens, d, o = out.data<float>()] {
       const RowMajor input(x);
       const float* xs = input.data();
+      std::vector<float> reciprocals;
+      const float* inv_freqs = given;
+      if (frequencies) {  // 1 / f in float32, as MLX's reciprocal gives it
+        reciprocals.resize(dims / 2);
+        for (int i = 0; i < dims / 2; ++i) reciprocals[i] = 1.0f / given[i];
+        inv_freqs = reciprocals.data();
+      }
       // Each row's position, as MLX computes it: (token index + offset) * scale in float32.
       std::vector<float> positions(static_cast<size_t>(batch) * heads * tokens);
       for (int b = 0; b < batch; ++b) {
@@ -227,13 +242,80 @@ class RoPE : public Kernel {
   const char* name() const override { return "MlxgateRoPE"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& that = static_cast<const RoPE&>(other);
-    return dims_ == that.dims_ && traditional_ == that.traditional_ && scale_ == that.scale_;
+    return dims_ == that.dims_ && traditional_ == that.traditional_ && scale_ == that.scale_ &&
+        frequencies_ == that.frequencies_;
   }
 
  private:
   int dims_;
   bool traditional_;
   float scale_;
+  bool frequencies_;
+};
+
+// An operand of attention as the kernel reads it: its start and strides, the features
+// contiguous (a copy, kept in `copy`, where they are not).
+Strided4 strided(const mx::array& a, std::vector<float>& copy) {
+  if (a.strides(3) == 1) {
+    return {a.data<float>(), a.strides(0), a.strides(1), a.strides(2)};
+  }
+  const RowMajor rows(a);
+  copy.assign(rows.data(), rows.data() + a.size());
+  const int64_t row = a.shape(3), head = row * a.shape(2), batch = head * a.shape(1);
+  return {copy.data(), batch, head, row};
+}
+
+class ScaledDotProductAttention : public Kernel {
+ public:
+  ScaledDotProductAttention(mx::Stream stream, float scale, MaskKind mask_kind)
+      : Kernel(stream), scale_(scale), mask_kind_(mask_kind) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& input : inputs) encoder.set_input_array(input);
+    encoder.set_output_array(out);
+    std::vector<mx::array> operands;
+    for (const auto& input : inputs) operands.push_back(mx::array::unsafe_weak_copy(input));
+    encoder.dispatch([operands = std::move(operands), scale = scale_, kind = mask_kind_,
+                      o = out.data<float>()] {
+      const auto& q = operands[0];
+      const auto& k = operands[1];
+      const auto& v = operands[2];
+      std::vector<float> copies[3];
+      Attention a{
+          strided(q, copies[0]), strided(k, copies[1]), strided(v, copies[2]),
+          static_cast<int>(q.shape(1)), static_cast<int>(k.shape(1)),
+          static_cast<int>(q.shape(2)), static_cast<int>(k.shape(2)),
+          static_cast<int>(q.shape(3)), static_cast<int>(v.shape(3)), scale, kind, nullptr, {}};
+      if (operands.size() > 3) {
+        const auto& mask = operands[3];
+        a.mask = kind == MaskKind::boolean ? static_cast<const void*>(mask.data<bool>())
+                                           : static_cast<const void*>(mask.data<float>());
+        for (int axis = 0; axis < 4; ++axis) a.mask_strides[axis] = mask.strides(axis);
+      }
+      const int batch = static_cast<int>(q.shape(0));
+      const int chunks = (a.n + ATTENTION_ROWS - 1) / ATTENTION_ROWS;
+      parallel_for(batch * a.heads * chunks, [&](int task) {
+        const int chunk = task % chunks;
+        const int head = (task / chunks) % a.heads;
+        const int b = task / chunks / a.heads;
+        const int r0 = chunk * ATTENTION_ROWS;
+        attention_rows(a, b, head, r0, std::min(a.n, r0 + ATTENTION_ROWS), o);
+      });
+    });
+  }
+
+  const char* name() const override { return "MlxgateScaledDotProductAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& that = static_cast<const ScaledDotProductAttention&>(other);
+    return scale_ == that.scale_ && mask_kind_ == that.mask_kind_;
+  }
+
+ private:
+  float scale_;
+  MaskKind mask_kind_;
 };
 
 // The inverse frequencies of a rope with this base, computed by MLX's own ops as its rope
@@ -309,11 +391,44 @@ mx::array rope(
       mx::issubdtype(offset.dtype(), mx::integer) &&
       (!freqs || (freqs->ndim() == 1 && freqs->shape(0) == dims / 2));
   if (!fits) return mx::fast::rope(x, dims, traditional, base, scale, offset, freqs, s);
-  auto inv_freqs = freqs ? mx::reciprocal(mx::astype(*freqs, mx::float32, stream), stream)
-                         : inverse_frequencies(*base, dims, stream);
+  auto frequencies = freqs ? mx::astype(*freqs, mx::float32, stream)
+                           : inverse_frequencies(*base, dims, stream);
   return mx::array(
-      x.shape(), mx::float32, std::make_shared<RoPE>(stream, dims, traditional, scale),
-      {x, mx::astype(offset, mx::int32, stream), inv_freqs});
+      x.shape(), mx::float32, std::make_shared<RoPE>(stream, dims, traditional, scale, freqs.has_value()),
+      {x, mx::astype(offset, mx::int32, stream), frequencies});
+}
+
+mx::array scaled_dot_product_attention(
+    const mx::array& queries, const mx::array& keys, const mx::array& values, float scale,
+    const std::string& mask_mode, const std::optional<mx::array>& mask, mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  const auto f32 = [](const mx::array& a) { return a.dtype() == mx::float32 && a.ndim() == 4; };
+  bool fits = cpu_supported() && on_cpu(stream) && f32(queries) && f32(keys) && f32(values) &&
+      queries.size() > 0 && keys.size() > 0 && queries.shape(0) == keys.shape(0) &&
+      keys.shape(0) == values.shape(0) && keys.shape(1) == values.shape(1) &&
+      queries.shape(1) % keys.shape(1) == 0 && keys.shape(2) == values.shape(2) &&
+      queries.shape(3) == keys.shape(3) && queries.shape(2) <= keys.shape(2);
+  MaskKind kind = MaskKind::none;
+  if (mask_mode == "causal") {
+    kind = MaskKind::causal;
+  } else if (mask.has_value()) {
+    kind = mask->dtype() == mx::bool_ ? MaskKind::boolean : MaskKind::additive;
+    fits = fits && mask->ndim() <= 4 && (kind == MaskKind::boolean || mask->dtype() == mx::float32);
+  } else if (!mask_mode.empty() && mask_mode != "array") {
+    fits = false;
+  }
+  if (!fits) {
+    return mx::fast::scaled_dot_product_attention(
+        queries, keys, values, scale, mask_mode, mask, std::nullopt, false, s);
+  }
+  std::vector<mx::array> inputs = {queries, keys, values};
+  if (kind == MaskKind::boolean || kind == MaskKind::additive) {
+    inputs.push_back(mx::broadcast_to(
+        *mask, {queries.shape(0), queries.shape(1), queries.shape(2), keys.shape(2)}, stream));
+  }
+  return mx::array(
+      {queries.shape(0), queries.shape(1), queries.shape(2), values.shape(3)}, mx::float32,
+      std::make_shared<ScaledDotProductAttention>(stream, scale, kind), std::move(inputs));
 }
 
 }  // namespace mlxgate

@@ -30,6 +30,12 @@ mx::array rope(
     const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale,
     const mx::array& offset, const std::optional<mx::array>& freqs, mx::StreamOrDevice s);
 
+// mx.fast.scaled_dot_product_attention for float32 [batch, heads, tokens, features] (grouped
+// query heads; mask none, "causal", a boolean or an additive array; no sinks).
+mx::array scaled_dot_product_attention(
+    const mx::array& queries, const mx::array& keys, const mx::array& values, float scale,
+    const std::string& mask_mode, const std::optional<mx::array>& mask, mx::StreamOrDevice s);
+
 // Rows from which quantized_matmul dequantizes a tile of the weight and calls the BLAS sgemm
 // instead of its own dot products (prefill chunks); 0 turns the sgemm path off.
 void set_sgemm_rows(int rows);

@@ -34,3 +34,12 @@ def rope(
     freqs: mx.array | None = None,
     stream: mx.Stream | mx.Device | None = None,
 ) -> mx.array: ...
+def scaled_dot_product_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: str | mx.array | None = None,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array: ...

@@ -118,6 +118,11 @@ def scaled_dot_product_attention(
     return out.reshape(batch, heads, n, values.shape[-1])  # MLA values are narrower than keys
 
 
+# The attention functions that take a BandedCache: this module's and the native kernel's
+# (models/cpu_kernels.py adds it).
+TAKE_BANDS: list[Any] = [scaled_dot_product_attention]
+
+
 def _masked(scores: mx.array, mask: mx.array | str, n: int, t: int) -> mx.array:
     """Scores [batch, kv_heads, repeats * n, t] with masked keys at -inf."""
     batch, kv_heads, rows, _ = scores.shape
@@ -140,8 +145,12 @@ def _grouped_mask(mask: mx.array | str, kv_heads: int, n: int, t: int) -> mx.arr
 
 
 def installed(model: nn.Module) -> bool:
-    """Whether `model`'s attention goes through this module (and so can take a BandedCache)."""
-    return kernels.installed(model, "scaled_dot_product_attention", scaled_dot_product_attention)
+    """Whether `model`'s attention goes through this module or a kernel built on it (and so
+    can take a BandedCache)."""
+    return any(
+        kernels.installed(model, "scaled_dot_product_attention", attention)
+        for attention in TAKE_BANDS
+    )
 
 
 def install(model: nn.Module) -> bool:

@@ -2,12 +2,15 @@
 
 The kernels are MLX primitives written for x86 CPUs with AVX2: a quantized matmul that
 dequantizes MLX's affine 4- and 8-bit weights in registers and reads each weight once for all
-the rows of a step, and single-op RMSNorm and RoPE (MLX composes these from ~10 ops each on
-the CPU). A model's modules call them as `mx.quantized_matmul`, `mx.fast.rms_norm` and
-`mx.fast.rope` (nn.QuantizedLinear, nn.QuantizedEmbedding, nn.RMSNorm, mlx-lm's ropes); each of
-this model's modules is given a copy of `mlx.core` in which those three are the kernels
-(models/kernels.py), so no other model in the process changes. Each kernel is MLX's own op
-wherever it does not apply (another device or dtype, 3-bit weights...).
+the rows of a step, single-op RMSNorm and RoPE (MLX composes these from ~10 ops each on the
+CPU), and attention in one pass over the keys (MLX's CPU attention is a dozen ops and the whole
+score matrix). A model's modules call the first three as `mx.quantized_matmul`,
+`mx.fast.rms_norm` and `mx.fast.rope` (nn.QuantizedLinear, nn.QuantizedEmbedding, nn.RMSNorm,
+mlx-lm's ropes): each of this model's modules is given a copy of `mlx.core` in which those are
+the kernels (models/kernels.py), so no other model in the process changes. Attention is mlx-lm's
+`scaled_dot_product_attention`, which models/cpu_attention.py already replaces on the instance;
+here it is replaced again by `attention`. Each kernel is MLX's own op wherever it does not apply
+(another device or dtype, 3-bit weights, attention sinks...).
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ from __future__ import annotations
 import platform
 import types
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxgate.models import kernels
+from mlxgate.models import cpu_attention, kernels
+from mlxgate.models.banded_cache import BandedCache
 
 
 @cache
@@ -63,10 +67,42 @@ def _mlx_core_with_kernels() -> types.ModuleType:
     return core
 
 
+def attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: mx.array | str | None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention` with the kernel; a row whose keys are all masked
+    (a padded slot) gives zeros, as models/cpu_attention.py's does."""
+    if isinstance(cache, BandedCache):
+        # Its update_and_fetch and make_mask gave one keys, values and mask per band.
+        masks = cast(list[Any], mask)
+        bands = zip(cache.split(queries), keys, values, cache.bands, masks, strict=True)
+        return mx.concatenate([attention(q, k, v, c, scale, m, sinks) for q, k, v, c, m in bands])
+    if sinks is not None or hasattr(cache, "bits"):
+        return cpu_attention.scaled_dot_product_attention(
+            queries, keys, values, cache, scale, mask, sinks
+        )
+    return _extension().scaled_dot_product_attention(  # type: ignore[no-any-return]
+        queries, keys, values, scale=scale, mask=mask
+    )
+
+
+cpu_attention.TAKE_BANDS.append(attention)
+
+
 def install(model: nn.Module) -> bool:
-    """Give `model`'s modules the kernels; False (nothing changed) where they cannot serve."""
+    """Give `model`'s modules the kernels; False (nothing changed) where they cannot serve.
+    After models/cpu_attention.py's `install`, whose attention this one replaces."""
     if unavailable() is not None:
         return False
+    kernels.install(
+        model, "scaled_dot_product_attention", cpu_attention.scaled_dot_product_attention, attention
+    )
     return kernels.install(model, "mx", mx, _mlx_core_with_kernels())
 
 
