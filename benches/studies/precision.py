@@ -30,7 +30,7 @@ def variant(name: str) -> Any:
 
     from mlxgate.models import load
 
-    model = load(None).model
+    model = load(None, weights="float32", cpu_kernels=False).model  # the float32 baseline
     if name in ("bfloat16", "float16"):
         dtype = getattr(mx, name)
         model.update(tree_map(lambda p: p.astype(dtype), model.parameters()))

@@ -28,6 +28,12 @@ bool cpu_supported();
 void quantized_matmul_columns(
     const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1);
 
+// The same with AVX-512 (kernels_avx512.cpp), which quantized_matmul_columns takes where
+// avx512_supported() says the CPU has it.
+bool avx512_supported();
+void quantized_matmul_columns_avx512(
+    const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1);
+
 // The dequantized weight's rows [c0, c1) into dst ([c1 - c0, k], row-major).
 void dequantize_columns(const QuantizedWeight& w, float* dst, int c0, int c1);
 

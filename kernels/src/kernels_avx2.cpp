@@ -4,11 +4,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #if defined(MLXGATE_X86)
 #include <immintrin.h>
+
+#include "scales.h"
 
 namespace mlxgate {
 
@@ -19,22 +22,6 @@ bool cpu_supported() {
 }
 
 namespace {
-
-inline float scale_at(const void* p, ScaleType type, long i) {
-  switch (type) {
-    case ScaleType::float32:
-      return static_cast<const float*>(p)[i];
-    case ScaleType::float16:
-      return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
-    case ScaleType::bfloat16: {
-      uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
-      float value;
-      std::memcpy(&value, &bits, sizeof value);
-      return value;
-    }
-  }
-  return 0.0f;
-}
 
 inline float horizontal_sum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -128,7 +115,10 @@ void dequantize(const QuantizedWeight& w, float* dst, int c0, int c1) {
 
 void quantized_matmul_columns(
     const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
-  if (w.bits == 4) {
+  static const bool wide = avx512_supported() && std::getenv("MLXGATE_NO_AVX512") == nullptr;
+  if (wide) {
+    quantized_matmul_columns_avx512(x, rows, w, out, c0, c1);
+  } else if (w.bits == 4) {
     matmul_columns<4>(x, rows, w, out, c0, c1);
   } else {
     matmul_columns<8>(x, rows, w, out, c0, c1);

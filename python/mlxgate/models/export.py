@@ -19,7 +19,7 @@ def export(out: Path) -> Path:
 
     if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
         return out
-    loaded = load(None)
+    loaded = load(None, weights="float32", cpu_kernels=False)  # mlx-lm is fastest on float32
     out.mkdir(parents=True, exist_ok=True)
     args = loaded.model.args
     config = {
