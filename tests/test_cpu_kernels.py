@@ -9,6 +9,7 @@ test_architectures.py (4-bit variants of every family) and on the embedded model
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -30,6 +31,21 @@ def ext() -> Any:
     return mlxgate_kernels
 
 
+WIDTHS = ["avx2", "avx512"]
+
+
+@pytest.fixture(params=WIDTHS)
+def width(ext: Any, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The quantized matmul's instruction set: AVX2, and AVX-512 where the CPU has it."""
+    before = ext.using_avx512()
+    ext.use_avx512(request.param == "avx512")
+    if request.param == "avx512" and not ext.using_avx512():
+        ext.use_avx512(before)
+        pytest.skip("this CPU has no AVX-512: the AVX2 case covers it")
+    yield request.param
+    ext.use_avx512(before)
+
+
 def quantized(n: int, k: int, bits: int, group: int, dtype: mx.Dtype, seed: int) -> tuple:
     w = mx.random.normal((n, k), key=mx.random.key(seed))
     packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
@@ -47,7 +63,9 @@ def close(got: mx.array, want: mx.array, tolerance: float = 2e-5) -> None:
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=str)
-def test_quantized_matmul_equals_mlx(ext: Any, bits: int, group: int, dtype: mx.Dtype) -> None:
+def test_quantized_matmul_equals_mlx(
+    ext: Any, width: str, bits: int, group: int, dtype: mx.Dtype
+) -> None:
     for seed, (n, groups) in enumerate([(37, 3), (130, 9), (1, 1), (65, 18)]):
         k = group * groups
         packed, scales, biases = quantized(n, k, bits, group, dtype, seed)
@@ -58,7 +76,7 @@ def test_quantized_matmul_equals_mlx(ext: Any, bits: int, group: int, dtype: mx.
             close(got, want)
 
 
-def test_quantized_matmul_takes_batches_and_views(ext: Any) -> None:
+def test_quantized_matmul_takes_batches_and_views(ext: Any, width: str) -> None:
     packed, scales, biases = quantized(96, 128, 4, 32, mx.float16, seed=7)
     x = mx.random.normal((3, 128, 5), key=mx.random.key(8)).transpose(0, 2, 1)  # not contiguous
     want = mx.quantized_matmul(x, packed, scales, biases, True, 32, 4)

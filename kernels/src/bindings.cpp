@@ -22,6 +22,9 @@ NB_MODULE(_ext, m) {
   m.def("set_sgemm_rows", &mlxgate::set_sgemm_rows, "rows"_a,
         "Rows from which quantized_matmul dequantizes tiles for sgemm (0: never).");
   m.def("sgemm_rows", &mlxgate::sgemm_rows);
+  m.def("use_avx512", &mlxgate::use_avx512, "use"_a,
+        "Whether the quantized matmul may use AVX-512 where the CPU has it (else AVX2).");
+  m.def("using_avx512", &mlxgate::using_avx512);
 
   m.def("quantized_matmul", &mlxgate::quantized_matmul, nb::arg("x"), nb::arg("w"),
         "scales"_a, "biases"_a = nb::none(), "transpose"_a = true,

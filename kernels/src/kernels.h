@@ -29,8 +29,11 @@ void quantized_matmul_columns(
     const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1);
 
 // The same with AVX-512 (kernels_avx512.cpp), which quantized_matmul_columns takes where
-// avx512_supported() says the CPU has it.
+// avx512_supported() says the CPU has it, unless use_avx512(false) (or MLXGATE_NO_AVX512=1 in
+// the environment) keeps it on AVX2.
 bool avx512_supported();
+void use_avx512(bool use);
+bool using_avx512();
 void quantized_matmul_columns_avx512(
     const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1);
 

@@ -3,6 +3,7 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -113,10 +114,16 @@ void dequantize(const QuantizedWeight& w, float* dst, int c0, int c1) {
 
 }  // namespace
 
+namespace {
+std::atomic<bool> wide{avx512_supported() && std::getenv("MLXGATE_NO_AVX512") == nullptr};
+}  // namespace
+
+void use_avx512(bool use) { wide = use && avx512_supported(); }
+bool using_avx512() { return wide; }
+
 void quantized_matmul_columns(
     const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
-  static const bool wide = avx512_supported() && std::getenv("MLXGATE_NO_AVX512") == nullptr;
-  if (wide) {
+  if (wide.load(std::memory_order_relaxed)) {
     quantized_matmul_columns_avx512(x, rows, w, out, c0, c1);
   } else if (w.bits == 4) {
     matmul_columns<4>(x, rows, w, out, c0, c1);
@@ -368,6 +375,8 @@ void dequantize_columns(const QuantizedWeight&, float*, int, int) {}
 void rms_norm_rows(const float*, const float*, float, int, float*, int, int) {}
 void rope_rows(const float*, const float*, const float*, int, bool, int, float*, int, int) {}
 void attention_rows(const Attention&, int, int, int, int, float*) {}
+void use_avx512(bool) {}
+bool using_avx512() { return false; }
 }  // namespace mlxgate
 
 #endif

@@ -9,6 +9,8 @@ from mlxgate_kernels._ext import (
     set_sgemm_rows,
     sgemm_rows,
     threads,
+    use_avx512,
+    using_avx512,
 )
 
 __all__ = [
@@ -20,4 +22,6 @@ __all__ = [
     "set_sgemm_rows",
     "sgemm_rows",
     "threads",
+    "use_avx512",
+    "using_avx512",
 ]
