@@ -68,7 +68,8 @@ def _mlx_core_with_kernels() -> types.ModuleType:
 
 
 # Where the attention kernel is faster than models/cpu_attention.py's (two OpenBLAS matmuls
-# around a softmax), per layer of the embedded model (9 query heads, 3 key heads, 64 features):
+# around a softmax), per layer of the embedded model (9 query heads, 3 key heads, 64 features;
+# benches/attention_kernel.py):
 # always for a few queries (decode, verify: 0.48 against 1.09 ms at 32 rows and 200 keys), and
 # for a prefill chunk from ~2k keys on (256 queries: 15 against 31 ms at 2k keys, 58 against
 # 110 at 8k); below that OpenBLAS wins (6 against 3 ms at 512 keys).
