@@ -36,7 +36,8 @@ WIDTHS = ["avx2", "avx512"]
 
 @pytest.fixture(params=WIDTHS)
 def width(ext: Any, request: pytest.FixtureRequest) -> Iterator[str]:
-    """The quantized matmul's instruction set: AVX2, and AVX-512 where the CPU has it."""
+    """The instruction set of the quantized matmul and attention: AVX2, and AVX-512 where the
+    CPU has it."""
     before = ext.using_avx512()
     ext.use_avx512(request.param == "avx512")
     if request.param == "avx512" and not ext.using_avx512():
@@ -153,7 +154,7 @@ def test_rope_equals_mlx(ext: Any, traditional: bool, dims: int) -> None:
     ],
 )
 def test_attention_equals_mlx(
-    ext: Any, batch: int, heads: int, kv_heads: int, n: int, t: int, dim: int
+    ext: Any, width: str, batch: int, heads: int, kv_heads: int, n: int, t: int, dim: int
 ) -> None:
     key = mx.random.key(n * t)
     q = mx.random.normal((batch, n, heads, dim), key=key).transpose(0, 2, 1, 3)  # a view
@@ -169,7 +170,7 @@ def test_attention_equals_mlx(
         close(got, want, 1e-5)
 
 
-def test_attention_gives_zeros_for_a_row_with_every_key_masked(ext: Any) -> None:
+def test_attention_gives_zeros_for_a_row_with_every_key_masked(ext: Any, width: str) -> None:
     q, k, v = (mx.random.normal((1, 2, 3, 64), key=mx.random.key(i)) for i in range(3))
     mask = mx.array([True, True, False])[:, None] & mx.array([True, True, True])
     got = np.asarray(ext.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))

@@ -76,4 +76,8 @@ struct Attention {
 // running maximum and sum (as flash attention does); a row whose keys are all masked gives 0.
 void attention_rows(const Attention& a, int b, int head, int r0, int r1, float* out);
 
+// The same with AVX-512 for 64-feature heads, four query rows sharing each key and value load;
+// false (nothing done) for other head sizes. attention_rows takes it where it can.
+bool attention_rows_avx512(const Attention& a, int b, int head, int r0, int r1, float* out);
+
 }  // namespace mlxgate

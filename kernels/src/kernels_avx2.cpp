@@ -271,6 +271,11 @@ constexpr int MAX_ROWS = 64;  // rows one call takes at most (the caller splits)
 }  // namespace
 
 void attention_rows(const Attention& a, int b, int head, int r0, int r1, float* out) {
+  // AVX-512 shares each key among four query rows; a decode step's single row does better here.
+  if (r1 - r0 >= 4 && wide.load(std::memory_order_relaxed) &&
+      attention_rows_avx512(a, b, head, r0, r1, out)) {
+    return;
+  }
   const int rows = r1 - r0;
   const int kv_head = head / (a.heads / a.kv_heads);
   const int dk = a.key_dim, dv = a.value_dim;

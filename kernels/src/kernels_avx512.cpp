@@ -4,6 +4,10 @@
 // by. Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq; run after avx512_supported().
 #include "kernels.h"
 
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
 #if defined(MLXGATE_X86)
 #include <immintrin.h>
 
@@ -87,7 +91,167 @@ void matmul_columns(const float* x, int rows, const QuantizedWeight& w, float* o
   }
 }
 
+// e^x for sixteen floats, as exp8 in kernels_avx2.cpp (Cephes' expf); -inf gives 0.
+inline __m512 exp16(__m512 x) {
+  const __mmask16 minus_inf = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i n = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
+  const __m512 result = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~minus_inf), result);
+}
+
+constexpr int KEYS = 64;  // keys per block: four registers of scores per row
+constexpr int DIM = 64;   // the head size this kernel takes (keys and values)
+constexpr int TILE = 4;   // query rows that share each key and value load
+
+// Scores of T rows (queries scaled, [T][DIM]) against a block of keys transposed ([DIM][KEYS]).
+template <int T>
+inline void tile_scores(const float* queries, const float* transposed, float* scores) {
+  __m512 acc[T][4];
+  for (int i = 0; i < T; ++i)
+    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int d = 0; d < DIM; ++d) {
+    __m512 k[4];
+    for (int c = 0; c < 4; ++c) k[c] = _mm512_loadu_ps(transposed + d * KEYS + 16 * c);
+    for (int i = 0; i < T; ++i) {
+      const __m512 q = _mm512_set1_ps(queries[i * DIM + d]);
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_fmadd_ps(q, k[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < T; ++i)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(scores + i * KEYS + 16 * c, acc[i][c]);
+}
+
+// out[i] += sum_j p[i][j] * values[j] for T rows, each value row loaded once for all of them.
+template <int T>
+inline void tile_values(
+    const float* p, const float* values, int64_t stride, int count, float* out) {
+  __m512 acc[T][4];
+  for (int i = 0; i < T; ++i)
+    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_loadu_ps(out + i * DIM + 16 * c);
+  for (int j = 0; j < count; ++j) {
+    __m512 v[4];
+    for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_ps(values + j * stride + 16 * c);
+    for (int i = 0; i < T; ++i) {
+      const __m512 weight = _mm512_set1_ps(p[i * KEYS + j]);
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_fmadd_ps(weight, v[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < T; ++i)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + i * DIM + 16 * c, acc[i][c]);
+}
+
 }  // namespace
+
+bool attention_rows_avx512(const Attention& a, int b, int head, int r0, int r1, float* out) {
+  if (a.key_dim != DIM || a.value_dim != DIM) return false;
+  const int rows = r1 - r0;
+  const int kv_head = head / (a.heads / a.kv_heads);
+  const float* keys = a.keys.data + b * a.keys.batch + kv_head * a.keys.head;
+  const float* values = a.values.data + b * a.values.batch + kv_head * a.values.head;
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(rows) * (2 * DIM + 2) + DIM * KEYS + TILE * KEYS);
+  float* queries = scratch.data();
+  float* acc = queries + rows * DIM;
+  float* peak = acc + rows * DIM;
+  float* total = peak + rows;
+  float* transposed = total + rows;
+  float* scores = transposed + DIM * KEYS;
+  for (int r = 0; r < rows; ++r) {
+    const float* q = a.queries.data + b * a.queries.batch + head * a.queries.head +
+        static_cast<int64_t>(r0 + r) * a.queries.row;
+    for (int d = 0; d < DIM; ++d) queries[r * DIM + d] = q[d] * a.scale;
+    std::fill(acc + r * DIM, acc + (r + 1) * DIM, 0.0f);
+    peak[r] = -INFINITY;
+    total[r] = 0.0f;
+  }
+  // The last key any of these rows sees (causal: the last row's own position).
+  const int seen = a.mask_kind == MaskKind::causal ? a.t - a.n + r1 : a.t;
+  for (int k0 = 0; k0 < seen; k0 += KEYS) {
+    const int count = std::min(KEYS, seen - k0);
+    for (int j = 0; j < KEYS; ++j) {
+      const float* key = keys + static_cast<int64_t>(k0 + std::min(j, count - 1)) * a.keys.row;
+      for (int d = 0; d < DIM; ++d) transposed[d * KEYS + j] = key[d];
+    }
+    for (int rt = 0; rt < rows; rt += TILE) {
+      const int tile = std::min(TILE, rows - rt);
+      if (tile == TILE) {
+        tile_scores<TILE>(queries + rt * DIM, transposed, scores);
+      } else {
+        for (int i = 0; i < tile; ++i) {
+          tile_scores<1>(queries + (rt + i) * DIM, transposed, scores + i * KEYS);
+        }
+      }
+      for (int i = 0; i < tile; ++i) {
+        const int r = rt + i;
+        const int row = r0 + r;
+        float* s = scores + i * KEYS;
+        int limit = count;
+        if (a.mask_kind == MaskKind::causal) limit = std::min(count, a.t - a.n + row + 1 - k0);
+        for (int j = std::max(limit, 0); j < KEYS; ++j) s[j] = -INFINITY;
+        if (a.mask_kind == MaskKind::boolean || a.mask_kind == MaskKind::additive) {
+          const int64_t at = b * a.mask_strides[0] + head * a.mask_strides[1] +
+              row * a.mask_strides[2] + k0 * a.mask_strides[3];
+          for (int j = 0; j < limit; ++j) {
+            const int64_t m = at + j * a.mask_strides[3];
+            if (a.mask_kind == MaskKind::boolean) {
+              if (!static_cast<const bool*>(a.mask)[m]) s[j] = -INFINITY;
+            } else {
+              s[j] += static_cast<const float*>(a.mask)[m];
+            }
+          }
+        }
+        __m512 top = _mm512_loadu_ps(s);
+        for (int c = 1; c < 4; ++c) top = _mm512_max_ps(top, _mm512_loadu_ps(s + 16 * c));
+        const float block_peak = _mm512_reduce_max_ps(top);
+        if (block_peak == -INFINITY) {  // nothing seen here: weights 0
+          std::fill(s, s + KEYS, 0.0f);
+          continue;
+        }
+        if (block_peak > peak[r]) {
+          const float rescale = peak[r] == -INFINITY ? 0.0f : std::exp(peak[r] - block_peak);
+          for (int d = 0; d < DIM; ++d) acc[r * DIM + d] *= rescale;
+          total[r] *= rescale;
+          peak[r] = block_peak;
+        }
+        const __m512 shift = _mm512_set1_ps(peak[r]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < 4; ++c) {
+          const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), shift));
+          _mm512_storeu_ps(s + 16 * c, p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        total[r] += _mm512_reduce_add_ps(sum);
+      }
+      const float* block_values = values + static_cast<int64_t>(k0) * a.values.row;
+      if (tile == TILE) {
+        tile_values<TILE>(scores, block_values, a.values.row, count, acc + rt * DIM);
+      } else {
+        for (int i = 0; i < tile; ++i) {
+          tile_values<1>(scores + i * KEYS, block_values, a.values.row, count, acc + (rt + i) * DIM);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    float* dst = out + ((static_cast<int64_t>(b) * a.heads + head) * a.n + r0 + r) * DIM;
+    const float inverse = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
+    for (int d = 0; d < DIM; ++d) dst[d] = acc[r * DIM + d] * inverse;
+  }
+  return true;
+}
 
 void quantized_matmul_columns_avx512(
     const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
@@ -104,6 +268,7 @@ void quantized_matmul_columns_avx512(
 
 namespace mlxgate {
 bool avx512_supported() { return false; }
+bool attention_rows_avx512(const Attention&, int, int, int, int, float*) { return false; }
 void quantized_matmul_columns_avx512(const float*, int, const QuantizedWeight&, float*, int, int) {}
 }  // namespace mlxgate
 

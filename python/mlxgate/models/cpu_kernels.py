@@ -69,9 +69,10 @@ def _mlx_core_with_kernels() -> types.ModuleType:
 
 # Where the attention kernel is faster than models/cpu_attention.py's (two OpenBLAS matmuls
 # around a softmax), per layer of the embedded model (9 query heads, 3 key heads, 64 features;
-# benches/attention_kernel.py):
-# always for a few queries (decode, verify: 0.48 against 1.09 ms at 32 rows and 200 keys), and
-# for a prefill chunk from ~2k keys on (256 queries: 15 against 31 ms at 2k keys, 58 against
+# benches/attention_kernel.py). With AVX-512 (four query rows sharing each key): everywhere
+# measured, from 0.75x the time at 256 queries and 512 keys to 0.19x at 8k keys. With AVX2
+# only: always for a few queries (decode, verify: 0.48 against 1.09 ms at 32 rows and 200 keys),
+# and for a prefill chunk from ~2k keys on (256 queries: 15 against 31 ms at 2k keys, 58 against
 # 110 at 8k); below that OpenBLAS wins (6 against 3 ms at 512 keys).
 KERNEL_QUERIES = 8
 KERNEL_KEYS = 2048
@@ -93,16 +94,17 @@ def attention(
         masks = cast(list[Any], mask)
         bands = zip(cache.split(queries), keys, values, cache.bands, masks, strict=True)
         return mx.concatenate([attention(q, k, v, c, scale, m, sinks) for q, k, v, c, m in bands])
-    few_queries = queries.shape[2] <= KERNEL_QUERIES
-    if (
-        sinks is not None
-        or hasattr(cache, "bits")
-        or not (few_queries or keys.shape[2] >= KERNEL_KEYS)
-    ):
+    extension = _extension()
+    faster = (
+        extension.using_avx512()
+        or queries.shape[2] <= KERNEL_QUERIES
+        or keys.shape[2] >= KERNEL_KEYS
+    )
+    if sinks is not None or hasattr(cache, "bits") or not faster:
         return cpu_attention.scaled_dot_product_attention(
             queries, keys, values, cache, scale, mask, sinks
         )
-    return _extension().scaled_dot_product_attention(  # type: ignore[no-any-return]
+    return extension.scaled_dot_product_attention(  # type: ignore[no-any-return]
         queries, keys, values, scale=scale, mask=mask
     )
 
