@@ -342,7 +342,9 @@ def test_openai_sdk_streams_the_reported_request(
 ) -> None:
     monkeypatch.setenv("OPENAI_BASE_URL", default_server.v1)
     wire = Wire(default_server.relay)
-    prompt = fresh_prompt("issue", "Summarise the log in one sentence.", words=2600)
+    # ~7,300 tokens: over 10 s of prefill (the default keep-alive interval) even with the CPU
+    # kernels' attention (a 3,650-token prompt takes ~9 s).
+    prompt = fresh_prompt("issue", "Summarise the log in one sentence.", words=4200)
     stream = OpenAI().chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=5, stream=True
     )
