@@ -54,6 +54,7 @@ fn dialect(wire: Wire, stream: bool) -> DialectParams {
             stream,
             include_usage: true,
             kind: CompletionKind::Chat,
+            custom_tools: Vec::new(),
         }),
         Wire::Responses => DialectParams::Responses(ResponsesParams {
             model,
@@ -64,6 +65,7 @@ fn dialect(wire: Wire, stream: bool) -> DialectParams {
             reasoning_summary: false,
             encrypted_reasoning: true,
             namespaced: Vec::new(),
+            custom_tools: Vec::new(),
         }),
     }
 }

@@ -61,6 +61,8 @@ fn vocab() -> Vec<Vec<u8>> {
         "</seed:tool_call>",
         "<|python_tag|>",
         "{\"name\": \"",
+        "apply_patch",
+        "{\"input\": \"",
         "\", \"arguments\": ",
         "{\"",
         "\":",
@@ -129,6 +131,7 @@ fn dialect(choice: u8) -> DialectParams {
             } else {
                 CompletionKind::Completion
             },
+            custom_tools: vec!["apply_patch".into()],
         }),
         _ => DialectParams::Responses(ResponsesParams {
             model: "m".into(),
@@ -139,6 +142,7 @@ fn dialect(choice: u8) -> DialectParams {
             reasoning_summary: choice & 16 != 0,
             encrypted_reasoning: choice & 32 != 0,
             namespaced: Vec::new(),
+            custom_tools: vec!["apply_patch".into()],
         }),
     }
 }

@@ -242,6 +242,7 @@ class StreamSpec:
         stream: bool = True,
         include_usage: bool = False,
         kind: Literal["chat", "completion"] = "chat",
+        custom_tools: list[str] = ...,
         stop_sequences: list[str] = ...,
         reply: Reply | None = None,
     ) -> StreamSpec:
@@ -253,8 +254,9 @@ class StreamSpec:
         once the stream ends. finish_reason: "stop" (EOS or stop sequence), "length"
         (max_tokens), "tool_calls". A response opened with several stream ids (OpenAI's `n`)
         writes every choice, each with its index, then one usage chunk and one `[DONE]` (or one
-        body with every choice, the prompt counted once in its usage). Raises NativeError if
-        `kind` is unknown."""
+        body with every choice, the prompt counted once in its usage). A call of one of
+        `custom_tools` is a `custom` tool call whose `input` is the text of the call's `input`
+        argument, streamed decoded. Raises NativeError if `kind` is unknown."""
 
     @staticmethod
     def responses(
@@ -267,6 +269,7 @@ class StreamSpec:
         reasoning_summary: bool = False,
         encrypted_reasoning: bool = False,
         namespaced: Sequence[tuple[str, str, str]] = ...,
+        custom_tools: list[str] = ...,
         stop_sequences: list[str] = ...,
         reply: Reply | None = None,
     ) -> StreamSpec:
@@ -280,7 +283,9 @@ class StreamSpec:
         object of the request's settings every Response object repeats after its own members.
         encrypted_reasoning adds `encrypted_content` to reasoning items (see
         `reasoning_from_encrypted`). `namespaced` lists (flat name, namespace, name): a call of
-        the flat name goes out as `name` with `namespace`."""
+        the flat name goes out as `name` with `namespace`. A call of one of `custom_tools` is a
+        `custom_tool_call` item whose `input` is the text of the call's `input` argument
+        (`response.custom_tool_call_input.delta` / `.done`)."""
 
     @property
     def dialect(self) -> Dialect: ...

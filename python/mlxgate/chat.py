@@ -14,7 +14,12 @@ from typing import Any, Literal
 from mlxgate import formats
 from mlxgate._native import Markup, Reply
 from mlxgate.formats import ToolFormat
-from mlxgate.formats.call_grammar import AddedTokens, forced_call, optional_calls
+from mlxgate.formats.call_grammar import (
+    AddedTokens,
+    forced_call,
+    optional_calls,
+    raw_string_parameters,
+)
 from mlxgate.formats.reasoning import FIELD as REASONING
 from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
 
@@ -44,6 +49,11 @@ class Conversation:
     structured: bool = False
     # A tool is `strict`: the calls the model chooses to make are held to their schemas.
     strict_tools: bool = False
+    # Custom tools' input grammars (llguidance Lark), by tool name: a call's input is held to
+    # its tool's grammar (where the tool format writes the input as raw text).
+    input_grammars: dict[str, str] = field(default_factory=dict)
+    # The tools that are custom tools (raw text input): the reply answers calls to them so.
+    custom_tools: list[str] = field(default_factory=list)
 
 
 def markup(tool_call: str | None, think: tuple[str, str] | None) -> Markup | None:
@@ -290,11 +300,19 @@ class Renderer:
         if tools and choice.mode in ("any", "tool"):
             name = choice.name if choice.mode == "tool" else None
             forced = fmt.tool_format.forced_opening(name)
-            call_grammar = forced_call(fmt.tool_format, tools, name, self.added_tokens)
-        elif tools and conversation.strict_tools and not (conversation.structured or answer):
+            call_grammar = forced_call(
+                fmt.tool_format, tools, name, self.added_tokens, conversation.input_grammars
+            )
+        elif (
+            tools
+            and (conversation.strict_tools or self._holds_inputs(conversation))
+            and not (conversation.structured or answer)
+        ):
             # (Where the answer has an opening, harmony's `<|channel|>`, calls open with it too:
             # free text around calls could not hold it.)
-            call_grammar = optional_calls(fmt.tool_format, tools, self.added_tokens)
+            call_grammar = optional_calls(
+                fmt.tool_format, tools, self.added_tokens, conversation.input_grammars
+            )
         if conversation.structured and not forced:
             forced = answer  # the answer at once, with no reasoning before it
         if (forced or conversation.structured) and prefill and fmt.think is not None:
@@ -311,6 +329,10 @@ class Renderer:
             ],
         )
         return Prompt(text, self.tokenizer.encode(text), reply, call_grammar)
+
+    def _holds_inputs(self, conversation: Conversation) -> bool:
+        """Whether custom tools' grammars hold their calls' inputs in this model's format."""
+        return bool(conversation.input_grammars) and raw_string_parameters(self.format.tool_format)
 
     def plain(self, text: str) -> Prompt:
         """A prompt given as text, no template (legacy completions): its reply is plain text."""

@@ -1,6 +1,7 @@
 //! Protocol event state machines, one module per API dialect, driven by the router through `Protocol`.
 
 pub mod anthropic;
+pub mod custom_input;
 pub mod openai;
 pub mod responses;
 

@@ -5,6 +5,7 @@ use std::str::FromStr;
 use serde::Serialize;
 use serde_json::value::RawValue;
 
+use super::custom_input::CustomInput;
 use super::{tool_call_id, ErrorKind, ErrorReply, Finish, PromptUsage, TokenLogprob};
 use crate::error::CoreError;
 use crate::jsonscan::minify;
@@ -42,6 +43,9 @@ pub struct OpenAiParams {
     /// empty `choices` carries the usage.
     pub include_usage: bool,
     pub kind: CompletionKind,
+    /// The request's custom (freeform) tools: a call to one is a `custom` tool call whose
+    /// `input` is raw text.
+    pub custom_tools: Vec<String>,
 }
 
 /// One stream's chunk framing (streaming) or its assembled message (not).
@@ -54,6 +58,8 @@ pub struct OpenAiStream {
     /// `data: {"id":…,"object":…,"created":…,"model":…,` shared by every chunk.
     head: Vec<u8>,
     tool_calls: u32,
+    /// The open call's input, when it is a custom tool's.
+    custom_input: Option<CustomInput>,
     /// Non-streaming only: the message so far.
     content: String,
     reasoning: String,
@@ -87,6 +93,7 @@ impl OpenAiStream {
             choice_index,
             head,
             tool_calls: 0,
+            custom_input: None,
             content: String::new(),
             reasoning: String::new(),
             calls: Vec::new(),
@@ -224,14 +231,15 @@ impl OpenAiStream {
         let mut id = String::with_capacity(29);
         let call = (self.choice_index << 16) | index; // distinct across choices too
         tool_call_id("call_", &self.params.completion_id, call, &mut id);
+        let custom = self.params.custom_tools.iter().any(|tool| tool == name);
+        self.custom_input = custom.then(CustomInput::default);
+        let kind = if custom { "custom" } else { "function" };
         if !self.params.stream {
             self.calls.push(ToolCall {
                 id,
-                kind: "function",
-                function: Function {
-                    name: name.to_owned(),
-                    arguments: String::new(),
-                },
+                kind,
+                name: name.to_owned(),
+                arguments: String::new(),
             });
             return;
         }
@@ -240,9 +248,17 @@ impl OpenAiStream {
             write_json(out, &index);
             out.extend_from_slice(b",\"id\":");
             write_json(out, &id);
-            out.extend_from_slice(b",\"type\":\"function\",\"function\":{\"name\":");
+            out.extend_from_slice(b",\"type\":");
+            write_json(out, kind);
+            out.extend_from_slice(b",\"");
+            out.extend_from_slice(kind.as_bytes());
+            out.extend_from_slice(b"\":{\"name\":");
             write_json(out, name);
-            out.extend_from_slice(b",\"arguments\":\"\"}}]}");
+            out.extend_from_slice(if custom {
+                b",\"input\":\"\"}}]}".as_slice()
+            } else {
+                b",\"arguments\":\"\"}}]}".as_slice()
+            });
         });
     }
 
@@ -250,23 +266,60 @@ impl OpenAiStream {
         if fragment.is_empty() || self.tool_calls == 0 {
             return;
         }
+        let input = self
+            .custom_input
+            .as_mut()
+            .map(|reader| reader.push(fragment));
         if !self.params.stream {
             if let Some(call) = self.calls.last_mut() {
-                call.function.arguments.push_str(fragment);
+                call.arguments
+                    .push_str(input.as_deref().unwrap_or(fragment));
             }
+            return;
+        }
+        match input {
+            Some(text) => self.custom_delta(&text, out),
+            None => {
+                let index = self.tool_calls - 1;
+                self.chunk(out, None, |out| {
+                    out.extend_from_slice(b"{\"tool_calls\":[{\"index\":");
+                    write_json(out, &index);
+                    out.extend_from_slice(b",\"function\":{\"arguments\":");
+                    write_json(out, fragment);
+                    out.extend_from_slice(b"}}]}");
+                });
+            }
+        }
+    }
+
+    fn custom_delta(&mut self, text: &str, out: &mut Vec<u8>) {
+        if text.is_empty() {
             return;
         }
         let index = self.tool_calls - 1;
         self.chunk(out, None, |out| {
             out.extend_from_slice(b"{\"tool_calls\":[{\"index\":");
             write_json(out, &index);
-            out.extend_from_slice(b",\"function\":{\"arguments\":");
-            write_json(out, fragment);
+            out.extend_from_slice(b",\"custom\":{\"input\":");
+            write_json(out, text);
             out.extend_from_slice(b"}}]}");
         });
     }
 
-    pub fn tool_end(&mut self, _out: &mut Vec<u8>) {}
+    /// A custom call ends: its input whole (not streamed), or what did not stream yet.
+    pub fn tool_end(&mut self, out: &mut Vec<u8>) {
+        let Some(reader) = self.custom_input.take() else {
+            return;
+        };
+        let (whole, rest) = reader.finish();
+        if !self.params.stream {
+            if let Some(call) = self.calls.last_mut() {
+                call.arguments = whole;
+            }
+            return;
+        }
+        self.custom_delta(&rest, out);
+    }
 
     pub fn finish(&mut self, finish: Finish<'_>, output_tokens: u64, out: &mut Vec<u8>) {
         let mut choice = Vec::new();
@@ -293,10 +346,10 @@ impl OpenAiStream {
             .expect("write_logprobs writes JSON");
         match self.params.kind {
             CompletionKind::Chat => {
-                for call in &mut self.calls {
-                    let mut compact = String::with_capacity(call.function.arguments.len());
-                    minify(&call.function.arguments, &mut compact);
-                    call.function.arguments = compact;
+                for call in self.calls.iter_mut().filter(|call| call.kind == "function") {
+                    let mut compact = String::with_capacity(call.arguments.len());
+                    minify(&call.arguments, &mut compact);
+                    call.arguments = compact;
                 }
                 let no_content = self.content.is_empty() && !self.calls.is_empty();
                 let chat = Choice::Chat {
@@ -491,19 +544,46 @@ struct Message<'a> {
     reasoning_content: Option<&'a str>,
 }
 
-#[derive(Debug, Serialize)]
+/// A call of the message: `{"id", "type": "function", "function": {"name", "arguments"}}`, or
+/// for a custom tool `{"id", "type": "custom", "custom": {"name", "input"}}`.
+#[derive(Debug)]
 struct ToolCall {
     id: String,
-    #[serde(rename = "type")]
     kind: &'static str,
-    function: Function,
+    name: String,
+    /// A function's arguments (a JSON object as a string, as OpenAI sends it), or a custom
+    /// tool's input.
+    arguments: String,
 }
 
-#[derive(Debug, Serialize)]
-struct Function {
-    name: String,
-    /// A JSON object as a string, as OpenAI sends it.
-    arguments: String,
+impl Serialize for ToolCall {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(3))?;
+        map.serialize_entry("id", &self.id)?;
+        map.serialize_entry("type", self.kind)?;
+        map.serialize_entry(self.kind, &Called(self))?;
+        map.end()
+    }
+}
+
+/// The `function` or `custom` object of a call.
+struct Called<'a>(&'a ToolCall);
+
+impl Serialize for Called<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let call = self.0;
+        let mut map = serializer.serialize_map(Some(2))?;
+        map.serialize_entry("name", &call.name)?;
+        let key = if call.kind == "custom" {
+            "input"
+        } else {
+            "arguments"
+        };
+        map.serialize_entry(key, &call.arguments)?;
+        map.end()
+    }
 }
 
 #[derive(Serialize)]
@@ -546,6 +626,7 @@ mod tests {
             stream,
             include_usage,
             kind,
+            custom_tools: vec!["apply_patch".into()],
         }
     }
 
@@ -637,6 +718,39 @@ mod tests {
             .unwrap()
             .starts_with("call_"));
         assert_eq!(body["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[test]
+    fn a_custom_tool_call_carries_raw_input_streamed_or_not() {
+        let call = |s: &mut OpenAiStream, out: &mut Vec<u8>| {
+            s.tool_start("apply_patch", out);
+            s.tool_args("{\"input\": \"a\\nb", out);
+            s.tool_args("\"}", out);
+            s.tool_end(out);
+            s.finish(Finish::ToolUse, 4, out);
+        };
+        let mut s = stream(false, false, CompletionKind::Chat);
+        let mut out = Vec::new();
+        call(&mut s, &mut out);
+        let body: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        let tool_call = &body["choices"][0]["message"]["tool_calls"][0];
+        assert_eq!(tool_call["type"], "custom");
+        assert_eq!(tool_call["custom"]["name"], "apply_patch");
+        assert_eq!(tool_call["custom"]["input"], "a\nb");
+
+        let mut s = stream(true, false, CompletionKind::Chat);
+        let mut out = Vec::new();
+        call(&mut s, &mut out);
+        let deltas: Vec<serde_json::Value> = frames(&out)
+            .iter()
+            .filter_map(|f| f["choices"][0]["delta"]["tool_calls"].get(0).cloned())
+            .collect();
+        assert_eq!(deltas[0]["type"], "custom");
+        let input: String = deltas
+            .iter()
+            .map(|d| d["custom"]["input"].as_str().unwrap())
+            .collect();
+        assert_eq!(input, "a\nb");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use base64::Engine as _;
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
+use super::custom_input::CustomInput;
 use super::{openai, tool_call_id, ErrorKind, ErrorReply, Finish, PromptUsage};
 use crate::sse::write_json;
 
@@ -27,6 +28,9 @@ pub struct ResponsesParams {
     pub encrypted_reasoning: bool,
     /// Functions the request gave inside a namespace: the flat name the model calls each by.
     pub namespaced: Vec<NamespacedTool>,
+    /// The request's custom (freeform) tools: a call to one is a `custom_tool_call` whose
+    /// `input` is raw text.
+    pub custom_tools: Vec<String>,
 }
 
 /// A function of a `namespace` tool, which the model sees under one flat name.
@@ -64,6 +68,12 @@ enum ItemBody {
         name: String,
         namespace: Option<String>,
         arguments: String,
+    },
+    CustomToolCall {
+        call_id: String,
+        name: String,
+        input: String,
+        reader: CustomInput,
     },
 }
 
@@ -173,30 +183,43 @@ impl ResponsesStream {
         }
     }
 
-    /// A `function_call` item; a namespaced function goes back under its namespace and name.
+    /// A `function_call` item (a namespaced function goes back under its namespace and name),
+    /// or a `custom_tool_call` for a custom tool.
     pub fn tool_start(&mut self, name: &str, out: &mut Vec<u8>) {
         self.close(out);
+        let custom = self.params.custom_tools.iter().any(|tool| tool == name);
+        let prefix = if custom { "ctc_" } else { "fc_" };
         // Hashed from the item's id, so it differs from every item id.
         let mut call_id = String::with_capacity(29);
-        let mut item_id = String::with_capacity(27);
+        let mut item_id = String::with_capacity(28);
         tool_call_id(
-            "fc_",
+            prefix,
             &self.params.response_id,
             self.output.len() as u32,
             &mut item_id,
         );
         tool_call_id("call_", &item_id, 0, &mut call_id);
-        let (name, namespace) = match self.params.namespaced.iter().find(|t| t.flat_name == name) {
-            Some(tool) => (tool.name.clone(), Some(tool.namespace.clone())),
-            None => (name.to_owned(), None),
+        let body = if custom {
+            ItemBody::CustomToolCall {
+                call_id,
+                name: name.to_owned(),
+                input: String::new(),
+                reader: CustomInput::default(),
+            }
+        } else {
+            let (name, namespace) =
+                match self.params.namespaced.iter().find(|t| t.flat_name == name) {
+                    Some(tool) => (tool.name.clone(), Some(tool.namespace.clone())),
+                    None => (name.to_owned(), None),
+                };
+            ItemBody::FunctionCall {
+                call_id,
+                name,
+                namespace,
+                arguments: String::new(),
+            }
         };
-        let body = ItemBody::FunctionCall {
-            call_id,
-            name,
-            namespace,
-            arguments: String::new(),
-        };
-        self.open_item("fc_", body, out);
+        self.open_item(prefix, body, out);
     }
 
     pub fn tool_args(&mut self, fragment: &str, out: &mut Vec<u8>) {
@@ -204,18 +227,23 @@ impl ResponsesStream {
             return;
         }
         let index = self.output.len() - 1;
-        let ItemBody::FunctionCall { arguments, .. } = &mut self.output[index].body else {
-            return;
+        let (kind, delta) = match &mut self.output[index].body {
+            ItemBody::FunctionCall { arguments, .. } => {
+                arguments.push_str(fragment);
+                (
+                    "response.function_call_arguments.delta",
+                    fragment.to_owned(),
+                )
+            }
+            ItemBody::CustomToolCall { input, reader, .. } => {
+                let text = reader.push(fragment);
+                input.push_str(&text);
+                ("response.custom_tool_call_input.delta", text)
+            }
+            _ => return,
         };
-        arguments.push_str(fragment);
-        if self.params.stream {
-            self.delta(
-                out,
-                "response.function_call_arguments.delta",
-                index,
-                b"",
-                fragment,
-            );
+        if self.params.stream && !delta.is_empty() {
+            self.delta(out, kind, index, b"", &delta);
         }
     }
 
@@ -340,7 +368,7 @@ impl ResponsesStream {
             ItemBody::Reasoning { .. } => {
                 Some((PartKind::ReasoningText, "response.content_part.added"))
             }
-            ItemBody::FunctionCall { .. } => None,
+            ItemBody::FunctionCall { .. } | ItemBody::CustomToolCall { .. } => None,
         };
         if let Some((part, kind)) = part {
             self.part_event(out, kind, index, part, false);
@@ -357,6 +385,10 @@ impl ResponsesStream {
         let item = &mut self.output[index];
         if item.status == "in_progress" {
             item.status = "completed";
+        }
+        let mut rest = String::new();
+        if let ItemBody::CustomToolCall { input, reader, .. } = &mut item.body {
+            (*input, rest) = reader.finish();
         }
         if !self.params.stream {
             return;
@@ -401,6 +433,19 @@ impl ResponsesStream {
                 self.item_done(out, index);
                 return;
             }
+            ItemBody::CustomToolCall { .. } => {
+                if !rest.is_empty() {
+                    let kind = "response.custom_tool_call_input.delta";
+                    self.delta(out, kind, index, b"", &rest);
+                }
+                self.event(out, "response.custom_tool_call_input.done", |this, out| {
+                    this.item_location(out, index);
+                    out.extend_from_slice(b",\"input\":");
+                    write_json(out, this.text_of(index));
+                });
+                self.item_done(out, index);
+                return;
+            }
         };
         self.event(out, text_done, |this, out| {
             this.part_location(out, index, part);
@@ -435,6 +480,7 @@ impl ResponsesStream {
         match &self.output[index].body {
             ItemBody::Message { text } | ItemBody::Reasoning { text } => text,
             ItemBody::FunctionCall { arguments, .. } => arguments,
+            ItemBody::CustomToolCall { input, .. } => input,
         }
     }
 
@@ -577,7 +623,7 @@ impl Kind {
         match body {
             ItemBody::Message { .. } => Some(Self::Message),
             ItemBody::Reasoning { .. } => Some(Self::Reasoning),
-            ItemBody::FunctionCall { .. } => None,
+            ItemBody::FunctionCall { .. } | ItemBody::CustomToolCall { .. } => None,
         }
     }
 }
@@ -774,6 +820,18 @@ impl Serialize for ItemView<'_> {
                     map.serialize_entry("namespace", namespace)?;
                 }
             }
+            ItemBody::CustomToolCall {
+                call_id,
+                name,
+                input,
+                ..
+            } => {
+                map.serialize_entry("type", "custom_tool_call")?;
+                map.serialize_entry("status", status)?;
+                map.serialize_entry("call_id", call_id)?;
+                map.serialize_entry("name", name)?;
+                map.serialize_entry("input", if done { input.as_str() } else { "" })?;
+            }
         }
         map.end()
     }
@@ -794,6 +852,7 @@ mod tests {
             reasoning_summary: false,
             encrypted_reasoning: true,
             namespaced,
+            custom_tools: vec!["apply_patch".into()],
         };
         let usage = PromptUsage {
             prompt_tokens: 10,
@@ -880,6 +939,38 @@ mod tests {
             (&"read".into(), &"mcp__files".into())
         );
         assert_eq!(call["arguments"], "{\"path\": \"a\"}");
+    }
+
+    #[test]
+    fn a_custom_tool_call_streams_its_input_as_raw_text() {
+        let mut s = stream(true, Vec::new());
+        let mut out = Vec::new();
+        s.tool_start("apply_patch", &mut out);
+        s.tool_args("{\"input\": \"*** Begin", &mut out);
+        s.tool_args(" Patch\\n\"}", &mut out);
+        s.tool_end(&mut out);
+        s.finish(Finish::ToolUse, 3, &mut out);
+        let events = events(&out);
+        let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.output_item.added",
+                "response.custom_tool_call_input.delta",
+                "response.custom_tool_call_input.delta",
+                "response.custom_tool_call_input.done",
+                "response.output_item.done",
+                "response.completed"
+            ]
+        );
+        assert_eq!(events[0]["item"]["type"], "custom_tool_call");
+        assert_eq!(events[2]["delta"], " Patch\n");
+        assert_eq!(events[3]["input"], "*** Begin Patch\n");
+        let call = &events[5]["response"]["output"][0];
+        assert_eq!(call["input"], "*** Begin Patch\n");
+        assert_eq!(call["name"], "apply_patch");
+        assert!(call["call_id"].as_str().unwrap().starts_with("call_"));
+        assert!(call["id"].as_str().unwrap().starts_with("ctc_"));
     }
 
     #[test]

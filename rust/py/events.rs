@@ -281,7 +281,7 @@ impl PyStreamSpec {
     #[staticmethod]
     #[pyo3(signature = (
         *, model, completion_id, created, stream = true, include_usage = false, kind = "chat",
-        stop_sequences = Vec::new(), reply = None,
+        custom_tools = Vec::new(), stop_sequences = Vec::new(), reply = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn openai(
@@ -291,6 +291,7 @@ impl PyStreamSpec {
         stream: bool,
         include_usage: bool,
         kind: &str,
+        custom_tools: Vec<String>,
         stop_sequences: Vec<String>,
         reply: Option<&Bound<'_, PyReply>>,
     ) -> PyResult<PyStreamSpec> {
@@ -301,6 +302,7 @@ impl PyStreamSpec {
             stream,
             include_usage,
             kind: kind.parse::<CompletionKind>()?,
+            custom_tools,
         };
         Ok(spec(DialectParams::OpenAi(params), stop_sequences, reply))
     }
@@ -308,8 +310,8 @@ impl PyStreamSpec {
     #[staticmethod]
     #[pyo3(signature = (
         *, model, response_id, created_at, echo, stream = true, reasoning_summary = false,
-        encrypted_reasoning = false, namespaced = Vec::new(), stop_sequences = Vec::new(),
-        reply = None,
+        encrypted_reasoning = false, namespaced = Vec::new(), custom_tools = Vec::new(),
+        stop_sequences = Vec::new(), reply = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn responses(
@@ -321,6 +323,7 @@ impl PyStreamSpec {
         reasoning_summary: bool,
         encrypted_reasoning: bool,
         namespaced: Vec<(String, String, String)>,
+        custom_tools: Vec<String>,
         stop_sequences: Vec<String>,
         reply: Option<&Bound<'_, PyReply>>,
     ) -> PyStreamSpec {
@@ -340,6 +343,7 @@ impl PyStreamSpec {
                     name,
                 })
                 .collect(),
+            custom_tools,
         };
         spec(DialectParams::Responses(params), stop_sequences, reply)
     }

@@ -79,6 +79,9 @@ struct OpenSpec {
     /// (flat name, namespace, name) of each namespaced function.
     #[serde(default)]
     namespaced: Vec<(String, String, String)>,
+    /// Names of the request's custom (freeform) tools.
+    #[serde(default)]
+    custom_tools: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -156,6 +159,7 @@ fn run(fixture: &Fixture) -> Vec<u8> {
             stream: open.stream,
             include_usage: open.include_usage,
             kind: open.kind.as_deref().unwrap_or("chat").parse().unwrap(),
+            custom_tools: open.custom_tools.clone(),
         }),
         "responses" => DialectParams::Responses(ResponsesParams {
             model: open.model.clone(),
@@ -174,6 +178,7 @@ fn run(fixture: &Fixture) -> Vec<u8> {
                     name: name.clone(),
                 })
                 .collect(),
+            custom_tools: open.custom_tools.clone(),
         }),
         other => panic!("unknown dialect {other:?}"),
     };

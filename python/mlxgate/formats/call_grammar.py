@@ -60,10 +60,15 @@ class AddedTokens:
 
 
 def forced_call(
-    fmt: ToolFormat, tools: list[dict[str, Any]], name: str | None, tokens: AddedTokens
+    fmt: ToolFormat,
+    tools: list[dict[str, Any]],
+    name: str | None,
+    tokens: AddedTokens,
+    inputs: dict[str, str] | None = None,
 ) -> str | None:
     """The Lark grammar for the rest of a forced call to `name` (None: to any of `tools`);
-    None where the format's calls have neither shape."""
+    None where the format's calls have neither shape. `inputs` are custom tools' grammars (by
+    tool name) for their one string parameter, held where the format writes it as raw text."""
     literal = tokens.literal
     opening = fmt.forced_opening(name)
     alternatives, rules = [], []
@@ -82,7 +87,10 @@ def forced_call(
             rules.append(f"{rule}: %json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}")
         else:
             closing = rest
-            parameters = _xml_parameters(fmt, function["name"], head, rest, schema, rule, tokens)
+            grammar = (inputs or {}).get(function["name"])
+            parameters = _xml_parameters(
+                fmt, function["name"], head, rest, schema, rule, tokens, grammar
+            )
             if parameters is None:
                 return None
             rules.extend(parameters)
@@ -102,11 +110,22 @@ def forced_call(
     return "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
 
 
-def optional_calls(fmt: ToolFormat, tools: list[dict[str, Any]], tokens: AddedTokens) -> str | None:
-    """The Lark grammar for a reply that may call tools (`strict` tools, `tool_choice` auto):
-    any text, and each call it makes held to its tool's schema as a forced call is. None where
-    forced calls have no grammar."""
-    call = forced_call(fmt, tools, None, tokens)
+def raw_string_parameters(fmt: ToolFormat) -> bool:
+    """Whether the format writes a string parameter as raw text (XML parameters, not a JSON
+    object), so that a custom tool's grammar can hold the input as the model writes it."""
+    return "{}" not in fmt.render_call("probe", {})
+
+
+def optional_calls(
+    fmt: ToolFormat,
+    tools: list[dict[str, Any]],
+    tokens: AddedTokens,
+    inputs: dict[str, str] | None = None,
+) -> str | None:
+    """The Lark grammar for a reply that may call tools (`strict` tools, custom tools with a
+    grammar, `tool_choice` auto): any text, and each call it makes held to its tool's schema (or
+    grammar) as a forced call is. None where forced calls have no grammar."""
+    call = forced_call(fmt, tools, None, tokens, inputs)
     if call is None:
         return None
     rules = call.replace("start:", "call:", 1)
@@ -140,11 +159,13 @@ def _xml_parameters(
     schema: dict[str, Any],
     rule: str,
     tokens: AddedTokens,
+    grammar: str | None = None,
 ) -> list[str] | None:
     """Rules for the parameters (`rule` first), for a format that writes each parameter as
     `before KEY between VALUE after` (learned from a probe call): the schema's properties in its
     order, the required ones always; a string's value raw text up to `after`, which the model
-    writes as the stop string; any other value the property's JSON."""
+    writes as the stop string (in `grammar`, a custom tool's, when given); any other value the
+    property's JSON."""
 
     def parameters(arguments: dict[str, str]) -> str | None:
         call = fmt.render_call(name, arguments)
@@ -171,7 +192,10 @@ def _xml_parameters(
     items, values = [], []
     for position, (key, spec) in enumerate((schema.get("properties") or {}).items()):
         value = f"{rule}_{position}"
-        if isinstance(spec, dict) and spec.get("type") == "string" and "enum" not in spec:
+        if grammar is not None and isinstance(spec, dict) and spec.get("type") == "string":
+            values.append(f"{value}: %lark {{\n{grammar.strip()}\n}}")
+            item = f"{literal(before + key + between)} {value} {literal(after)}"
+        elif isinstance(spec, dict) and spec.get("type") == "string" and "enum" not in spec:
             values.append(f"{value}[stop={json.dumps(after)}]: /(?s:.*)/")
             item = f"{literal(before + key + between)} {value}"
         else:

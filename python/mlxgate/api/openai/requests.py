@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxgate import chat
+from mlxgate.api import custom_tools
 from mlxgate.api.errors import invalid
 from mlxgate.api.requests import reply_grammar, sampling
 from mlxgate.engine import Grammar, SamplingParams
@@ -29,10 +30,16 @@ class FunctionCall(_Lenient):
     arguments: str | dict[str, Any] = "{}"
 
 
+class CustomCall(_Lenient):
+    name: str
+    input: str = ""
+
+
 class ToolCall(_Lenient):
     id: str | None = None
     type: str = "function"
-    function: FunctionCall
+    function: FunctionCall | None = None
+    custom: CustomCall | None = None
 
 
 class ChatMessage(_Lenient):
@@ -52,14 +59,26 @@ class FunctionSpec(_Lenient):
     strict: bool | None = None
 
 
+class CustomSpec(_Lenient):
+    name: str
+    description: str | None = None
+    format: dict[str, Any] | None = None
+
+
 class ToolSpec(_Lenient):
-    type: Literal["function"] = "function"
-    function: FunctionSpec
+    type: Literal["function", "custom"] = "function"
+    function: FunctionSpec | None = None
+    custom: CustomSpec | None = None
+
+
+class NamedCustom(_Lenient):
+    name: str
 
 
 class NamedToolChoice(_Lenient):
-    type: Literal["function"] = "function"
-    function: FunctionSpec
+    type: Literal["function", "custom"] = "function"
+    function: FunctionSpec | None = None
+    custom: NamedCustom | None = None
 
 
 class StreamOptions(_Lenient):
@@ -161,8 +180,8 @@ def _text(content: str | list[ContentPart] | None, where: str) -> str:
     return "\n".join(parts)
 
 
-def _arguments(call: ToolCall, where: str) -> dict[str, Any]:
-    arguments = call.function.arguments
+def _arguments(function: FunctionCall, where: str) -> dict[str, Any]:
+    arguments = function.arguments
     if isinstance(arguments, dict):
         return arguments
     try:
@@ -189,20 +208,25 @@ def _messages(request: ChatCompletionRequest) -> list[chat.Message]:
                 turn[REASONING] = reasoning
             if message.tool_calls:
                 turn["tool_calls"] = [
-                    {
-                        "id": call.id,
-                        "type": "function",
-                        "function": {
-                            "name": call.function.name,
-                            "arguments": _arguments(call, where),
-                        },
-                    }
-                    for call in message.tool_calls
+                    _call(call, f"{where}.tool_calls.{j}")
+                    for j, call in enumerate(message.tool_calls)
                 ]
             out.append(turn)
         else:
             out.append({"role": message.role, "content": text})
     return chat.merge_turns(out)
+
+
+def _call(call: ToolCall, where: str) -> dict[str, Any]:
+    if call.custom is not None:
+        return custom_tools.call(call.id, call.custom.name, call.custom.input)
+    if call.function is None:
+        raise invalid(f"{where}: a tool call needs its function (or custom) object")
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": _arguments(call.function, where)},
+    }
 
 
 def _tool_choice(request: ChatCompletionRequest) -> chat.ToolChoice:
@@ -214,18 +238,44 @@ def _tool_choice(request: ChatCompletionRequest) -> chat.ToolChoice:
     if choice == "required":
         return chat.ToolChoice("any")
     assert isinstance(choice, NamedToolChoice)
-    return chat.ToolChoice("tool", choice.function.name)
+    named = choice.custom if choice.type == "custom" else choice.function
+    if named is None:
+        raise invalid(f"tool_choice: a {choice.type} choice needs its {choice.type} object")
+    return chat.ToolChoice("tool", named.name)
+
+
+def tools(request: ChatCompletionRequest) -> tuple[list[chat.Tool], list[custom_tools.CustomTool]]:
+    """The request's tools as the prompt shows them, and which of them are custom tools."""
+    functions: list[chat.Tool] = []
+    custom: list[custom_tools.CustomTool] = []
+    for i, tool in enumerate(request.tools or []):
+        where = f"tools.{i}"
+        if tool.type == "custom":
+            if tool.custom is None:
+                raise invalid(f"{where}.custom: a custom tool needs its custom object")
+            spec = tool.custom
+            function, given = custom_tools.custom_tool(
+                spec.name, spec.description, spec.format, f"{where}.custom"
+            )
+            functions.append(function)
+            custom.append(given)
+        elif tool.function is None:
+            raise invalid(f"{where}.function: a function tool needs its function object")
+        else:
+            functions.append(
+                {"type": "function", "function": tool.function.model_dump(exclude={"strict"})}
+            )
+    return functions, custom
 
 
 def conversation(request: ChatCompletionRequest) -> chat.Conversation:
-    given = request.tools or []
-    tools = [
-        {"type": "function", "function": t.function.model_dump(exclude={"strict"})} for t in given
-    ]
+    functions, custom = tools(request)
     return chat.Conversation(
         _messages(request),
-        tools,
+        functions,
         _tool_choice(request),
         structured=request.response_format is not None and request.response_format.type != "text",
-        strict_tools=any(t.function.strict for t in given),
+        strict_tools=any(t.function and t.function.strict for t in request.tools or []),
+        input_grammars=custom_tools.grammars(custom),
+        custom_tools=[tool.name for tool in custom],
     )

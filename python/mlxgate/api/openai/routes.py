@@ -47,10 +47,9 @@ class OpenAIAPI:
         self, scope: Scope, receive: Receive, send: Send, body: bytes
     ) -> None:
         request = parse(ChatCompletionRequest, body)
-        spec = self._spec(request, "chat")
-        await self.pipeline.answer(
-            scope, receive, send, request, conversation(request), spec, choices=request.n
-        )
+        prompt = conversation(request)
+        spec = self._spec(request, "chat", custom_tools=list(prompt.custom_tools))
+        await self.pipeline.answer(scope, receive, send, request, prompt, spec, choices=request.n)
 
     async def completions(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(CompletionRequest, body)
@@ -68,6 +67,7 @@ class OpenAIAPI:
         self,
         request: ChatCompletionRequest | CompletionRequest,
         kind: Literal["chat", "completion"],
+        custom_tools: list[str] | None = None,
     ) -> Callable[[Reply], StreamSpec]:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         completion_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -82,6 +82,7 @@ class OpenAIAPI:
                 stream=request.stream,
                 include_usage=include_usage,
                 kind=kind,
+                custom_tools=custom_tools or [],
                 stop_sequences=request.stops(),
                 reply=reply,
             )

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxgate import chat
 from mlxgate._native import reasoning_from_encrypted
+from mlxgate.api import custom_tools
 from mlxgate.api.errors import invalid
 from mlxgate.api.requests import reply_grammar, sampling
 from mlxgate.engine import Grammar, SamplingParams
@@ -39,6 +40,7 @@ class Item(BaseModel):
     name: str | None = None
     namespace: str | None = None
     arguments: str | None = None
+    input: str | None = None  # a custom tool call's
     output: str | list[dict[str, Any]] | None = None
     summary: list[dict[str, Any]] | None = None
     encrypted_content: str | None = None
@@ -135,13 +137,18 @@ class ResponsesRequest(_Lenient):
 @dataclass(frozen=True)
 class Tools:
     """The request's tools as the prompt shows them: function tools, a namespace's functions
-    under flat names, hosted tools left out."""
+    under flat names, custom tools as functions of their input, hosted tools left out."""
 
     functions: list[chat.Tool]
     # (flat name, namespace, name) of every function given inside a namespace.
     namespaced: list[tuple[str, str, str]]
     # The tools a Response object repeats: those the model was given.
     served: list[dict[str, Any]]
+    custom: list[custom_tools.CustomTool]
+
+    @property
+    def custom_names(self) -> list[str]:
+        return [tool.name for tool in self.custom]
 
     def flat_name(self, name: str, namespace: str | None) -> str:
         return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
@@ -159,11 +166,19 @@ def tools(request: ResponsesRequest) -> Tools:
     functions: list[chat.Tool] = []
     namespaced: list[tuple[str, str, str]] = []
     served: list[dict[str, Any]] = []
+    custom: list[custom_tools.CustomTool] = []
     for i, tool in enumerate(request.tools or []):
         kind = tool.get("type")
         where = f"tools.{i}"
         if kind == "function":
             functions.append(_function(tool, tool.get("name", ""), where))
+            served.append(tool)
+        elif kind == "custom":
+            function, given = custom_tools.custom_tool(
+                tool.get("name"), tool.get("description"), tool.get("format"), where
+            )
+            functions.append(function)
+            custom.append(given)
             served.append(tool)
         elif kind == "namespace":
             namespace = tool.get("name")
@@ -180,7 +195,7 @@ def tools(request: ResponsesRequest) -> Tools:
         else:
             # Hosted tools (web_search, image_generation, local_shell, ...) have no server here.
             log.info("responses: skipping the hosted tool %r (%s)", kind, tool.get("name", ""))
-    return Tools(functions, namespaced, served)
+    return Tools(functions, namespaced, served, custom)
 
 
 def _tool_choice(request: ResponsesRequest, tools: Tools) -> chat.ToolChoice:
@@ -193,6 +208,8 @@ def _tool_choice(request: ResponsesRequest, tools: Tools) -> chat.ToolChoice:
         return chat.ToolChoice("any") if tools.functions else chat.ToolChoice()
     if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name"):
         return chat.ToolChoice("tool", tools.flat_name(choice["name"], choice.get("namespace")))
+    if isinstance(choice, dict) and choice.get("type") == "custom" and choice.get("name"):
+        return chat.ToolChoice("tool", choice["name"])
     if isinstance(choice, str):
         raise invalid(f"tool_choice: {choice!r} is not one of 'auto', 'none', 'required'")
     return chat.ToolChoice()  # a hosted tool or allowed_tools: the model chooses
@@ -285,7 +302,12 @@ def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> li
                 },
             }
             open_assistant().setdefault("tool_calls", []).append(call)
-        elif item.type == "function_call_output":
+        elif item.type == "custom_tool_call":
+            if not item.name or item.call_id is None:
+                raise invalid(f"{where}: a custom_tool_call needs a name and a call_id")
+            custom = custom_tools.call(item.call_id, item.name, item.input or "")
+            open_assistant().setdefault("tool_calls", []).append(custom)
+        elif item.type in ("function_call_output", "custom_tool_call_output"):
             close_assistant()
             output = item.output if isinstance(item.output, str) else _text(item.output, where)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
@@ -305,4 +327,6 @@ def conversation(request: ResponsesRequest, history: list[Item], tools: Tools) -
         _tool_choice(request, tools),
         thinking=False if effort in ("none", "minimal") else None,
         structured=request.text_format != "text",
+        input_grammars=custom_tools.grammars(tools.custom),
+        custom_tools=tools.custom_names,
     )

@@ -62,6 +62,7 @@ class ResponsesAPI:
                 reasoning_summary=request.reasoning_summary,
                 encrypted_reasoning=request.encrypted_reasoning,
                 namespaced=given.namespaced,
+                custom_tools=given.custom_names,
                 reply=reply,
             )
 

@@ -1,0 +1,87 @@
+"""Custom (freeform) tools, OpenAI's `{"type": "custom", "name", "description", "format"}` on the
+Responses API and Chat Completions: a tool whose input is raw text, free or in a grammar (Codex
+declares `apply_patch` so, with a Lark grammar of its patch format).
+
+No chat template knows such a tool, so the prompt shows it as a function of one string parameter,
+`input`, described with its format: every tool format can write that call. The stream core reads
+the call's input back out of the arguments (`rust/events/custom_input.rs`) and answers with a
+custom tool call. Where the tool format writes a string parameter as raw text (the XML-parameter
+formats: Qwen3-Coder, Qwen3.5, GLM, MiniMax, Seed-OSS) the input is held to the tool's grammar by
+llguidance as the model writes it (`formats/call_grammar.py`); where it writes JSON, to a JSON
+string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlxgate import chat
+from mlxgate.api.errors import invalid
+from mlxgate.engine import Grammar, GrammarError
+
+# The one parameter a custom tool's function has (the stream core reads the same name).
+INPUT = "input"
+
+
+@dataclass(frozen=True)
+class CustomTool:
+    name: str
+    # The tool's input grammar in llguidance's Lark; None: any text.
+    grammar: str | None
+
+
+def _grammar(format: Any, where: str, name: str) -> tuple[str | None, str]:
+    """The Lark grammar of a tool's `format` and how the prompt describes the input."""
+    if format is None or (isinstance(format, dict) and format.get("type", "text") == "text"):
+        return None, "The tool's input: raw text, free form."
+    if not isinstance(format, dict) or format.get("type") != "grammar":
+        raise invalid(f"{where}.format: a custom tool's format is 'text' or 'grammar'")
+    syntax, definition = format.get("syntax"), format.get("definition")
+    if not isinstance(definition, str) or not definition.strip():
+        raise invalid(f"{where}.format.definition: the grammar of custom tool {name!r} is empty")
+    if syntax == "lark":
+        grammar = definition
+    elif syntax == "regex":
+        grammar = "start: /" + definition.replace("/", "\\/") + "/\n"
+    else:
+        raise invalid(f"{where}.format.syntax: {syntax!r} is not 'lark' or 'regex'")
+    try:
+        Grammar.lark(grammar)
+    except GrammarError as exc:
+        raise invalid(
+            f"{where}.format.definition: the grammar of custom tool {name!r} cannot be "
+            f"compiled: {exc}"
+        ) from None
+    described = f"The tool's input: raw text in this {syntax} grammar:\n{definition.strip()}"
+    return grammar, described
+
+
+def custom_tool(
+    name: Any, description: Any, format: Any, where: str
+) -> tuple[chat.Tool, CustomTool]:
+    """The function the prompt shows for a custom tool, and the tool as the reply reads it."""
+    if not isinstance(name, str) or not name:
+        raise invalid(f"{where}.name: a custom tool needs a name")
+    grammar, described = _grammar(format, where, name)
+    parameters = {
+        "type": "object",
+        "properties": {INPUT: {"type": "string", "description": described}},
+        "required": [INPUT],
+    }
+    spec = {"name": name, "description": description or "", "parameters": parameters}
+    return {"type": "function", "function": spec}, CustomTool(name, grammar)
+
+
+def call(call_id: str | None, name: str, input: str) -> dict[str, Any]:
+    """An earlier custom tool call as the template renders calls."""
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": {INPUT: input}},
+    }
+
+
+def grammars(tools: list[CustomTool]) -> dict[str, str]:
+    """Each custom tool's grammar, by tool name (the tools with a grammar)."""
+    return {tool.name: tool.grammar for tool in tools if tool.grammar is not None}
