@@ -66,6 +66,7 @@ fn dialect(wire: Wire, stream: bool) -> DialectParams {
             encrypted_reasoning: true,
             namespaced: Vec::new(),
             custom_tools: Vec::new(),
+            compaction: None,
         }),
     }
 }

@@ -23,6 +23,7 @@ pub enum CoreError {
     EmptyThinkTag,
     UnknownCompletionKind(String),
     UnknownErrorKind(String),
+    UnknownCompaction(String),
 }
 
 impl fmt::Display for CoreError {
@@ -71,6 +72,12 @@ impl fmt::Display for CoreError {
                 write!(
                     f,
                     "unknown completion kind {kind:?} (expected \"chat\" or \"completion\")"
+                )
+            }
+            Self::UnknownCompaction(kind) => {
+                write!(
+                    f,
+                    "unknown compaction {kind:?} (expected \"item\" or \"endpoint\")"
                 )
             }
         }

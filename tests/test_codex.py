@@ -16,6 +16,7 @@ import pytest
 from agents import run_codex
 from conftest import RunningServer, start_server, stop_server
 from forced import TOOL_RESULT, Script, answer, forced_model_dir, serve_args, tool_call
+from mlxgate.api.compaction import INSTRUCTION, SUMMARY_HEADING
 
 
 def engine_counter(server: RunningServer, name: str) -> float:
@@ -95,3 +96,80 @@ def test_codex_stops_at_once_on_a_prompt_over_the_context(tmp_path: Path) -> Non
         assert 'mlxgate_http_requests_total{route="/v1/responses",status="400"} 1.0' in metrics
     finally:
         stop_server(server)
+
+
+# Whole words of the compaction prompt's and of a replayed summary's opening (a trigger cut
+# mid-word would not encode as it does inside the prompt).
+INSTRUCTION_TRIGGER = " ".join(INSTRUCTION.split()[:6])
+SUMMARY_TRIGGER = SUMMARY_HEADING.split(".")[0]
+# Codex's own compaction prompt (local compaction) and how it hands the summary back.
+CODEX_COMPACTION = "You are performing a CONTEXT CHECKPOINT COMPACTION"
+CODEX_SUMMARY = "Another language model started to solve this problem"
+PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+Hello from the model.\n*** End Patch"
+
+
+@pytest.fixture(scope="module")
+def patching_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A Qwen3.5 forced model that edits with Codex's freeform `apply_patch`; asked for a
+    summary (a compaction), it writes one; after the patch's result, or resumed from the
+    summary, it answers."""
+    tmp = tmp_path_factory.mktemp("codex-patch")
+    model = forced_model_dir(
+        tmp,
+        "qwen3.5",
+        [
+            Script(answer("qwen3.5", "Resumed: the file is written."), when=SUMMARY_TRIGGER),
+            Script(answer("qwen3.5", "Resumed: the file is written."), when=CODEX_SUMMARY),
+            Script(answer("qwen3.5", "SUMMARY: hello.txt was added."), when=INSTRUCTION_TRIGGER),
+            Script(answer("qwen3.5", "SUMMARY: hello.txt was added."), when=CODEX_COMPACTION),
+            Script(answer("qwen3.5", "The file is written."), when=TOOL_RESULT["qwen3.5"]),
+            Script(tool_call("qwen3.5", "apply_patch", {"input": PATCH})),
+        ],
+    )
+    running = start_server(tmp, *serve_args(model))
+    yield running
+    stop_server(running)
+
+
+def test_codex_applies_the_patch_the_model_wrote_as_a_custom_tool_call(
+    patching_server: RunningServer, tmp_path: Path
+) -> None:
+    """Asked for by a name Codex knows (`gpt-5.5`), the model gets Codex's freeform apply_patch
+    (a custom tool with a Lark grammar); its call goes back as a `custom_tool_call` whose input
+    is the patch, Codex applies it to the disk and sends the result as a
+    `custom_tool_call_output`; turn 2 answers."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    run = run_codex(patching_server, "Add hello.txt.", workdir, model="gpt-5.5")
+    assert run.returncode == 0, run.stderr + patching_server.log()
+    assert (workdir / "hello.txt").read_text() == "Hello from the model.\n"
+    assert run.message() == "The file is written."
+    completed = [e["item"] for e in run.events if e["type"] == "item.completed"]
+    changes = [item for item in completed if item["type"] == "file_change"]
+    assert [change["status"] for change in changes] == ["completed"], run.events
+
+
+@pytest.mark.parametrize("compaction", ["v2", "unsupported"])
+def test_a_compaction_codex_asks_for_mid_turn_is_answered_and_the_turn_goes_on(
+    patching_server: RunningServer, tmp_path: Path, compaction: str
+) -> None:
+    """A small `model_auto_compact_token_limit` makes Codex compact after the patch, before the
+    follow-up. With remote compaction (`v2`, what Codex does with OpenAI's own provider) it sends
+    `compaction_trigger` and needs exactly one `compaction` item, which it replays: the model's
+    own summary, which the next prompt renders. Without, it asks for the summary in a plain
+    request and sends it back as a user message. Either way the turn finishes."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    run = run_codex(
+        patching_server,
+        "Add hello.txt.",
+        workdir,
+        "-c",
+        "model_auto_compact_token_limit=1000",
+        model="gpt-5.5",
+        provider_options=f'capabilities={{remote_compaction="{compaction}"}}',
+    )
+    assert run.returncode == 0, run.stderr + patching_server.log()
+    assert (workdir / "hello.txt").read_text() == "Hello from the model.\n"
+    # Resumed from the summary: the answer the model writes only after a compaction.
+    assert run.message() == "Resumed: the file is written.", run.events

@@ -143,6 +143,7 @@ fn dialect(choice: u8) -> DialectParams {
             encrypted_reasoning: choice & 32 != 0,
             namespaced: Vec::new(),
             custom_tools: vec!["apply_patch".into()],
+            compaction: None,
         }),
     }
 }

@@ -27,6 +27,7 @@ __all__ = [
     "Router",
     "StreamSpec",
     "Vocab",
+    "compaction_from_encrypted",
     "events_after",
     "reasoning_from_encrypted",
 ]
@@ -270,6 +271,8 @@ class StreamSpec:
         encrypted_reasoning: bool = False,
         namespaced: Sequence[tuple[str, str, str]] = ...,
         custom_tools: list[str] = ...,
+        compaction: Literal["item", "endpoint"] | None = None,
+        kept_items: str | None = None,
         stop_sequences: list[str] = ...,
         reply: Reply | None = None,
     ) -> StreamSpec:
@@ -285,7 +288,11 @@ class StreamSpec:
         `reasoning_from_encrypted`). `namespaced` lists (flat name, namespace, name): a call of
         the flat name goes out as `name` with `namespace`. A call of one of `custom_tools` is a
         `custom_tool_call` item whose `input` is the text of the call's `input` argument
-        (`response.custom_tool_call_input.delta` / `.done`)."""
+        (`response.custom_tool_call_input.delta` / `.done`). With `compaction`, the reply's text
+        is a summary of the conversation and the output is one `compaction` item whose
+        `encrypted_content` carries it (see `compaction_from_encrypted`): in a Response ("item"),
+        or ("endpoint", not streamed) in `/v1/responses/compact`'s `response.compaction` object,
+        after `kept_items` (a JSON array). Raises NativeError for another `compaction`."""
 
     @property
     def dialect(self) -> Dialect: ...
@@ -421,3 +428,7 @@ def reasoning_from_encrypted(encrypted: str) -> str | None:
 def events_after(frames: bytes, last_id: int) -> bytes:
     """The frames of numbered `frames` (what `Reader.take` returned) after the event with id
     `last_id`: all of them if they start later, none if they end sooner."""
+
+def compaction_from_encrypted(encrypted: str) -> str | None:
+    """The summary inside a compaction item's `encrypted_content` this server handed out (None for
+    any other string), so a replayed compaction renders the summary the model wrote."""

@@ -31,6 +31,19 @@ pub struct ResponsesParams {
     /// The request's custom (freeform) tools: a call to one is a `custom_tool_call` whose
     /// `input` is raw text.
     pub custom_tools: Vec<String>,
+    /// The generation is a compaction: its text is the summary of the conversation, answered as
+    /// one `compaction` item (nothing else is output).
+    pub compaction: Option<Compaction>,
+}
+
+/// How a compaction is answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Compaction {
+    /// A Response whose output is the `compaction` item (`compaction_trigger` in `/v1/responses`).
+    Item,
+    /// `/v1/responses/compact`'s `response.compaction` object: these items (a JSON array, the
+    /// conversation's user messages) and then the `compaction` item.
+    Endpoint { kept: String },
 }
 
 /// A function of a `namespace` tool, which the model sees under one flat name.
@@ -42,16 +55,35 @@ pub struct NamespacedTool {
 }
 
 const ENCRYPTED_PREFIX: &str = "mlxgate-reasoning-v1.";
+const COMPACTION_PREFIX: &str = "mlxgate-compaction-v1.";
 
 /// The `encrypted_content` of a reasoning item: opaque to the client, the reasoning text to us.
 pub fn encrypted_reasoning(text: &str, out: &mut String) {
-    out.push_str(ENCRYPTED_PREFIX);
-    URL_SAFE_NO_PAD.encode_string(text, out);
+    encrypt(ENCRYPTED_PREFIX, text, out);
 }
 
 /// The reasoning text an `encrypted_content` of ours carries; None for anything else.
 pub fn reasoning_from_encrypted(encrypted: &str) -> Option<String> {
-    let payload = encrypted.strip_prefix(ENCRYPTED_PREFIX)?;
+    decrypt(ENCRYPTED_PREFIX, encrypted)
+}
+
+/// The `encrypted_content` of a compaction item: the summary, opaque to the client.
+pub fn encrypted_compaction(summary: &str, out: &mut String) {
+    encrypt(COMPACTION_PREFIX, summary, out);
+}
+
+/// The summary a compaction item of ours carries; None for anything else.
+pub fn compaction_from_encrypted(encrypted: &str) -> Option<String> {
+    decrypt(COMPACTION_PREFIX, encrypted)
+}
+
+fn encrypt(prefix: &str, text: &str, out: &mut String) {
+    out.push_str(prefix);
+    URL_SAFE_NO_PAD.encode_string(text, out);
+}
+
+fn decrypt(prefix: &str, encrypted: &str) -> Option<String> {
+    let payload = encrypted.strip_prefix(prefix)?;
     String::from_utf8(URL_SAFE_NO_PAD.decode(payload).ok()?).ok()
 }
 
@@ -74,6 +106,9 @@ enum ItemBody {
         name: String,
         input: String,
         reader: CustomInput,
+    },
+    Compaction {
+        summary: String,
     },
 }
 
@@ -148,6 +183,13 @@ impl ResponsesStream {
         if text.is_empty() {
             return;
         }
+        if self.params.compaction.is_some() {
+            let index = self.compaction_item(out);
+            if let ItemBody::Compaction { summary } = &mut self.output[index].body {
+                summary.push_str(text);
+            }
+            return;
+        }
         let index = self.enter(Kind::Message, out);
         if let ItemBody::Message { text: body } = &mut self.output[index].body {
             body.push_str(text);
@@ -168,6 +210,9 @@ impl ResponsesStream {
             return;
         }
         self.reasoning_tokens += 1;
+        if self.params.compaction.is_some() {
+            return; // the summary is the answer's text
+        }
         let index = self.enter(Kind::Reasoning, out);
         if let ItemBody::Reasoning { text: body } = &mut self.output[index].body {
             body.push_str(text);
@@ -186,6 +231,9 @@ impl ResponsesStream {
     /// A `function_call` item (a namespaced function goes back under its namespace and name),
     /// or a `custom_tool_call` for a custom tool.
     pub fn tool_start(&mut self, name: &str, out: &mut Vec<u8>) {
+        if self.params.compaction.is_some() {
+            return; // a summary calls no tool
+        }
         self.close(out);
         let custom = self.params.custom_tools.iter().any(|tool| tool == name);
         let prefix = if custom { "ctc_" } else { "fc_" };
@@ -248,10 +296,26 @@ impl ResponsesStream {
     }
 
     pub fn tool_end(&mut self, out: &mut Vec<u8>) {
-        self.close(out);
+        if self.params.compaction.is_none() {
+            self.close(out);
+        }
+    }
+
+    /// The one `compaction` item, opened when the summary begins (or at the end, empty).
+    fn compaction_item(&mut self, out: &mut Vec<u8>) -> usize {
+        if self.open {
+            return self.output.len() - 1;
+        }
+        let body = ItemBody::Compaction {
+            summary: String::new(),
+        };
+        self.open_item("cmp_", body, out)
     }
 
     pub fn finish(&mut self, finish: Finish<'_>, output_tokens: u64, out: &mut Vec<u8>) {
+        if self.params.compaction.is_some() {
+            self.compaction_item(out);
+        }
         let truncated = finish == Finish::MaxTokens;
         if truncated {
             self.cut_short();
@@ -368,7 +432,9 @@ impl ResponsesStream {
             ItemBody::Reasoning { .. } => {
                 Some((PartKind::ReasoningText, "response.content_part.added"))
             }
-            ItemBody::FunctionCall { .. } | ItemBody::CustomToolCall { .. } => None,
+            ItemBody::FunctionCall { .. }
+            | ItemBody::CustomToolCall { .. }
+            | ItemBody::Compaction { .. } => None,
         };
         if let Some((part, kind)) = part {
             self.part_event(out, kind, index, part, false);
@@ -433,6 +499,10 @@ impl ResponsesStream {
                 self.item_done(out, index);
                 return;
             }
+            ItemBody::Compaction { .. } => {
+                self.item_done(out, index);
+                return;
+            }
             ItemBody::CustomToolCall { .. } => {
                 if !rest.is_empty() {
                     let kind = "response.custom_tool_call_input.delta";
@@ -481,6 +551,7 @@ impl ResponsesStream {
             ItemBody::Message { text } | ItemBody::Reasoning { text } => text,
             ItemBody::FunctionCall { arguments, .. } => arguments,
             ItemBody::CustomToolCall { input, .. } => input,
+            ItemBody::Compaction { summary } => summary,
         }
     }
 
@@ -570,6 +641,10 @@ impl ResponsesStream {
         usage: Option<&Usage>,
         ending: Option<Ending<'_>>,
     ) {
+        if let Some(Compaction::Endpoint { kept }) = &self.params.compaction {
+            self.write_compacted(out, kept, usage);
+            return;
+        }
         let head = ResponseHead {
             id: &self.params.response_id,
             object: "response",
@@ -603,6 +678,30 @@ impl ResponsesStream {
     }
 }
 
+impl ResponsesStream {
+    /// `/v1/responses/compact`'s answer: the kept items, then the compaction item.
+    fn write_compacted(&self, out: &mut Vec<u8>, kept: &str, usage: Option<&Usage>) {
+        out.extend_from_slice(b"{\"id\":");
+        write_json(out, &self.params.response_id);
+        out.extend_from_slice(b",\"object\":\"response.compaction\",\"created_at\":");
+        write_json(out, &self.params.created_at);
+        out.extend_from_slice(b",\"output\":[");
+        let kept = kept.trim();
+        let kept = kept.strip_prefix('[').and_then(|k| k.strip_suffix(']'));
+        let kept = kept.unwrap_or("").trim();
+        out.extend_from_slice(kept.as_bytes());
+        for index in 0..self.output.len() {
+            if index > 0 || !kept.is_empty() {
+                out.push(b',');
+            }
+            self.write_item(out, index);
+        }
+        out.extend_from_slice(b"],\"usage\":");
+        write_json(out, &usage);
+        out.push(b'}');
+    }
+}
+
 /// `event: KIND` and the start of its data: `{"type":"KIND"`.
 fn begin_event(out: &mut Vec<u8>, kind: &str) {
     out.extend_from_slice(b"event: ");
@@ -623,7 +722,7 @@ impl Kind {
         match body {
             ItemBody::Message { .. } => Some(Self::Message),
             ItemBody::Reasoning { .. } => Some(Self::Reasoning),
-            ItemBody::FunctionCall { .. } | ItemBody::CustomToolCall { .. } => None,
+            _ => None,
         }
     }
 }
@@ -832,6 +931,14 @@ impl Serialize for ItemView<'_> {
                 map.serialize_entry("name", name)?;
                 map.serialize_entry("input", if done { input.as_str() } else { "" })?;
             }
+            ItemBody::Compaction { summary } => {
+                map.serialize_entry("type", "compaction")?;
+                let mut encrypted = String::new();
+                if done {
+                    encrypted_compaction(summary, &mut encrypted);
+                }
+                map.serialize_entry("encrypted_content", &encrypted)?;
+            }
         }
         map.end()
     }
@@ -853,6 +960,7 @@ mod tests {
             encrypted_reasoning: true,
             namespaced,
             custom_tools: vec!["apply_patch".into()],
+            compaction: None,
         };
         let usage = PromptUsage {
             prompt_tokens: 10,

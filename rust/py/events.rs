@@ -6,9 +6,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::markup::PyMarkup;
+use crate::error::CoreError;
 use crate::events::anthropic::AnthropicParams;
 use crate::events::openai::{CompletionKind, OpenAiParams};
-use crate::events::responses::{self, NamespacedTool, ResponsesParams};
+use crate::events::responses::{self, Compaction, NamespacedTool, ResponsesParams};
 use crate::events::{Dialect, DialectParams, ErrorKind, ErrorReply, FinishReason};
 use crate::markup::ToolSchemas;
 use crate::router::StreamSpec;
@@ -311,7 +312,7 @@ impl PyStreamSpec {
     #[pyo3(signature = (
         *, model, response_id, created_at, echo, stream = true, reasoning_summary = false,
         encrypted_reasoning = false, namespaced = Vec::new(), custom_tools = Vec::new(),
-        stop_sequences = Vec::new(), reply = None,
+        compaction = None, kept_items = None, stop_sequences = Vec::new(), reply = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn responses(
@@ -324,9 +325,19 @@ impl PyStreamSpec {
         encrypted_reasoning: bool,
         namespaced: Vec<(String, String, String)>,
         custom_tools: Vec<String>,
+        compaction: Option<&str>,
+        kept_items: Option<String>,
         stop_sequences: Vec<String>,
         reply: Option<&Bound<'_, PyReply>>,
-    ) -> PyStreamSpec {
+    ) -> PyResult<PyStreamSpec> {
+        let compaction = match (compaction, kept_items) {
+            (None, _) => None,
+            (Some("item"), _) => Some(Compaction::Item),
+            (Some("endpoint"), kept) => Some(Compaction::Endpoint {
+                kept: kept.unwrap_or_else(|| "[]".to_owned()),
+            }),
+            (Some(other), _) => return Err(CoreError::UnknownCompaction(other.to_owned()).into()),
+        };
         let params = ResponsesParams {
             model,
             response_id,
@@ -344,8 +355,13 @@ impl PyStreamSpec {
                 })
                 .collect(),
             custom_tools,
+            compaction,
         };
-        spec(DialectParams::Responses(params), stop_sequences, reply)
+        Ok(spec(
+            DialectParams::Responses(params),
+            stop_sequences,
+            reply,
+        ))
     }
 
     #[getter]
@@ -378,4 +394,11 @@ impl PyStreamSpec {
 #[pyfunction]
 pub fn reasoning_from_encrypted(encrypted: &str) -> Option<String> {
     responses::reasoning_from_encrypted(encrypted)
+}
+
+/// The summary inside a compaction item's `encrypted_content` this server handed out; None for
+/// another's.
+#[pyfunction]
+pub fn compaction_from_encrypted(encrypted: &str) -> Option<String> {
+    responses::compaction_from_encrypted(encrypted)
 }

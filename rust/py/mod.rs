@@ -67,6 +67,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<router::PyReader>()?;
     m.add_class::<router::PyRouter>()?;
     m.add_function(wrap_pyfunction!(events::reasoning_from_encrypted, m)?)?;
+    m.add_function(wrap_pyfunction!(events::compaction_from_encrypted, m)?)?;
     m.add_function(wrap_pyfunction!(sse::events_after, m)?)?;
     Ok(())
 }

@@ -179,6 +179,7 @@ fn run(fixture: &Fixture) -> Vec<u8> {
                 })
                 .collect(),
             custom_tools: open.custom_tools.clone(),
+            compaction: None,
         }),
         other => panic!("unknown dialect {other:?}"),
     };

@@ -11,8 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxgate import chat
-from mlxgate._native import reasoning_from_encrypted
-from mlxgate.api import custom_tools
+from mlxgate._native import compaction_from_encrypted, reasoning_from_encrypted
+from mlxgate.api import compaction, custom_tools
 from mlxgate.api.errors import invalid
 from mlxgate.api.requests import reply_grammar, sampling
 from mlxgate.engine import Grammar, SamplingParams
@@ -89,6 +89,13 @@ class ResponsesRequest(_Lenient):
         if isinstance(self.input, str):
             return [Item(type="message", role="user", content=self.input)]
         return self.input
+
+    @property
+    def compacting(self) -> bool:
+        """The input ends with `compaction_trigger`: the answer is a compaction of the
+        conversation (Codex's remote compaction)."""
+        items = self.items
+        return bool(items) and items[-1].type == "compaction_trigger"
 
     @property
     def encrypted_reasoning(self) -> bool:
@@ -215,7 +222,8 @@ def _tool_choice(request: ResponsesRequest, tools: Tools) -> chat.ToolChoice:
     return chat.ToolChoice()  # a hosted tool or allowed_tools: the model chooses
 
 
-def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
+def text(content: str | list[dict[str, Any]] | None, where: str) -> str:
+    """A message's text, its parts joined; a part that is not text is a 400 naming it."""
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
@@ -233,10 +241,10 @@ def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
 def _reasoning(item: Item) -> str:
     """The reasoning text a replayed item carries: ours exactly as written when it comes back
     encrypted, else its reasoning text, else its summary."""
-    if item.encrypted_content and (text := reasoning_from_encrypted(item.encrypted_content)):
-        return text
+    if item.encrypted_content and (ours := reasoning_from_encrypted(item.encrypted_content)):
+        return ours
     if isinstance(item.content, list) and item.content:
-        return _text(item.content, "reasoning")
+        return text(item.content, "reasoning")
     return "\n\n".join(part.get("text") or "" for part in item.summary or [])
 
 
@@ -265,27 +273,27 @@ def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> li
     for i, item in enumerate([*history, *request.items]):
         where = f"input.{i - len(history)}" if i >= len(history) else "previous_response_id"
         if item.type == "message":
-            text = _text(item.content, where)
+            said = text(item.content, where)
             if item.role in ("system", "developer"):
                 if not out and assistant is None:
-                    system.append(text)
+                    system.append(said)
                 else:
                     close_assistant()
-                    out.append({"role": "user", "content": text})
+                    out.append({"role": "user", "content": said})
             elif item.role == "assistant":
                 turn = open_assistant()
-                turn["content"] = f"{turn['content']}{text}"
+                turn["content"] = f"{turn['content']}{said}"
             elif item.role == "user":
                 close_assistant()
-                out.append({"role": "user", "content": text})
+                out.append({"role": "user", "content": said})
             else:
                 raise invalid(f"{where}.role: {item.role!r} is not a message role")
         elif item.type == "reasoning":
             if assistant is not None and (assistant["content"] or assistant.get("tool_calls")):
                 close_assistant()
             turn = open_assistant()
-            text = _reasoning(item)
-            turn[REASONING] = f"{turn[REASONING]}\n\n{text}" if turn.get(REASONING) else text
+            thought = _reasoning(item)
+            turn[REASONING] = f"{turn[REASONING]}\n\n{thought}" if turn.get(REASONING) else thought
         elif item.type == "function_call":
             if not item.name or item.call_id is None:
                 raise invalid(f"{where}: a function_call needs a name and a call_id")
@@ -307,9 +315,21 @@ def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> li
                 raise invalid(f"{where}: a custom_tool_call needs a name and a call_id")
             custom = custom_tools.call(item.call_id, item.name, item.input or "")
             open_assistant().setdefault("tool_calls", []).append(custom)
+        elif item.type in ("compaction", "compaction_summary"):
+            summary = compaction_from_encrypted(item.encrypted_content or "")
+            if summary is None:  # another server's: its summary cannot be read here
+                log.info("responses: skipping a compaction item this server did not write")
+                continue
+            close_assistant()
+            out.append(compaction.replaced(summary))
+        elif item.type == "compaction_trigger":
+            if i != len(history) + len(request.items) - 1:
+                raise invalid(f"{where}: compaction_trigger must be the last input item")
+            close_assistant()
+            out.append(compaction.instruction())
         elif item.type in ("function_call_output", "custom_tool_call_output"):
             close_assistant()
-            output = item.output if isinstance(item.output, str) else _text(item.output, where)
+            output = item.output if isinstance(item.output, str) else text(item.output, where)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:
             log.info("responses: skipping an input item of type %r", item.type)
@@ -321,11 +341,12 @@ def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> li
 
 def conversation(request: ResponsesRequest, history: list[Item], tools: Tools) -> chat.Conversation:
     effort = request.reasoning.effort if request.reasoning else None
+    thinking = False if effort in ("none", "minimal") or request.compacting else None
     return chat.Conversation(
         messages(request, history, tools),
         tools.functions,
         _tool_choice(request, tools),
-        thinking=False if effort in ("none", "minimal") else None,
+        thinking=thinking,
         structured=request.text_format != "text",
         input_grammars=custom_tools.grammars(tools.custom),
         custom_tools=tools.custom_names,

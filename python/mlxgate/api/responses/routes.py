@@ -18,7 +18,7 @@ from mlxgate.api.pipeline import (
     prompt_too_long,
 )
 from mlxgate.api.requests import parse
-from mlxgate.api.responses.requests import Item, ResponsesRequest, conversation, tools
+from mlxgate.api.responses.requests import Item, ResponsesRequest, conversation, text, tools
 from mlxgate.api.responses.store import ResponseStore, StoredResponse
 from mlxgate.api.routing import Route, path_tail
 from mlxgate.engine import PromptTooLong
@@ -40,6 +40,7 @@ class ResponsesAPI:
     def routes(self) -> list[Route]:
         return [
             Route("POST", "/v1/responses", RESPONSES, self.create),
+            Route("POST", "/v1/responses/compact", RESPONSES, self.compact),
             Route("GET", "/v1/responses/", RESPONSES, self.retrieve, prefix=True),
             Route("DELETE", "/v1/responses/", RESPONSES, self.delete, prefix=True),
         ]
@@ -63,6 +64,7 @@ class ResponsesAPI:
                 encrypted_reasoning=request.encrypted_reasoning,
                 namespaced=given.namespaced,
                 custom_tools=given.custom_names,
+                compaction="item" if request.compacting else None,
                 reply=reply,
             )
 
@@ -74,6 +76,43 @@ class ResponsesAPI:
             self.store.put(
                 response_id, StoredResponse(response, inputs, request.previous_response_id)
             )
+
+    async def compact(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        """`POST /v1/responses/compact`: the conversation's user messages and one `compaction`
+        item with the model's summary of it (not streamed, not stored)."""
+        request = parse(ResponsesRequest, body)
+        request.stream, request.store = False, False
+        history = []
+        if previous := request.previous_response_id:
+            history = [Item.model_validate(item) for item in self.store.history(previous)]
+        items = [*history, *request.items]
+        kept = [
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": text(item.content, "input")}],
+            }
+            for item in items
+            if item.type == "message" and item.role == "user"
+        ]
+        request.input = [*request.items, Item(type="compaction_trigger")]
+        given = tools(request)
+        compaction_id = f"resp_{uuid.uuid4().hex}"
+
+        def spec(reply: Reply) -> StreamSpec:
+            return StreamSpec.responses(
+                model=self.services.models.served,
+                response_id=compaction_id,
+                created_at=int(time.time()),
+                echo="{}",
+                stream=False,
+                compaction="endpoint",
+                kept_items=orjson.dumps(kept).decode(),
+                reply=reply,
+            )
+
+        prompt = conversation(request, history, given)
+        await self.pipeline.answer(scope, receive, send, request, prompt, spec)
 
     def _response_id(self, scope: Scope) -> str:
         return path_tail(scope, "/v1/responses/")

@@ -1,0 +1,42 @@
+"""Compaction done by the served model, for every dialect that asks for it: the conversation so
+far and an instruction to summarize it are rendered as one more user turn, the model writes the
+summary through the engine like any reply (batched, cancellable, counted in usage), and the
+dialect answers with it as its compaction item or block. A later request that carries the
+compaction back sees the summary in its place, as a user turn.
+
+The prompt of a compaction is the conversation's own prompt plus one turn, so it reuses the
+conversation's KV from the prefix cache; the turn after it starts with the summary, and the cache
+fills from there.
+"""
+
+from __future__ import annotations
+
+from mlxgate import chat
+
+# What the model is asked: a handoff summary another model (or itself, later) resumes from.
+INSTRUCTION = (
+    "Stop here and write a summary of the conversation so far, for whoever resumes it with "
+    "only your summary in hand. Do not call any tool. Include:\n"
+    "- the user's requests and intent, in their own words where it matters;\n"
+    "- what has been done: decisions, files and code touched, commands run and their results;\n"
+    "- errors met and how they were fixed;\n"
+    "- what remains to be done, and the next step.\n"
+    "Be concise and concrete: names, paths, values. Write only the summary."
+)
+
+# How a summary reads where the conversation it replaces was.
+SUMMARY_HEADING = "The conversation so far was compacted. Its summary:"
+
+
+def instruction(extra: str | None = None, *, replace: bool = False) -> chat.Message:
+    """The user turn that asks for the summary: ours, with the client's instructions added (or
+    in its place, with `replace`); blank instructions count as none."""
+    extra = (extra or "").strip()
+    if not extra:
+        return {"role": "user", "content": INSTRUCTION}
+    return {"role": "user", "content": extra if replace else f"{INSTRUCTION}\n\n{extra}"}
+
+
+def replaced(summary: str) -> chat.Message:
+    """The turn a compaction stands for when a client sends it back."""
+    return {"role": "user", "content": f"{SUMMARY_HEADING}\n\n{summary.strip()}"}

@@ -1,0 +1,113 @@
+"""Compaction done by the served model, through the official openai SDK: the Responses API's
+`compaction_trigger` (Codex's remote compaction) and `POST /v1/responses/compact` answer with one
+`compaction` item carrying the model's own summary; a later request that sends it back renders
+the summary in place of the conversation it stands for.
+
+A forced-output model (tests/forced.py) writes the summary when the prompt holds the compaction
+instruction, and answers "Resumed." only when the prompt holds a replayed summary."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from conftest import RunningServer, start_server, stop_server
+from forced import Script, forced_model_dir, serve_args
+from mlxgate._native import compaction_from_encrypted
+from mlxgate.api.compaction import INSTRUCTION, SUMMARY_HEADING
+
+SUMMARY = "SUMMARY: the user said hi."
+# Whole words, so they encode as inside the prompt.
+ASKED = " ".join(INSTRUCTION.split()[:6])
+REPLAYED = SUMMARY_HEADING.split(".")[0]
+# Long enough for the prefix cache to keep (it keeps whole blocks of tokens).
+HI = "hi, " + "I have a long story to tell you about my day. " * 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    tmp = tmp_path_factory.mktemp("compaction")
+    model = forced_model_dir(
+        tmp,
+        "qwen3",
+        [
+            Script("Resumed.", when=REPLAYED),
+            Script(SUMMARY, when=ASKED),
+            Script("Hello there."),
+        ],
+    )
+    running = start_server(tmp, *serve_args(model))
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-local", max_retries=0)
+
+
+def conversation(client: openai.OpenAI) -> list[dict[str, Any]]:
+    first = client.responses.create(model="local", input=HI)
+    assert first.output_text == "Hello there."
+    return [
+        {"role": "user", "content": HI},
+        *(item.model_dump(exclude_none=True) for item in first.output),
+    ]
+
+
+def test_a_compaction_trigger_is_answered_with_one_compaction_item(client: openai.OpenAI) -> None:
+    history = conversation(client)
+    trigger = {"type": "compaction_trigger"}
+    response = client.responses.create(model="local", input=[*history, trigger], store=False)
+    [item] = response.output
+    assert item.type == "compaction"
+    assert compaction_from_encrypted(item.encrypted_content) == SUMMARY
+    assert response.usage is not None and response.usage.output_tokens > 0
+    # The compaction's prompt is the conversation's plus one turn: the conversation's KV is reused.
+    assert response.usage.input_tokens_details.cached_tokens > 0
+
+    events = list(client.responses.create(model="local", input=[*history, trigger], stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.type for item in done] == ["compaction"]
+    assert done[0].encrypted_content == item.encrypted_content
+    assert events[-1].type == "response.completed"
+
+
+def test_a_replayed_compaction_stands_for_the_conversation(client: openai.OpenAI) -> None:
+    history = conversation(client)
+    compacted = client.responses.create(
+        model="local", input=[*history, {"type": "compaction_trigger"}], store=False
+    )
+    item = compacted.output[0].model_dump(exclude_none=True)
+    turns = [{"role": "user", "content": "hi"}, item, {"role": "user", "content": "go on"}]
+    resumed = client.responses.create(model="local", input=turns)
+    assert resumed.output_text == "Resumed."
+    # Another server's compaction cannot be read here: it is left out, not refused.
+    foreign = {"type": "compaction", "encrypted_content": "gAAAA-openai-blob"}
+    fresh = client.responses.create(
+        model="local", input=[{"role": "user", "content": "hi"}, foreign]
+    )
+    assert fresh.output_text == "Hello there."
+
+
+def test_the_compact_endpoint_keeps_the_user_messages_and_adds_the_summary(
+    client: openai.OpenAI,
+) -> None:
+    history = conversation(client)
+    compacted = client.responses.compact(model="local", input=history)  # type: ignore[arg-type]
+    assert compacted.object == "response.compaction"
+    kinds = [(item.type, getattr(item, "role", None)) for item in compacted.output]
+    assert kinds == [("message", "user"), ("compaction", None)]
+    assert compaction_from_encrypted(compacted.output[-1].encrypted_content) == SUMMARY
+    assert compacted.usage.output_tokens > 0
+
+
+def test_a_trigger_anywhere_but_last_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="compaction_trigger must be the last"):
+        client.responses.create(
+            model="local",
+            input=[{"type": "compaction_trigger"}, {"role": "user", "content": "hi"}],
+        )
