@@ -27,8 +27,10 @@ __all__ = [
     "Router",
     "StreamSpec",
     "Vocab",
+    "event_data",
     "events_after",
     "reasoning_from_encrypted",
+    "websocket_error",
 ]
 
 class NativeError(ValueError):
@@ -287,6 +289,11 @@ class StreamSpec:
         `custom_tool_call` item whose `input` is the text of the call's `input` argument
         (`response.custom_tool_call_input.delta` / `.done`)."""
 
+    def empty_response(self) -> tuple[bytes, bytes | None]:
+        """A response that generates nothing (the Responses API's `generate: false`): its frames
+        from opening to end (Responses: `response.created`, `.in_progress`, `.completed` with no
+        output and zero usage), and the response object it ends with (None where the dialect
+        keeps none)."""
     @property
     def dialect(self) -> Dialect: ...
     @property
@@ -421,3 +428,14 @@ def reasoning_from_encrypted(encrypted: str) -> str | None:
 def events_after(frames: bytes, last_id: int) -> bytes:
     """The frames of numbered `frames` (what `Reader.take` returned) after the event with id
     `last_id`: all of them if they start later, none if they end sooner."""
+
+def event_data(frames: bytes) -> list[str]:
+    """The data of each event in `frames` (what `Reader.take` returned; comments have none), in
+    order: the JSON a WebSocket sends as one text message per event."""
+
+def websocket_error(
+    kind: ErrorKind, message: str, *, param: str | None = None, code: str | None = None
+) -> str:
+    """An error answering a Responses `response.create` sent over a WebSocket, as its one text
+    message: `{"type":"error","status":…,"error":{"message","type","param","code"}}`, the status
+    and error object the HTTP request would have had."""
