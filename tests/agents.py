@@ -82,17 +82,24 @@ class CodexRun:
 
 
 def run_codex(
-    server: RunningServer, prompt: str, workdir: Path, *flags: str, retries: bool = False
+    server: RunningServer,
+    prompt: str,
+    workdir: Path,
+    *flags: str,
+    retries: bool = False,
+    websockets: bool = False,
 ) -> CodexRun:
     """`codex exec` as a new user runs it with a custom provider: no network but the server's
     (plugins and analytics off), commands run without a sandbox; failures are not retried
-    unless `retries` (Codex's own default: 5)."""
+    unless `retries` (Codex's own default: 5). `websockets`: the provider says
+    `supports_websockets`, so Codex speaks the Responses API over a WebSocket."""
     home = workdir.parent / f"codex-home-{secrets.token_hex(4)}"
     (home / ".codex").mkdir(parents=True)
     no_retries = "" if retries else ",stream_max_retries=0,request_max_retries=0"
+    transport = ",supports_websockets=true" if websockets else ""
     provider = (
         f'{{name="mlxgate",base_url="{server.url}/v1",wire_api="responses",'
-        f'env_key="OPENAI_API_KEY"{no_retries}}}'
+        f'env_key="OPENAI_API_KEY"{no_retries}{transport}}}'
     )
     run = subprocess.run(
         [
