@@ -1,5 +1,6 @@
 //! SSE framing: `event: <type>\ndata: <json>\n\n`, JSON written straight into the output buffer,
-//! and the `id:` line each event gets as its response's channel queues it.
+//! the `id:` line each event gets as its response's channel queues it, and each event's data
+//! alone (a WebSocket's messages).
 
 use std::io::Write;
 
@@ -69,6 +70,27 @@ pub fn events_after(frames: &[u8], last_id: u64) -> &[u8] {
     rest
 }
 
+/// The `data` of each event in `frames` (whole frames as the encoders write them, numbered or
+/// not), in order; a comment (keep-alive) has none. An encoder writes an event's data on one line
+/// (compact JSON), so that line is the whole event: what a WebSocket carries as one message.
+pub fn event_data(frames: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = frames;
+    std::iter::from_fn(move || {
+        while !rest.is_empty() {
+            let end = find_frame_end(rest).unwrap_or(rest.len());
+            let (frame, after) = rest.split_at(end);
+            rest = after;
+            let data = frame
+                .split(|&b| b == b'\n')
+                .find_map(|line| line.strip_prefix(b"data: "));
+            if data.is_some() {
+                return data;
+            }
+        }
+        None
+    })
+}
+
 /// The id of a frame that starts with its `id:` line.
 fn frame_id(frame: &[u8]) -> Option<u64> {
     let line = frame.strip_prefix(b"id: ")?;
@@ -135,6 +157,20 @@ mod tests {
         assert_eq!(events_after(frames, 5), b"");
         assert_eq!(events_after(frames, 1), frames);
         assert_eq!(events_after(frames, 0), frames);
+    }
+
+    #[test]
+    fn event_data_without_ids_event_lines_or_comments() {
+        let frames = b"id: 3\nevent: a\ndata: {\"x\":\"1\\n2\"}\n\n: keep-alive\n\n\
+                       data: {}\n\nid: 4\ndata: [DONE]\n\n";
+        let data: Vec<&[u8]> = event_data(frames).collect();
+        assert_eq!(
+            data,
+            [&b"{\"x\":\"1\\n2\"}"[..], b"{}", b"[DONE]"],
+            "one line each, escapes untouched"
+        );
+        assert_eq!(event_data(b"").count(), 0);
+        assert_eq!(event_data(b": keep-alive\n\n").count(), 0);
     }
 
     #[test]

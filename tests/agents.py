@@ -89,19 +89,23 @@ def run_codex(
     retries: bool = False,
     model: str = "local",
     provider_options: str = "",
+    websockets: bool = False,
 ) -> CodexRun:
     """`codex exec` as a new user runs it with a custom provider: no network but the server's
     (plugins and analytics off), commands run without a sandbox; failures are not retried
     unless `retries` (Codex's own default: 5). `model` is the name Codex asks for (Codex picks
     its tools by it: `gpt-5.5` gets the freeform `apply_patch`); `provider_options` are more
-    `key=value` pairs of the provider's table (e.g. `capabilities={remote_compaction="v2"}`)."""
+    `key=value` pairs of the provider's table (e.g. `capabilities={remote_compaction="v2"}`);
+    `websockets`: the provider says `supports_websockets`, so Codex speaks the Responses API
+    over a WebSocket."""
     home = workdir.parent / f"codex-home-{secrets.token_hex(4)}"
     (home / ".codex").mkdir(parents=True)
     no_retries = "" if retries else ",stream_max_retries=0,request_max_retries=0"
+    transport = ",supports_websockets=true" if websockets else ""
     options = f",{provider_options}" if provider_options else ""
     provider = (
         f'{{name="mlxgate",base_url="{server.url}/v1",wire_api="responses",'
-        f'env_key="OPENAI_API_KEY"{no_retries}{options}}}'
+        f'env_key="OPENAI_API_KEY"{no_retries}{transport}{options}}}'
     )
     run = subprocess.run(
         [

@@ -19,17 +19,31 @@ from forced import TOOL_RESULT, Script, answer, forced_model_dir, serve_args, to
 from mlxgate.api.compaction import INSTRUCTION, SUMMARY_HEADING
 
 
-def engine_counter(server: RunningServer, name: str) -> float:
+def metric(server: RunningServer, sample: str) -> float:
+    """A sample of /metrics (a name, with its labels if it has any); 0 before it is counted."""
     metrics = httpx.get(f"{server.url}/metrics").text
-    line = next(line for line in metrics.splitlines() if line.startswith(f"{name} "))
-    return float(line.split()[1])
+    lines = [line for line in metrics.splitlines() if line.startswith(f"{sample} ")]
+    return float(lines[0].split()[1]) if lines else 0.0
+
+
+# What the server counts of a Codex run: the prompt tokens it computed and reused, and the
+# responses it answered over HTTP and over WebSockets.
+COUNTED = {
+    "computed": "mlxgate_engine_prefill_tokens_total",
+    "reused": "mlxgate_engine_cache_hit_tokens_total",
+    "http": 'mlxgate_http_requests_total{route="/v1/responses",status="200"}',
+    "websocket": 'mlxgate_websocket_responses_total{route="/v1/responses",status="200"}',
+}
+
+
+def counted(server: RunningServer) -> dict[str, float]:
+    return {what: metric(server, sample) for what, sample in COUNTED.items()}
 
 
 @dataclass
 class CodexServer:
     family: str
     server: RunningServer
-    workdir: Path
     nonce: str
 
 
@@ -40,8 +54,6 @@ def codex_server(
 ) -> Iterator[CodexServer]:
     family = request.param
     tmp = tmp_path_factory.mktemp(f"codex-{family}")
-    workdir = tmp / "work"
-    workdir.mkdir()
     nonce = secrets.token_hex(8)
     command = f"echo '<{nonce}>' > nonce.txt"
     model = forced_model_dir(
@@ -53,30 +65,42 @@ def codex_server(
         ],
     )
     running = start_server(tmp, *serve_args(model))
-    yield CodexServer(family, running, workdir, nonce)
+    yield CodexServer(family, running, nonce)
     stop_server(running)
 
 
-def test_codex_runs_the_models_exec_command_and_gets_the_answer(codex_server: CodexServer) -> None:
+@pytest.mark.parametrize("transport", ["http", "websocket"])
+def test_codex_runs_the_models_exec_command_and_gets_the_answer(
+    codex_server: CodexServer, transport: str, tmp_path: Path
+) -> None:
     """Turn 1 calls exec_command (a namespaced tool and web_search are in the request too);
     Codex runs it and sends the output as a function_call_output; turn 2 answers. Codex resends
-    turn 1's items byte for byte, reasoning included, so the second prompt reuses the first's KV."""
+    turn 1's items byte for byte, reasoning included, so the second prompt reuses the first's KV.
+    Over a WebSocket (`supports_websockets`) Codex first prewarms (`generate: false`), then
+    sends each turn's new items only: the server's copy of the rest gives the same prompts."""
     server = codex_server.server
-    run = run_codex(server, "Write the nonce to the file.", codex_server.workdir)
+    before = counted(server)
+    websockets = transport == "websocket"
+    run = run_codex(server, "Write the nonce to the file.", tmp_path, websockets=websockets)
     assert run.returncode == 0, run.stderr + server.log()
     assert run.message() == "The nonce is written."
-    assert (codex_server.workdir / "nonce.txt").read_text().strip() == f"<{codex_server.nonce}>"
+    assert (tmp_path / "nonce.txt").read_text().strip() == f"<{codex_server.nonce}>"
+    served = {what: count - before[what] for what, count in counted(server).items()}
+    # Two turns, and the prewarm over a WebSocket; Codex did not fall back to HTTP.
+    assert (served["http"], served["websocket"]) == ((0, 3) if websockets else (2, 0)), served
     completed = [e["item"] for e in run.events if e["type"] == "item.completed"]
     commands = [item for item in completed if item["type"] == "command_execution"]
     assert [command["exit_code"] for command in commands] == [0]
     if codex_server.family == "qwen3.5":
         reasoning = [item["text"] for item in completed if item["type"] == "reasoning"]
         assert reasoning and all(text.strip() for text in reasoning)
-    # Turn 1 prefilled its whole prompt; turn 2 reused nearly all of it from the prefix cache.
-    reused = engine_counter(server, "mlxgate_engine_cache_hit_tokens_total")
-    computed = engine_counter(server, "mlxgate_engine_prefill_tokens_total")
+    # Turn 2 reused nearly all of turn 1's prompt from the prefix cache (and turn 1 what an
+    # earlier run on this server left of the same opening).
+    reused, computed = served["reused"], served["computed"]
     usage = run.usage()
-    print(f"\ncodex {codex_server.family}: turn 2 reused {reused:.0f} of {computed:.0f} tokens")
+    print(
+        f"\ncodex {codex_server.family} {transport}: reused {reused:.0f}, computed {computed:.0f}"
+    )
     assert usage["cached_input_tokens"] == reused >= 0.95 * computed
 
 

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import httpx
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
 
 from conftest import REPO, free_port, last_frames, start_server
 
@@ -120,10 +122,16 @@ def test_while_the_model_loads_health_says_loading_and_requests_get_503(tmp_path
             if health.status_code == 200:
                 break
             refused = httpx.post(url + "/v1/messages", json={"model": "m"}, timeout=5)
+            try:
+                connect(url.replace("http", "ws") + "/v1/responses", open_timeout=5).close()
+                socket_status = 101
+            except InvalidStatus as exc:
+                socket_status = exc.response.status_code
             if httpx.get(url + "/health", timeout=5).status_code == 503:
                 assert refused.status_code == 503
                 assert refused.json()["error"]["message"] == "the model is loading"
                 assert refused.headers["retry-after"] == "2"
+                assert socket_status == 503
         assert answers[0] == (503, "loading"), answers
         assert answers[-1] == (200, "ok"), answers
     finally:

@@ -130,7 +130,7 @@ def refusal(app: mw.ASGIApp, request: Scope) -> ApiError:
 # Lifespan, routing, headers -------------------------------------------------------------------
 
 
-def test_lifespan_runs_startup_and_shutdown_and_passes_http_on() -> None:
+def test_lifespan_runs_startup_and_shutdown_and_passes_http_and_websockets_on() -> None:
     calls: list[str] = []
     inner = Inner()
     app = mw.Lifespan(inner, lambda: calls.append("up"), lambda: calls.append("down"))
@@ -148,8 +148,18 @@ def test_lifespan_runs_startup_and_shutdown_and_passes_http_on() -> None:
         "lifespan.shutdown.complete",
     ]
     assert call(app, scope()).status == 200
-    assert call(app, {"type": "websocket"}).messages == []
-    assert len(inner.scopes) == 1
+    call(app, {"type": "websocket"})
+    assert call(app, {"type": "something-else"}).messages == []
+    assert [s["type"] for s in inner.scopes] == ["http", "websocket"]
+
+
+def test_websockets_go_to_their_own_app() -> None:
+    http, websocket = Inner(), Inner()
+    app = mw.WebSockets(http, websocket)
+    call(app, scope())
+    call(app, {"type": "websocket", "path": "/v1/responses"})
+    assert [s["type"] for s in http.scopes] == ["http"]
+    assert [s["type"] for s in websocket.scopes] == ["websocket"]
 
 
 def test_routing_finds_the_route_by_suffix_method_and_header() -> None:

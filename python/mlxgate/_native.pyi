@@ -28,8 +28,10 @@ __all__ = [
     "StreamSpec",
     "Vocab",
     "compaction_from_encrypted",
+    "event_data",
     "events_after",
     "reasoning_from_encrypted",
+    "websocket_error",
 ]
 
 class NativeError(ValueError):
@@ -294,6 +296,11 @@ class StreamSpec:
         or ("endpoint", not streamed) in `/v1/responses/compact`'s `response.compaction` object,
         after `kept_items` (a JSON array). Raises NativeError for another `compaction`."""
 
+    def empty_response(self) -> tuple[bytes, bytes | None]:
+        """A response that generates nothing (the Responses API's `generate: false`): its frames
+        from opening to end (Responses: `response.created`, `.in_progress`, `.completed` with no
+        output and zero usage), and the response object it ends with (None where the dialect
+        keeps none)."""
     @property
     def dialect(self) -> Dialect: ...
     @property
@@ -432,3 +439,14 @@ def events_after(frames: bytes, last_id: int) -> bytes:
 def compaction_from_encrypted(encrypted: str) -> str | None:
     """The summary inside a compaction item's `encrypted_content` this server handed out (None for
     any other string), so a replayed compaction renders the summary the model wrote."""
+
+def event_data(frames: bytes) -> list[str]:
+    """The data of each event in `frames` (what `Reader.take` returned; comments have none), in
+    order: the JSON a WebSocket sends as one text message per event."""
+
+def websocket_error(
+    kind: ErrorKind, message: str, *, param: str | None = None, code: str | None = None
+) -> str:
+    """An error answering a Responses `response.create` sent over a WebSocket, as its one text
+    message: `{"type":"error","status":…,"error":{"message","type","param","code"}}`, the status
+    and error object the HTTP request would have had."""

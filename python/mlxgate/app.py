@@ -18,11 +18,20 @@ from mlxgate.api.anthropic import AnthropicAPI
 from mlxgate.api.drain import Drain
 from mlxgate.api.errors import ApiError
 from mlxgate.api.guard import Guard
-from mlxgate.api.http import Receive, Scope, Send, send_bytes, send_error, send_json
+from mlxgate.api.http import (
+    Receive,
+    Scope,
+    Send,
+    refuse_websocket,
+    send_bytes,
+    send_error,
+    send_json,
+)
 from mlxgate.api.models import ModelNames
 from mlxgate.api.openai import OpenAIAPI
 from mlxgate.api.pipeline import Services
 from mlxgate.api.responses import ResponsesAPI
+from mlxgate.api.responses.websocket import ResponsesWebSocket
 from mlxgate.api.resumable import Resumable
 from mlxgate.api.routing import Route
 from mlxgate.config import Config
@@ -69,8 +78,9 @@ class App:
             max_output_tokens=config.max_output_tokens,
             resumable=self.resumable,
         )
+        apis = [api(services) for api in DIALECTS]
         self.routes: list[Route] = [
-            *(route for api in DIALECTS for route in api(services).routes()),
+            *(route for api in apis for route in api.routes()),
             *(self.resumable.routes() if self.resumable is not None else []),
             Route("GET", "/health", Dialect.OPENAI, self._health),
             Route("HEAD", "/health", Dialect.OPENAI, self._health),
@@ -89,6 +99,13 @@ class App:
         self.registry = CollectorRegistry()  # an app's own: a process may hold several apps
         if metrics is not None:
             self.registry.register(metrics)
+        self.websocket = ResponsesWebSocket(
+            next(api for api in apis if isinstance(api, ResponsesAPI)),
+            self.guard,
+            self.drain,
+            self.registry,
+            max_message_bytes=config.max_body_bytes,
+        )
         self.asgi = self._stack()
 
     def _stack(self) -> mw.ASGIApp:
@@ -114,6 +131,7 @@ class App:
         app = mw.RequestId(app)
         app = mw.Cors(app, guard)
         app = mw.Routing(app, self.routes)
+        app = mw.WebSockets(app, self.websocket)
         return mw.Lifespan(app, startup=self.drain.install, shutdown=self.stop_engine)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -158,6 +176,10 @@ class Loading:
             await send_json(send, 503, {"status": "loading"}, [(b"retry-after", b"2")])
             return
         error = ApiError(ErrorKind.UNAVAILABLE, "the model is loading", retry_after_s=2)
+        if scope["type"] == "websocket":
+            await receive()  # websocket.connect
+            await refuse_websocket(scope, send, error, mw.fallback_dialect(path))
+            return
         await send_error(send, error, mw.fallback_dialect(path))
 
     def _start(self) -> None:

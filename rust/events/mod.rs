@@ -207,6 +207,16 @@ impl DialectParams {
         }
     }
 
+    /// A response that generates nothing (the Responses API's `generate: false`): its frames from
+    /// opening to end, with no output and no usage, into `out`; returns the response object it
+    /// ends with, where the dialect keeps one.
+    pub fn empty_response(&self, out: &mut Vec<u8>) -> Option<Vec<u8>> {
+        let mut protocol = self.protocol(PromptUsage::default(), 0);
+        protocol.start(out);
+        protocol.finish(Finish::EndTurn, 0, out);
+        protocol.result()
+    }
+
     pub fn stream(&self) -> bool {
         match self {
             Self::Anthropic(p) => p.stream,

@@ -485,12 +485,7 @@ pub fn error_status(kind: ErrorKind) -> u16 {
 /// Streaming: an error chunk, then `[DONE]`. Non-streaming: the error envelope as the body.
 pub fn write_error(error: &ErrorReply<'_>, stream: bool, out: &mut Vec<u8>) {
     let body = ErrorEnvelope {
-        error: ErrorBody {
-            message: error.message,
-            kind: error_type(error.kind),
-            param: error.param,
-            code: error.code,
-        },
+        error: ErrorBody::of(error),
     };
     if stream {
         out.extend_from_slice(b"data: ");
@@ -604,13 +599,25 @@ struct ErrorEnvelope<'a> {
     error: ErrorBody<'a>,
 }
 
+/// The `error` member of OpenAI's error envelope.
 #[derive(Serialize)]
-struct ErrorBody<'a> {
+pub struct ErrorBody<'a> {
     message: &'a str,
     #[serde(rename = "type")]
     kind: &'static str,
     param: Option<&'a str>,
     code: Option<&'a str>,
+}
+
+impl<'a> ErrorBody<'a> {
+    pub fn of(error: &ErrorReply<'a>) -> Self {
+        Self {
+            message: error.message,
+            kind: error_type(error.kind),
+            param: error.param,
+            code: error.code,
+        }
+    }
 }
 
 #[cfg(test)]

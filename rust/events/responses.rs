@@ -759,7 +759,26 @@ pub fn write_error(error: &ErrorReply<'_>, stream: bool, out: &mut Vec<u8>) {
     crate::sse::write_event(out, "error", &event);
 }
 
+/// An error answering a `response.create` message of the WebSocket mode, as one message: the
+/// status the HTTP request would have had, and OpenAI's error object.
+pub fn write_websocket_error(error: &ErrorReply<'_>, out: &mut Vec<u8>) {
+    let message = WebSocketError {
+        kind: "error",
+        status: openai::error_status(error.kind),
+        error: openai::ErrorBody::of(error),
+    };
+    write_json(out, &message);
+}
+
 // Field order below is the wire order of OpenAI's API.
+
+#[derive(Serialize)]
+struct WebSocketError<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    status: u16,
+    error: openai::ErrorBody<'a>,
+}
 
 #[derive(Serialize)]
 struct ResponseHead<'a> {
@@ -1097,5 +1116,45 @@ mod tests {
         assert_eq!(s.error(ErrorKind::Overloaded, "busy", &mut out), 503);
         let body: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(body["error"]["type"], "server_error");
+    }
+
+    #[test]
+    fn a_websocket_error_carries_its_status_and_openais_error_object() {
+        let error = ErrorReply {
+            kind: ErrorKind::InvalidRequest,
+            message: "input: field required",
+            param: Some("input"),
+            code: None,
+        };
+        let mut out = Vec::new();
+        write_websocket_error(&error, &mut out);
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            r#"{"type":"error","status":400,"error":{"message":"input: field required","type":"invalid_request_error","param":"input","code":null}}"#
+        );
+    }
+
+    #[test]
+    fn an_empty_response_opens_and_completes_with_no_output() {
+        let params = crate::events::DialectParams::Responses(stream(true, Vec::new()).params);
+        let mut out = Vec::new();
+        let result = params.empty_response(&mut out).unwrap();
+        let events = events(&out);
+        let kinds: Vec<_> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.completed"
+            ]
+        );
+        let completed = &events[2]["response"];
+        assert_eq!(completed["status"], "completed");
+        assert_eq!(completed["output"], serde_json::json!([]));
+        assert_eq!(completed["usage"]["input_tokens"], 0);
+        assert_eq!(completed["usage"]["total_tokens"], 0);
+        let result: serde_json::Value = serde_json::from_slice(&result).unwrap();
+        assert_eq!(&result, completed);
     }
 }

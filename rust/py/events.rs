@@ -364,6 +364,21 @@ impl PyStreamSpec {
         ))
     }
 
+    /// A response that generates nothing (the Responses API's `generate: false`): its frames from
+    /// opening to end, with no output and no usage, and the response object it ends with (None
+    /// where the dialect keeps none).
+    fn empty_response<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>) {
+        let mut frames = Vec::new();
+        let result = self.inner.dialect.empty_response(&mut frames);
+        (
+            PyBytes::new(py, &frames),
+            result.map(|result| PyBytes::new(py, &result)),
+        )
+    }
+
     #[getter]
     fn dialect(&self) -> PyDialect {
         self.inner.dialect.dialect().into()
@@ -388,6 +403,28 @@ impl PyStreamSpec {
     fn eos_ids(&self) -> Vec<u32> {
         self.inner.eos_ids.clone()
     }
+}
+
+/// An error answering a Responses `response.create` sent over a WebSocket, as the one text
+/// message that carries it: `{"type":"error","status":…,"error":{…}}`.
+#[pyfunction]
+#[pyo3(signature = (kind, message, *, param = None, code = None))]
+pub fn websocket_error(
+    kind: PyErrorKind,
+    message: &str,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> String {
+    let error = ErrorReply {
+        kind: kind.into(),
+        message,
+        param,
+        code,
+    };
+    let mut out = Vec::new();
+    responses::write_websocket_error(&error, &mut out);
+    // serde_json writes UTF-8.
+    String::from_utf8(out).expect("JSON from serde_json is UTF-8")
 }
 
 /// The reasoning text inside an `encrypted_content` this server handed out; None for another's.

@@ -69,5 +69,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(events::reasoning_from_encrypted, m)?)?;
     m.add_function(wrap_pyfunction!(events::compaction_from_encrypted, m)?)?;
     m.add_function(wrap_pyfunction!(sse::events_after, m)?)?;
+    m.add_function(wrap_pyfunction!(sse::event_data, m)?)?;
+    m.add_function(wrap_pyfunction!(events::websocket_error, m)?)?;
     Ok(())
 }

@@ -94,6 +94,19 @@ async def send_error(send: Send, error: ApiError, dialect: Dialect) -> None:
     )
 
 
+async def refuse_websocket(scope: Scope, send: Send, error: ApiError, dialect: Dialect) -> None:
+    """Refuse a websocket's handshake with `error` as an HTTP answer (ASGI's websocket denial
+    response, which granian has), else by closing it before it is accepted (a plain 403)."""
+    if "websocket.http.response" not in scope.get("extensions", {}):
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    body = error.body(dialect)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    start = {"type": "websocket.http.response.start", "status": error.status(dialect)}
+    await send({**start, "headers": headers + error.headers()})
+    await send({"type": "websocket.http.response.body", "body": body})
+
+
 async def send_json(
     send: Send, status: int, payload: Any, extra_headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
@@ -110,8 +123,14 @@ async def unless_disconnected(
     receive: Receive, readers: Sequence[Reader], work: Awaitable[Any]
 ) -> Any:
     """Run `work`; if the client disconnects first, cancel the generations and return None."""
+    return await unless_gone(wait_disconnect(receive), readers, work)
+
+
+async def unless_gone(gone: Awaitable[Any], readers: Sequence[Reader], work: Awaitable[Any]) -> Any:
+    """Run `work`; if `gone` (the client left) completes first, cancel the generations and
+    return None."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_disconnect(receive))
+    watcher = asyncio.ensure_future(gone)
     try:
         await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
     finally:

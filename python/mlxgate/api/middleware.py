@@ -1,10 +1,11 @@
 """The ASGI wrappers the app is composed of: each does one job around the app it wraps.
 
-The app (app.py) stacks them, outermost first: lifespan, routing, CORS headers, request id,
-request log, counters, error envelopes, host guard, preflight, auth, not found; then, for the
-requests that generate (POST), drain, rate limit, body limit, trace and slots; then the route's
-handler. What one finds for the next is in the scope: `mlxgate.route`, `mlxgate.dialect`,
-`mlxgate.request_id`, `mlxgate.body`.
+The app (app.py) stacks them, outermost first: lifespan, websockets (to their own app,
+api/responses/websocket.py), routing, CORS headers, request id, request log, counters, error
+envelopes, host guard, preflight, auth, not found; then, for the requests that generate (POST),
+drain, rate limit, body limit, trace and slots; then the route's handler. What one finds for
+the next is in the scope: `mlxgate.route`, `mlxgate.dialect`, `mlxgate.request_id`,
+`mlxgate.body`.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def generates(scope: Scope) -> bool:
 
 class Lifespan:
     """Answers the lifespan protocol (`startup` and `shutdown` run at the server's start and
-    stop) and hands HTTP requests to `app`; other scopes (websockets) are not served."""
+    stop) and hands HTTP requests and websockets to `app`."""
 
     def __init__(
         self, app: ASGIApp, startup: Callable[[], None], shutdown: Callable[[], None]
@@ -90,7 +91,7 @@ class Lifespan:
         self.shutdown = shutdown
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             await self.app(scope, receive, send)
         elif scope["type"] == "lifespan":
             while True:
@@ -102,6 +103,18 @@ class Lifespan:
                     self.shutdown()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+
+
+class WebSockets:
+    """Hands websockets to `websocket` (which checks their handshake itself), HTTP requests to
+    `app`."""
+
+    def __init__(self, app: ASGIApp, websocket: ASGIApp) -> None:
+        self.app = app
+        self.websocket = websocket
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await (self.websocket if scope["type"] == "websocket" else self.app)(scope, receive, send)
 
 
 class Routing:
@@ -287,13 +300,17 @@ class Auth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"].rstrip("/")
         if not path.endswith("/health") and not self.guard.authorized(scope):
-            raise ApiError(
-                ErrorKind.AUTHENTICATION,
-                "invalid x-api-key or Authorization bearer token",
-                should_retry=False,
-                code="invalid_api_key",
-            )
+            raise unauthorized()
         await self.app(scope, receive, send)
+
+
+def unauthorized() -> ApiError:
+    return ApiError(
+        ErrorKind.AUTHENTICATION,
+        "invalid x-api-key or Authorization bearer token",
+        should_retry=False,
+        code="invalid_api_key",
+    )
 
 
 class NotFound:
@@ -332,13 +349,15 @@ class DrainGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.drain.draining:
-            raise ApiError(
-                ErrorKind.UNAVAILABLE,
-                "the server is shutting down",
-                retry_after_s=int(self.drain.timeout_s) + 1,
-            )
+            raise shutting_down(self.drain)
         with self.drain.running():
             await self.app(scope, receive, send)
+
+
+def shutting_down(drain: Drain) -> ApiError:
+    return ApiError(
+        ErrorKind.UNAVAILABLE, "the server is shutting down", retry_after_s=int(drain.timeout_s) + 1
+    )
 
 
 class RateLimit:

@@ -135,9 +135,32 @@ class Pipeline:
         *,
         choices: int = 1,
     ) -> Reader:
-        """Generate the answer to `request` and respond with it: `prompt` rendered (a
-        conversation through the chat template, text as it is), `spec` made from the prompt's
-        `Reply`. Returns the reader (the response has been sent when this returns)."""
+        """Generate the answer to `request` and respond with it (see `admit`). Returns the
+        reader (the response has been sent when this returns)."""
+        reader = self.admit(request, prompt, spec, choices=choices)
+        scope[READER] = reader  # for the request log
+        await respond(
+            scope,
+            send,
+            receive,
+            reader,
+            self.dialect,
+            stream=request.stream,
+            resumable=self.services.resumable,
+        )
+        return reader
+
+    def admit(
+        self,
+        request: Asked,
+        prompt: chat.Conversation | str,
+        spec: Callable[[Reply], StreamSpec],
+        *,
+        choices: int = 1,
+    ) -> Reader:
+        """Start generating the answer to `request`: `prompt` rendered (a conversation through
+        the chat template, text as it is), `spec` made from the prompt's `Reply`. Returns its
+        reader at once."""
         services = self.services
         services.models.check(request.model)
         grammar = request.grammar()
@@ -152,20 +175,9 @@ class Pipeline:
             choices=choices,
         )
         try:
-            reader = services.engine.admit(generation)
+            return services.engine.admit(generation)
         except AdmissionError as exc:
             raise self.errors[type(exc)](exc) from None
-        scope[READER] = reader  # for the request log
-        await respond(
-            scope,
-            send,
-            receive,
-            reader,
-            self.dialect,
-            stream=request.stream,
-            resumable=services.resumable,
-        )
-        return reader
 
     def render(self, prompt: chat.Conversation | str) -> chat.Prompt:
         renderer = self.services.renderer

@@ -28,6 +28,11 @@ def parse(model: type[Model], body: bytes) -> Model:
         raise invalid(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise invalid("request body must be a JSON object")
+    return validate(model, payload)
+
+
+def validate(model: type[Model], payload: dict[str, Any]) -> Model:
+    """A JSON object validated as `model`, or a 400 saying what is wrong."""
     try:
         return model.model_validate(payload)
     except ValidationError as exc:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from mlxgate import chat
 from mlxgate._native import Dialect, Reply, StreamSpec
 from mlxgate.api.http import Receive, Scope, Send, send_bytes, send_json
 from mlxgate.api.pipeline import (
@@ -31,6 +34,16 @@ ADMISSION_ERRORS: AdmissionErrors = {
 }
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the pipeline: its response's id, the conversation to answer and how
+    its stream is opened."""
+
+    response_id: str
+    conversation: chat.Conversation
+    spec: Callable[[Reply | None], StreamSpec]
+
+
 class ResponsesAPI:
     def __init__(self, services: Services) -> None:
         self.services = services
@@ -47,13 +60,24 @@ class ResponsesAPI:
 
     async def create(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(ResponsesRequest, body)
-        history = []
-        if previous := request.previous_response_id:
-            history = [Item.model_validate(item) for item in self.store.history(previous)]
+        prepared = self.prepare(request, self.history(request.previous_response_id))
+        reader = await self.pipeline.answer(
+            scope, receive, send, request, prepared.conversation, prepared.spec
+        )
+        self.keep(request, prepared.response_id, reader.result)
+
+    def history(self, previous_id: str | None) -> list[Item]:
+        """The stored conversation a `previous_response_id` continues (a 404 for an unknown id)."""
+        if previous_id is None:
+            return []
+        return [Item.model_validate(item) for item in self.store.history(previous_id)]
+
+    def prepare(self, request: ResponsesRequest, history: list[Item]) -> Prepared:
+        """What answering `request` after `history` takes, over HTTP or a WebSocket."""
         given = tools(request)
         response_id = f"resp_{uuid.uuid4().hex}"
 
-        def spec(reply: Reply) -> StreamSpec:
+        def spec(reply: Reply | None) -> StreamSpec:
             return StreamSpec.responses(
                 model=self.services.models.served,
                 response_id=response_id,
@@ -68,9 +92,10 @@ class ResponsesAPI:
                 reply=reply,
             )
 
-        prompt = conversation(request, history, given)
-        reader = await self.pipeline.answer(scope, receive, send, request, prompt, spec)
-        response = reader.result
+        return Prepared(response_id, conversation(request, history, given), spec)
+
+    def keep(self, request: ResponsesRequest, response_id: str, response: bytes | None) -> None:
+        """Store the Response object `request` was answered with, if it asked to (`store`)."""
         if request.store and response is not None:
             inputs = [item.model_dump(exclude_unset=True) for item in request.items]
             self.store.put(
@@ -82,9 +107,7 @@ class ResponsesAPI:
         item with the model's summary of it (not streamed, not stored)."""
         request = parse(ResponsesRequest, body)
         request.stream, request.store = False, False
-        history = []
-        if previous := request.previous_response_id:
-            history = [Item.model_validate(item) for item in self.store.history(previous)]
+        history = self.history(request.previous_response_id)
         items = [*history, *request.items]
         kept = [
             {
