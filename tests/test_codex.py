@@ -155,16 +155,23 @@ def patching_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runnin
     stop_server(running)
 
 
+@pytest.mark.parametrize("transport", ["http", "websocket"])
 def test_codex_applies_the_patch_the_model_wrote_as_a_custom_tool_call(
-    patching_server: RunningServer, tmp_path: Path
+    patching_server: RunningServer, tmp_path: Path, transport: str
 ) -> None:
     """Asked for by a name Codex knows (`gpt-5.5`), the model gets Codex's freeform apply_patch
     (a custom tool with a Lark grammar); its call goes back as a `custom_tool_call` whose input
     is the patch, Codex applies it to the disk and sends the result as a
-    `custom_tool_call_output`; turn 2 answers."""
+    `custom_tool_call_output`; turn 2 answers. Over HTTP and over a WebSocket."""
     workdir = tmp_path / "work"
     workdir.mkdir()
-    run = run_codex(patching_server, "Add hello.txt.", workdir, model="gpt-5.5")
+    run = run_codex(
+        patching_server,
+        "Add hello.txt.",
+        workdir,
+        model="gpt-5.5",
+        websockets=transport == "websocket",
+    )
     assert run.returncode == 0, run.stderr + patching_server.log()
     assert (workdir / "hello.txt").read_text() == "Hello from the model.\n"
     assert run.message() == "The file is written."
