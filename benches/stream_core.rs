@@ -46,6 +46,9 @@ fn dialect(wire: Wire, stream: bool) -> DialectParams {
             model,
             message_id: "msg_01XFDUDYJgAACzvnptvVoYEL".into(),
             stream,
+            compaction: false,
+            compacted: None,
+            applied_edits: None,
         }),
         Wire::OpenAi => DialectParams::OpenAi(OpenAiParams {
             model,

@@ -1,7 +1,11 @@
-"""Compaction done by the served model, through the official openai SDK: the Responses API's
-`compaction_trigger` (Codex's remote compaction) and `POST /v1/responses/compact` answer with one
-`compaction` item carrying the model's own summary; a later request that sends it back renders
-the summary in place of the conversation it stands for.
+"""Compaction and context editing done by the served model, through the official SDKs.
+
+OpenAI: the Responses API's `compaction_trigger` (Codex's remote compaction) and
+`POST /v1/responses/compact` answer with one `compaction` item carrying the model's own summary;
+a later request that sends it back renders the summary in place of the conversation it stands
+for. Anthropic: the `compaction` parameter and the `compact_20260112` edit answer with a
+`compaction` block (then, unless it pauses, the answer from the summary on); the
+`clear_tool_uses_20250919` edit clears old tool results; `applied_edits` says what was done.
 
 A forced-output model (tests/forced.py) writes the summary when the prompt holds the compaction
 instruction, and answers "Resumed." only when the prompt holds a replayed summary."""
@@ -11,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
 from conftest import RunningServer, start_server, stop_server
 from forced import Script, forced_model_dir, serve_args
 from mlxgate._native import compaction_from_encrypted
+from mlxgate.api.anthropic.context import CLEARED_RESULT
 from mlxgate.api.compaction import INSTRUCTION, SUMMARY_HEADING
 
 SUMMARY = "SUMMARY: the user said hi."
@@ -34,6 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         tmp,
         "qwen3",
         [
+            Script("Cleared.", when=CLEARED_RESULT.strip("[]").rstrip(".")),
             Script("Resumed.", when=REPLAYED),
             Script(SUMMARY, when=ASKED),
             Script("Hello there."),
@@ -111,3 +118,113 @@ def test_a_trigger_anywhere_but_last_is_a_400(client: openai.OpenAI) -> None:
             model="local",
             input=[{"type": "compaction_trigger"}, {"role": "user", "content": "hi"}],
         )
+
+
+@pytest.fixture
+def claude(server: RunningServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="sk-local", max_retries=0)
+
+
+def ask(claude: anthropic.Anthropic, stream: bool = False, **fields: Any) -> Any:
+    """A beta Messages request on the story, with `fields` in its body."""
+    kwargs: Any = {
+        "model": "local",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": HI}],
+        "extra_body": fields,
+    }
+    if stream:
+        with claude.beta.messages.stream(**kwargs) as events:
+            return events.get_final_message()
+    return claude.beta.messages.create(**kwargs)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_compaction_parameter_answers_with_the_summary_block(
+    claude: anthropic.Anthropic, stream: bool
+) -> None:
+    message = ask(claude, stream, compaction={"type": "summarize"})
+    assert [block.type for block in message.content] == ["compaction"]
+    assert message.content[0].content == SUMMARY
+    assert message.stop_reason == "compaction"
+    assert message.usage.output_tokens > 0
+
+
+def test_a_compact_edit_compacts_only_past_its_trigger_and_may_go_on(
+    claude: anthropic.Anthropic,
+) -> None:
+    def edit(tokens: int, pause: bool) -> dict[str, Any]:
+        trigger = {"type": "input_tokens", "value": tokens}
+        compact = {"type": "compact_20260112", "trigger": trigger, "pause_after_compaction": pause}
+        return {"edits": [compact]}
+
+    untouched = ask(claude, context_management=edit(1_000_000, pause=True))
+    assert [block.type for block in untouched.content] == ["text"]
+    paused = ask(claude, context_management=edit(10, pause=True))
+    assert [block.type for block in paused.content] == ["compaction"]
+    assert paused.stop_reason == "compaction"
+    for stream in (False, True):
+        going_on = ask(claude, stream, context_management=edit(10, pause=False))
+        kinds = [
+            (b.type, b.content if b.type == "compaction" else b.text) for b in going_on.content
+        ]
+        assert kinds == [("compaction", SUMMARY), ("text", "Resumed.")]
+        assert going_on.stop_reason == "end_turn"
+
+
+def test_a_replayed_compaction_block_stands_for_what_came_before(
+    claude: anthropic.Anthropic,
+) -> None:
+    compacted = ask(claude, compaction={"type": "summarize"})
+    message = claude.beta.messages.create(
+        model="local",
+        max_tokens=64,
+        messages=[
+            {"role": "user", "content": "something the summary replaces"},
+            {"role": "assistant", "content": [b.model_dump() for b in compacted.content]},
+            {"role": "user", "content": "go on"},
+        ],
+    )
+    assert message.content[0].text == "Resumed."  # type: ignore[union-attr]
+
+
+def test_clear_tool_uses_clears_the_old_results_and_says_so(claude: anthropic.Anthropic) -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": HI}]
+    for i in range(4):
+        call = {"type": "tool_use", "id": f"toolu_{i}", "name": "read", "input": {"n": i}}
+        result = {
+            "type": "tool_result",
+            "tool_use_id": f"toolu_{i}",
+            "content": f"page {i}: " + "lorem ipsum " * 40,
+        }
+        messages += [
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [result]},
+        ]
+    tool = {"name": "read", "description": "Read a page.", "input_schema": {"type": "object"}}
+    edit = {
+        "type": "clear_tool_uses_20250919",
+        "trigger": {"type": "tool_uses", "value": 3},
+        "keep": {"type": "tool_uses", "value": 1},
+    }
+    message = claude.beta.messages.create(
+        model="local",
+        max_tokens=64,
+        messages=messages,  # type: ignore[arg-type]
+        tools=[tool],  # type: ignore[list-item]
+        extra_body={"context_management": {"edits": [edit]}},
+    )
+    assert message.content[0].text == "Cleared."  # type: ignore[union-attr]
+    [applied] = message.context_management.applied_edits  # type: ignore[union-attr]
+    assert (applied.type, applied.cleared_tool_uses) == ("clear_tool_uses_20250919", 3)
+    assert applied.cleared_input_tokens > 0
+    # Below its trigger, the edit does nothing and says nothing.
+    edit["trigger"] = {"type": "tool_uses", "value": 10}
+    untouched = claude.beta.messages.create(
+        model="local",
+        max_tokens=64,
+        messages=messages,  # type: ignore[arg-type]
+        tools=[tool],  # type: ignore[list-item]
+        extra_body={"context_management": {"edits": [edit]}},
+    )
+    assert untouched.context_management is None

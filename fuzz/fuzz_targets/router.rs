@@ -119,6 +119,9 @@ fn dialect(choice: u8) -> DialectParams {
             model: "m".into(),
             message_id: "msg_f".into(),
             stream,
+            compaction: false,
+            compacted: None,
+            applied_edits: None,
         }),
         1 | 2 => DialectParams::OpenAi(OpenAiParams {
             model: "m".into(),

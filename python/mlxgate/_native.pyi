@@ -230,11 +230,19 @@ class StreamSpec:
         model: str,
         message_id: str,
         stream: bool = True,
+        compaction: bool = False,
+        compacted: str | None = None,
+        applied_edits: str | None = None,
         stop_sequences: list[str] = ...,
         reply: Reply | None = None,
     ) -> StreamSpec:
         """An Anthropic Messages stream. stream=True queues message_start and ping at once;
-        stream=False makes the whole JSON Message body readable once the stream ends."""
+        stream=False makes the whole JSON Message body readable once the stream ends. With
+        `compaction`, the reply's text is a summary of the conversation: the content is one
+        `compaction` block (streamed as one `compaction_delta`) and the stop reason
+        `compaction`. `compacted` is a summary made before this generation, the message's first
+        block. `applied_edits` (a JSON array) is reported as the message's
+        `context_management.applied_edits`."""
 
     @staticmethod
     def openai(

@@ -12,6 +12,15 @@ pub struct AnthropicParams {
     pub model: String,
     pub message_id: String,
     pub stream: bool,
+    /// The generation is a compaction: its text is the summary of the conversation, answered as
+    /// one `compaction` block and stop reason `compaction` (nothing else is output).
+    pub compaction: bool,
+    /// A compaction made before this generation (a `compact_20260112` edit that does not
+    /// pause): its summary, the message's first block.
+    pub compacted: Option<String>,
+    /// The context-management edits applied to the request (a JSON array, Anthropic's
+    /// `applied_edits`), reported in the message's `context_management`.
+    pub applied_edits: Option<String>,
 }
 
 /// Kinds of content block. A change of kind closes the open block and opens the next index;
@@ -21,6 +30,7 @@ pub enum BlockKind {
     Text,
     Thinking,
     ToolUse,
+    Compaction,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -39,6 +49,8 @@ pub struct AnthropicStream {
     tool_calls: u32,
     /// Non-streaming only: the content blocks so far.
     content: Vec<Block>,
+    /// The open compaction block's summary (sent whole when the block closes).
+    summary: String,
 }
 
 impl AnthropicStream {
@@ -50,16 +62,28 @@ impl AnthropicStream {
             next_index: 0,
             tool_calls: 0,
             content: Vec::new(),
+            summary: String::new(),
         }
     }
 
     pub fn start(&mut self, out: &mut Vec<u8>) {
         if !self.params.stream {
+            self.write_compacted(out);
             return;
         }
         let message = self.message(&[], None, None, 0);
         write(out, &Event::MessageStart { message });
         write(out, &Event::Ping);
+        self.write_compacted(out);
+    }
+
+    /// The summary of a compaction made before this generation, as the first block.
+    fn write_compacted(&mut self, out: &mut Vec<u8>) {
+        if let Some(summary) = self.params.compacted.take() {
+            self.enter_block(BlockKind::Compaction, out);
+            self.summary = summary;
+            self.close_block(out);
+        }
     }
 
     pub fn ping(&mut self, out: &mut Vec<u8>) {
@@ -72,6 +96,11 @@ impl AnthropicStream {
         if text.is_empty() {
             return;
         }
+        if self.params.compaction {
+            self.enter_block(BlockKind::Compaction, out);
+            self.summary.push_str(text);
+            return;
+        }
         let index = self.enter_block(BlockKind::Text, out);
         if self.params.stream {
             write_str_delta(out, index, TEXT_DELTA, text);
@@ -81,8 +110,8 @@ impl AnthropicStream {
     }
 
     pub fn thinking(&mut self, text: &str, out: &mut Vec<u8>) {
-        if text.is_empty() {
-            return;
+        if text.is_empty() || self.params.compaction {
+            return; // a compaction's answer is its summary
         }
         let index = self.enter_block(BlockKind::Thinking, out);
         if self.params.stream {
@@ -95,6 +124,9 @@ impl AnthropicStream {
     /// Opens a `tool_use` block with an empty `input`; the input follows as `input_json_delta`s
     /// (clients ignore an input given in `content_block_start`).
     pub fn tool_start(&mut self, name: &str, out: &mut Vec<u8>) {
+        if self.params.compaction {
+            return; // a summary calls no tool
+        }
         self.close_block(out);
         let mut id = String::with_capacity(30);
         tool_call_id("toolu_", &self.params.message_id, self.tool_calls, &mut id);
@@ -125,12 +157,19 @@ impl AnthropicStream {
     }
 
     pub fn tool_end(&mut self, out: &mut Vec<u8>) {
-        self.close_block(out);
+        if !self.params.compaction {
+            self.close_block(out);
+        }
     }
 
     pub fn finish(&mut self, finish: Finish<'_>, output_tokens: u64, out: &mut Vec<u8>) {
+        self.write_compacted(out);
+        if self.params.compaction {
+            self.enter_block(BlockKind::Compaction, out);
+        }
         self.close_block(out);
         let (stop_reason, stop_sequence) = match finish {
+            _ if self.params.compaction && finish != Finish::MaxTokens => ("compaction", None),
             Finish::EndTurn => ("end_turn", None),
             Finish::MaxTokens => ("max_tokens", None),
             Finish::StopSequence(stop) => ("stop_sequence", Some(stop)),
@@ -144,6 +183,9 @@ impl AnthropicStream {
                         stop_reason: Some(stop_reason),
                         stop_sequence,
                     },
+                    context_management: self.context_management().map(|edits| AppliedEdits {
+                        applied_edits: edits,
+                    }),
                     usage: OutputUsage { output_tokens },
                 },
             );
@@ -181,6 +223,7 @@ impl AnthropicStream {
                 name: String::new(),
                 input: String::new(),
             },
+            BlockKind::Compaction => Block::Compaction { content: None },
         };
         self.open_block(kind, block, out)
     }
@@ -205,6 +248,10 @@ impl AnthropicStream {
 
     fn close_block(&mut self, out: &mut Vec<u8>) {
         if let Some(open) = self.open.take() {
+            if open.kind == BlockKind::Compaction {
+                self.close_compaction(open.index, out);
+                return;
+            }
             if self.params.stream {
                 if open.kind == BlockKind::Thinking {
                     // No real signature exists; clients echo the empty one back.
@@ -213,6 +260,25 @@ impl AnthropicStream {
                 write(out, &Event::ContentBlockStop { index: open.index });
             }
         }
+    }
+
+    /// A compaction block's summary goes out whole: streamed, as its one `compaction_delta`
+    /// (clients take a delta's content as the block's, not as more of it).
+    fn close_compaction(&mut self, index: u32, out: &mut Vec<u8>) {
+        let summary = std::mem::take(&mut self.summary);
+        if self.params.stream {
+            let delta = Delta::Compaction { content: &summary };
+            write(out, &Event::ContentBlockDelta { index, delta });
+            write(out, &Event::ContentBlockStop { index });
+        } else if let Some(Block::Compaction { content }) = self.content.last_mut() {
+            *content = Some(summary);
+        }
+    }
+
+    /// `{"applied_edits": [...]}`, when the request's context-management edits did anything.
+    fn context_management(&self) -> Option<&serde_json::value::RawValue> {
+        let edits = self.params.applied_edits.as_deref()?;
+        serde_json::from_str::<&serde_json::value::RawValue>(edits).ok()
     }
 
     fn message<'a>(
@@ -230,6 +296,9 @@ impl AnthropicStream {
             content,
             stop_reason,
             stop_sequence,
+            context_management: self.context_management().map(|edits| AppliedEdits {
+                applied_edits: edits,
+            }),
             usage: Usage {
                 input_tokens: self.usage.prompt_tokens - self.usage.cached_tokens,
                 cache_creation_input_tokens: 0,
@@ -316,8 +385,8 @@ enum Event<'a> {
         index: u32,
         content_block: &'a Block,
     },
-    // Written by `write_text_delta`; the derive stays as its reference (and for other deltas).
-    #[cfg_attr(not(test), expect(dead_code))]
+    // The per-token deltas are written by `write_str_delta`; the derive is their reference, and
+    // writes the others (a compaction's).
     ContentBlockDelta {
         index: u32,
         delta: Delta<'a>,
@@ -327,6 +396,8 @@ enum Event<'a> {
     },
     MessageDelta {
         delta: StopInfo<'a>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        context_management: Option<AppliedEdits<'a>>,
         usage: OutputUsage,
     },
     MessageStop,
@@ -360,7 +431,14 @@ struct Message<'a> {
     content: &'a [Block],
     stop_reason: Option<&'a str>,
     stop_sequence: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    context_management: Option<AppliedEdits<'a>>,
     usage: Usage,
+}
+
+#[derive(Serialize)]
+struct AppliedEdits<'a> {
+    applied_edits: &'a serde_json::value::RawValue,
 }
 
 #[derive(Serialize)]
@@ -388,6 +466,9 @@ enum Block {
         #[serde(serialize_with = "raw_object")]
         input: String,
     },
+    Compaction {
+        content: Option<String>,
+    },
 }
 
 /// Writes JSON text (valid by construction: the markup parser validates it) as a nested value.
@@ -405,19 +486,24 @@ fn raw_object<S: Serializer>(json: &str, serializer: S) -> Result<S::Ok, S::Erro
     }
 }
 
-/// The reference for `write_str_delta`.
+/// The reference for `write_str_delta`, and the compaction's delta.
 #[derive(Serialize)]
 #[serde(tag = "type")]
-#[cfg_attr(not(test), expect(dead_code))]
 enum Delta<'a> {
     #[serde(rename = "text_delta")]
+    #[cfg_attr(not(test), expect(dead_code))]
     Text { text: &'a str },
     #[serde(rename = "thinking_delta")]
+    #[cfg_attr(not(test), expect(dead_code))]
     Thinking { thinking: &'a str },
     #[serde(rename = "input_json_delta")]
+    #[cfg_attr(not(test), expect(dead_code))]
     InputJson { partial_json: &'a str },
     #[serde(rename = "signature_delta")]
+    #[cfg_attr(not(test), expect(dead_code))]
     Signature { signature: &'a str },
+    #[serde(rename = "compaction_delta")]
+    Compaction { content: &'a str },
 }
 
 #[derive(Serialize)]
@@ -448,6 +534,9 @@ mod tests {
             model: "smol".into(),
             message_id: "msg_1".into(),
             stream,
+            compaction: false,
+            compacted: None,
+            applied_edits: None,
         }
     }
 

@@ -263,11 +263,18 @@ fn spec(
 #[pymethods]
 impl PyStreamSpec {
     #[staticmethod]
-    #[pyo3(signature = (*, model, message_id, stream = true, stop_sequences = Vec::new(), reply = None))]
+    #[pyo3(signature = (
+        *, model, message_id, stream = true, compaction = false, compacted = None,
+        applied_edits = None, stop_sequences = Vec::new(), reply = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn anthropic(
         model: String,
         message_id: String,
         stream: bool,
+        compaction: bool,
+        compacted: Option<String>,
+        applied_edits: Option<String>,
         stop_sequences: Vec<String>,
         reply: Option<&Bound<'_, PyReply>>,
     ) -> PyStreamSpec {
@@ -275,6 +282,9 @@ impl PyStreamSpec {
             model,
             message_id,
             stream,
+            compaction,
+            compacted,
+            applied_edits,
         };
         spec(DialectParams::Anthropic(params), stop_sequences, reply)
     }

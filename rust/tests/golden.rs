@@ -151,6 +151,9 @@ fn run(fixture: &Fixture) -> Vec<u8> {
             model: open.model.clone(),
             message_id: open.message_id.clone(),
             stream: open.stream,
+            compaction: false,
+            compacted: None,
+            applied_edits: None,
         }),
         "openai" => DialectParams::OpenAi(OpenAiParams {
             model: open.model.clone(),

@@ -11,7 +11,14 @@ fills from there.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 from mlxgate import chat
+from mlxgate.engine import Grammar, SamplingParams
+
+if TYPE_CHECKING:
+    from mlxgate.api.pipeline import Asked
 
 # What the model is asked: a handoff summary another model (or itself, later) resumes from.
 INSTRUCTION = (
@@ -40,3 +47,48 @@ def instruction(extra: str | None = None, *, replace: bool = False) -> chat.Mess
 def replaced(summary: str) -> chat.Message:
     """The turn a compaction stands for when a client sends it back."""
     return {"role": "user", "content": f"{SUMMARY_HEADING}\n\n{summary.strip()}"}
+
+
+def asking(
+    conversation: chat.Conversation, extra: str | None = None, *, replace: bool = False
+) -> chat.Conversation:
+    """`conversation` with the summary asked for: its tools still shown (so its prompt is the
+    conversation's plus one turn, from the prefix cache) but none forced, and no reasoning."""
+    return dataclasses.replace(
+        conversation,
+        messages=chat.merge_turns([*conversation.messages, instruction(extra, replace=replace)]),
+        tool_choice=chat.ToolChoice(),
+        thinking=False,
+        structured=False,
+    )
+
+
+def resumed(conversation: chat.Conversation, summary: str) -> chat.Conversation:
+    """`conversation` from its summary on: its system message, then the summary."""
+    system = [m for m in conversation.messages[:1] if m["role"] == "system"]
+    return dataclasses.replace(conversation, messages=[*system, replaced(summary)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Summarizing:
+    """A request's summary generation: its model and sampling, not streamed, no reply format."""
+
+    request: Asked
+    stream: bool = False
+
+    @property
+    def model(self) -> str | None:
+        return self.request.model
+
+    @property
+    def speculative_decoding(self) -> bool:
+        return self.request.speculative_decoding
+
+    def output_tokens(self) -> int | None:
+        return self.request.output_tokens()
+
+    def sampling(self, defaults: SamplingParams) -> SamplingParams:
+        return self.request.sampling(defaults)
+
+    def grammar(self) -> Grammar | None:
+        return None

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxgate import chat
+from mlxgate.api import compaction
 from mlxgate.api.errors import invalid
 from mlxgate.api.requests import reply_grammar, sampling
 from mlxgate.engine import Grammar, SamplingParams
@@ -73,6 +74,10 @@ class OutputConfig(_Lenient):
     format: OutputFormat | None = None
 
 
+class ContextManagement(_Lenient):
+    edits: list[dict[str, Any]] = Field(default_factory=list)
+
+
 class CountTokensRequest(_Lenient):
     model: str
     messages: list[InputMessage]
@@ -83,6 +88,9 @@ class CountTokensRequest(_Lenient):
     output_config: OutputConfig | None = None
     # Where the structured-outputs-2025-11-13 beta put the reply's format.
     output_format: OutputFormat | None = None
+    context_management: ContextManagement | None = None
+    # `{"type": "summarize", "instructions"?}`: answer with a compaction of the conversation.
+    compaction: dict[str, Any] | None = None
 
     def reply_format(self) -> tuple[str, OutputFormat] | None:
         """The reply's format and the field it came in: `output_config.format`, or the beta's."""
@@ -216,11 +224,32 @@ def _tools(request: CountTokensRequest) -> list[chat.Tool]:
     return tools
 
 
+def _since_compaction(messages: list[InputMessage]) -> list[tuple[int, InputMessage]]:
+    """The messages a request's last `compaction` block leaves (with their indexes): the block
+    stands for everything before it, as its summary in a user turn (a block without content, a
+    failed compaction, stands for nothing)."""
+    numbered = list(enumerate(messages))
+    for position in range(len(numbered) - 1, -1, -1):
+        index, message = numbered[position]
+        blocks = message.content if isinstance(message.content, list) else []
+        last = max((i for i, b in enumerate(blocks) if b.type == "compaction"), default=None)
+        if last is None:
+            continue
+        summary = blocks[last].content
+        if not isinstance(summary, str):
+            return numbered[position + 1 :]
+        rest = InputMessage(role=message.role, content=blocks[last + 1 :])
+        replaced = InputMessage(role="user", content=compaction.replaced(summary)["content"])
+        kept = [(index, replaced), *([(index, rest)] if rest.content else [])]
+        return [*kept, *numbered[position + 1 :]]
+    return numbered
+
+
 def conversation(request: CountTokensRequest) -> chat.Conversation:
     messages: list[chat.Message] = []
     if system := _system_text(request.system):
         messages.append({"role": "system", "content": system})
-    for index, message in enumerate(request.messages):
+    for index, message in _since_compaction(request.messages):
         messages.extend(_convert_message(index, message))
     choice = request.tool_choice
     thinking = None

@@ -6,9 +6,14 @@ import time
 import uuid
 from typing import Any
 
+import orjson
+
+from mlxgate import chat
 from mlxgate._native import Dialect, Reply, StreamSpec
+from mlxgate.api import compaction
+from mlxgate.api.anthropic import context
 from mlxgate.api.anthropic.requests import CountTokensRequest, MessagesRequest, conversation
-from mlxgate.api.http import Receive, Scope, Send, send_json
+from mlxgate.api.http import Receive, Scope, Send, collect, send_bytes, send_json
 from mlxgate.api.pipeline import (
     COMMON_ADMISSION_ERRORS,
     AdmissionErrors,
@@ -51,22 +56,73 @@ class AnthropicAPI:
 
     async def messages(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(MessagesRequest, body)
+        managed = self.managed(request)
+        prompt = managed.conversation
+        compacting = managed.compaction is not None and managed.compaction.pause
+        summary: str | None = None
+        if managed.compaction is not None:
+            asked = managed.compaction
+            prompt = compaction.asking(prompt, asked.instructions, replace=asked.replace)
+            if not managed.compaction.pause:
+                summary = await self.summarize(request, receive, send, prompt)
+                if summary is None:
+                    return  # answered already: the client left, or the summary failed
+                prompt = compaction.resumed(managed.conversation, summary)
+        applied = orjson.dumps(managed.applied).decode() if managed.applied else None
 
         def spec(reply: Reply) -> StreamSpec:
             return StreamSpec.anthropic(
                 model=self.services.models.served,
                 message_id=f"msg_{uuid.uuid4().hex[:24]}",
                 stream=request.stream,
+                compaction=compacting,
+                compacted=summary,
+                applied_edits=applied,
                 stop_sequences=request.stop_sequences or [],
                 reply=reply,
             )
 
-        await self.pipeline.answer(scope, receive, send, request, conversation(request), spec)
+        await self.pipeline.answer(scope, receive, send, request, prompt, spec)
+
+    def managed(self, request: CountTokensRequest) -> context.Managed:
+        """The request's conversation after its context-management edits."""
+        edits = request.context_management.edits if request.context_management else []
+
+        def count(conversation: chat.Conversation) -> int:
+            return len(self.pipeline.render(conversation).ids)
+
+        return context.manage(conversation(request), edits, request.compaction, count)
+
+    async def summarize(
+        self, request: MessagesRequest, receive: Receive, send: Send, prompt: chat.Conversation
+    ) -> str | None:
+        """The model's summary of the conversation (`prompt` asks for it), generated before the
+        answer (a compaction that does not pause); None if the client left meanwhile or the
+        generation failed (its error is the answer)."""
+
+        def spec(reply: Reply) -> StreamSpec:
+            return StreamSpec.anthropic(
+                model=self.services.models.served,
+                message_id=f"msg_{uuid.uuid4().hex[:24]}",
+                stream=False,
+                compaction=True,
+                reply=reply,
+            )
+
+        reader = self.pipeline.admit(compaction.Summarizing(request), prompt, spec)
+        body = await collect(receive, reader)
+        if body is None:
+            return None
+        if reader.status != 200:
+            await send_bytes(send, reader.status, body)
+            return None
+        message = orjson.loads(body)
+        return str(message["content"][0].get("content") or "")
 
     async def count_tokens(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(CountTokensRequest, body)
         self.services.models.check(request.model)
-        prompt = self.pipeline.render(conversation(request))
+        prompt = self.pipeline.render(self.managed(request).conversation)
         await send_json(send, 200, {"input_tokens": len(prompt.ids)})
 
     def _entry(self, name: str) -> dict[str, Any]:
