@@ -46,6 +46,7 @@ fn dialect(wire: Wire, stream: bool) -> DialectParams {
             model,
             message_id: "msg_01XFDUDYJgAACzvnptvVoYEL".into(),
             stream,
+            tool_search: None,
         }),
         Wire::OpenAi => DialectParams::OpenAi(OpenAiParams {
             model,

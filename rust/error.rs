@@ -23,6 +23,7 @@ pub enum CoreError {
     EmptyThinkTag,
     UnknownCompletionKind(String),
     UnknownErrorKind(String),
+    UnknownSearchKind(String),
 }
 
 impl fmt::Display for CoreError {
@@ -67,6 +68,12 @@ impl fmt::Display for CoreError {
             }
             Self::EmptyThinkTag => write!(f, "think tags must not be empty"),
             Self::UnknownErrorKind(kind) => write!(f, "unknown error kind {kind:?}"),
+            Self::UnknownSearchKind(kind) => {
+                write!(
+                    f,
+                    "unknown tool search {kind:?} (expected \"regex\" or \"bm25\")"
+                )
+            }
             Self::UnknownCompletionKind(kind) => {
                 write!(
                     f,

@@ -672,6 +672,7 @@ mod tests {
                 model: "m".into(),
                 message_id: "msg_x".into(),
                 stream,
+                tool_search: None,
             }),
             stop_sequences: stops.iter().map(|s| (*s).to_owned()).collect(),
             markup: None,
@@ -895,6 +896,7 @@ mod tests {
                 model: "m".into(),
                 message_id: "msg_x".into(),
                 stream: true,
+                tool_search: None,
             }),
             stop_sequences: Vec::new(),
             markup: None,
@@ -1183,6 +1185,7 @@ mod tests {
                     model: "m".into(),
                     message_id: "msg_x".into(),
                     stream: false,
+                    tool_search: None,
                 }),
                 stop_sequences: Vec::new(),
                 markup: markup

@@ -119,6 +119,7 @@ fn dialect(choice: u8) -> DialectParams {
             model: "m".into(),
             message_id: "msg_f".into(),
             stream,
+            tool_search: None,
         }),
         1 | 2 => DialectParams::OpenAi(OpenAiParams {
             model: "m".into(),

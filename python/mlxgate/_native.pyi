@@ -229,9 +229,14 @@ class StreamSpec:
         stream: bool = True,
         stop_sequences: list[str] = ...,
         reply: Reply | None = None,
+        tool_search: tuple[str, str, list[tuple[str, str]]] | None = None,
     ) -> StreamSpec:
         """An Anthropic Messages stream. stream=True queues message_start and ping at once;
-        stream=False makes the whole JSON Message body readable once the stream ends."""
+        stream=False makes the whole JSON Message body readable once the stream ends.
+        `tool_search` (the search tool's name, "regex" or "bm25", each deferred tool's name
+        and the text it is found by): the stream answers the model's calls of that tool itself,
+        with a `server_tool_use` and a `tool_search_tool_result` block, and a reply that
+        called only it ends with `pause_turn`."""
 
     @staticmethod
     def openai(

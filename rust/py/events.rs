@@ -9,6 +9,7 @@ use super::markup::PyMarkup;
 use crate::events::anthropic::AnthropicParams;
 use crate::events::openai::{CompletionKind, OpenAiParams};
 use crate::events::responses::{self, NamespacedTool, ResponsesParams};
+use crate::events::tool_search::{Deferred, SearchKind, ToolSearch};
 use crate::events::{Dialect, DialectParams, ErrorKind, ErrorReply, FinishReason};
 use crate::markup::ToolSchemas;
 use crate::router::StreamSpec;
@@ -167,6 +168,10 @@ impl PyDialect {
     }
 }
 
+/// A declared tool search as Python gives it: its name, "regex" or "bm25", and each deferred
+/// tool's name and the text it is found by.
+type DeclaredSearch = (String, String, Vec<(String, String)>);
+
 /// How one request's stream reads and when it ends; see `Router.open`.
 #[pyclass(module = "mlxgate._native", name = "StreamSpec", frozen)]
 pub struct PyStreamSpec {
@@ -262,20 +267,40 @@ fn spec(
 #[pymethods]
 impl PyStreamSpec {
     #[staticmethod]
-    #[pyo3(signature = (*, model, message_id, stream = true, stop_sequences = Vec::new(), reply = None))]
+    #[pyo3(signature = (
+        *, model, message_id, stream = true, stop_sequences = Vec::new(), reply = None,
+        tool_search = None,
+    ))]
     fn anthropic(
         model: String,
         message_id: String,
         stream: bool,
         stop_sequences: Vec<String>,
         reply: Option<&Bound<'_, PyReply>>,
-    ) -> PyStreamSpec {
+        tool_search: Option<DeclaredSearch>,
+    ) -> PyResult<PyStreamSpec> {
+        let tool_search = match tool_search {
+            Some((name, kind, deferred)) => Some(Arc::new(ToolSearch {
+                name,
+                kind: kind.parse::<SearchKind>()?,
+                deferred: deferred
+                    .into_iter()
+                    .map(|(name, document)| Deferred { name, document })
+                    .collect(),
+            })),
+            None => None,
+        };
         let params = AnthropicParams {
             model,
             message_id,
             stream,
+            tool_search,
         };
-        spec(DialectParams::Anthropic(params), stop_sequences, reply)
+        Ok(spec(
+            DialectParams::Anthropic(params),
+            stop_sequences,
+            reply,
+        ))
     }
 
     #[staticmethod]

@@ -151,6 +151,7 @@ fn run(fixture: &Fixture) -> Vec<u8> {
             model: open.model.clone(),
             message_id: open.message_id.clone(),
             stream: open.stream,
+            tool_search: None,
         }),
         "openai" => DialectParams::OpenAi(OpenAiParams {
             model: open.model.clone(),

@@ -8,6 +8,7 @@ from typing import Any
 
 from mlxgate._native import Dialect, Reply, StreamSpec
 from mlxgate.api.anthropic.requests import CountTokensRequest, MessagesRequest, conversation
+from mlxgate.api.anthropic.tool_search import Toolset
 from mlxgate.api.http import Receive, Scope, Send, send_json
 from mlxgate.api.pipeline import (
     COMMON_ADMISSION_ERRORS,
@@ -51,6 +52,7 @@ class AnthropicAPI:
 
     async def messages(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(MessagesRequest, body)
+        search = Toolset.of(request.tools or []).search
 
         def spec(reply: Reply) -> StreamSpec:
             return StreamSpec.anthropic(
@@ -59,6 +61,7 @@ class AnthropicAPI:
                 stream=request.stream,
                 stop_sequences=request.stop_sequences or [],
                 reply=reply,
+                tool_search=search.stream_params() if search else None,
             )
 
         await self.pipeline.answer(scope, receive, send, request, conversation(request), spec)
