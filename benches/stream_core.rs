@@ -49,6 +49,7 @@ fn dialect(wire: Wire, stream: bool) -> DialectParams {
             compaction: false,
             compacted: None,
             applied_edits: None,
+            tool_search: None,
         }),
         Wire::OpenAi => DialectParams::OpenAi(OpenAiParams {
             model,

@@ -24,6 +24,7 @@ pub enum CoreError {
     UnknownCompletionKind(String),
     UnknownErrorKind(String),
     UnknownCompaction(String),
+    UnknownSearchKind(String),
 }
 
 impl fmt::Display for CoreError {
@@ -68,6 +69,12 @@ impl fmt::Display for CoreError {
             }
             Self::EmptyThinkTag => write!(f, "think tags must not be empty"),
             Self::UnknownErrorKind(kind) => write!(f, "unknown error kind {kind:?}"),
+            Self::UnknownSearchKind(kind) => {
+                write!(
+                    f,
+                    "unknown tool search {kind:?} (expected \"regex\" or \"bm25\")"
+                )
+            }
             Self::UnknownCompletionKind(kind) => {
                 write!(
                     f,

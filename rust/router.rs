@@ -675,6 +675,7 @@ mod tests {
                 compaction: false,
                 compacted: None,
                 applied_edits: None,
+                tool_search: None,
             }),
             stop_sequences: stops.iter().map(|s| (*s).to_owned()).collect(),
             markup: None,
@@ -901,6 +902,7 @@ mod tests {
                 compaction: false,
                 compacted: None,
                 applied_edits: None,
+                tool_search: None,
             }),
             stop_sequences: Vec::new(),
             markup: None,
@@ -1192,6 +1194,7 @@ mod tests {
                     compaction: false,
                     compacted: None,
                     applied_edits: None,
+                    tool_search: None,
                 }),
                 stop_sequences: Vec::new(),
                 markup: markup

@@ -120,20 +120,35 @@ def test_a_tool_round_trip_is_the_same_conversation_in_both_dialects(
     assert prompt.reply.markup is renderer.format.markup_tools
 
 
-def test_system_messages_anywhere_fold_into_alternating_turns(renderer: chat.Renderer) -> None:
-    prompt = renderer.render(
-        anthropic(
-            max_tokens=10,
-            system="Be brief.",
-            messages=[
-                {"role": "user", "content": "hi"},
-                {"role": "system", "content": [{"type": "text", "text": "reminder"}]},
-                {"role": "system", "content": []},
-            ],
-        )
-    )
-    assert prompt.text.count("<|im_start|>user\n") == 1
-    assert "hi\n\nreminder" in prompt.text
+def test_system_messages_later_in_the_conversation_stay_where_they_are(
+    renderer: chat.Renderer,
+) -> None:
+    """Claude Code's system messages (string, blocks, empty) after the first user turn: a
+    system turn in place where the template renders one there (ChatML), else user text in
+    `<system-reminder>` tags (the tools template drops system turns); never moved into the
+    first system message, so each turn's prompt is the start of the next one's."""
+    turns: list[dict[str, Any]] = [
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": [{"type": "text", "text": "reminder"}]},
+        {"role": "system", "content": []},
+    ]
+    first = renderer.render(anthropic(max_tokens=10, system="Be brief.", messages=turns))
+    assert renderer.system_anywhere is (renderer.format.template_renders_tools is False)
+    if renderer.system_anywhere:
+        chatml = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>system\nreminder<|im_end|>\n"
+        assert chatml in first.text
+    else:
+        assert first.text.count("<|im_start|>user\n") == 1
+        assert "hi\n\n<system-reminder>\nreminder\n</system-reminder>" in first.text
+    assert first.text.index("Be brief.") < first.text.index("hi") < first.text.index("reminder")
+    later = [
+        *turns,
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Thanks."},
+        {"role": "system", "content": "another reminder"},
+    ]
+    second = renderer.render(anthropic(max_tokens=10, system="Be brief.", messages=later))
+    assert second.text.startswith(first.text)
     same = anthropic(
         max_tokens=10,
         system=[{"type": "text", "text": "Be brief."}],
@@ -296,3 +311,39 @@ def test_the_templates_turn_end_token_ends_a_reply() -> None:
     assert chat.Renderer(tokenizer).eos_ids == [0, eot]
     # A template that closes turns with plain text adds nothing.
     assert chat.Renderer(byte_tokenizer(template.replace("<|eot|>", "\n"))).eos_ids == [0]
+
+
+@pytest.mark.parametrize(
+    ("thinking", "effort", "message_effort", "expected"),
+    [
+        (None, None, None, None),
+        ({"type": "adaptive", "display": "omitted"}, "high", None, None),
+        ({"type": "enabled", "budget_tokens": 31999, "display": "omitted"}, None, None, True),
+        ({"type": "disabled"}, "max", None, False),
+        ({"type": "adaptive"}, "low", None, False),
+        ({"type": "enabled", "budget_tokens": 1024}, "low", None, True),
+        ({"type": "adaptive"}, None, "low", False),
+        ({"type": "adaptive"}, "medium", "low", None),
+    ],
+)
+def test_thinking_is_as_asked_and_low_effort_turns_it_off(
+    thinking: dict[str, Any] | None,
+    effort: str | None,
+    message_effort: str | None,
+    expected: bool | None,
+) -> None:
+    """Claude Code's fields: `thinking` adaptive (the template's default), enabled or disabled;
+    `output_config.effort`, also on its system messages; `context_management` (accepted)."""
+    system: dict[str, Any] = {"role": "system", "content": "# Environment"}
+    if message_effort:
+        system["output_config"] = {"effort": message_effort}
+    body: dict[str, Any] = {
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hi"}, system],
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }
+    if thinking:
+        body["thinking"] = thinking
+    if effort:
+        body["output_config"] = {"effort": effort}
+    assert anthropic(**body).thinking is expected

@@ -265,8 +265,8 @@ def _request(**body: Any) -> ResponsesRequest:
 
 
 def test_system_and_developer_messages_lead_as_one_system_turn() -> None:
-    """Templates accept one system message, first: the leading ones join `instructions`, a later
-    one becomes a user turn (so the rendered prefix of earlier turns never changes)."""
+    """The leading ones join `instructions`; a later one stays where it is (chat.Renderer
+    places it), so the rendered prefix of earlier turns never changes."""
     request = _request(
         instructions="Be brief.",
         input=[
@@ -283,7 +283,8 @@ def test_system_and_developer_messages_lead_as_one_system_turn() -> None:
     turns = messages(request, [], tools(request))
     assert turns == [
         {"role": "system", "content": "Be brief.\n\nA\n\nB"},
-        {"role": "user", "content": "Hi\n\nC"},
+        {"role": "user", "content": "Hi"},
+        {"role": "system", "content": "C"},
     ]
 
 

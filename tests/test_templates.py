@@ -16,7 +16,7 @@ import pytest
 from forced import FAMILIES, write_tokenizer
 from mlxgate import chat
 from mlxgate.models import embedded, gguf
-from mlxgate.models.tokenizer import ChatTokenizer
+from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
 
 TOOL = {
     "type": "function",
@@ -61,6 +61,17 @@ CONVERSATIONS = [
         tools=[TOOL],
         tool_choice=chat.ToolChoice("tool", "Bash"),
     ),
+    # Claude Code's: a system message after the user's, then a tool loaded by a tool search.
+    chat.Conversation(
+        [
+            {"role": "system", "content": "You are an agent."},
+            {"role": "user", "content": "List the files."},
+            {"role": "system", "content": "# Environment\ncwd: /tmp"},
+            {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"},
+        ],
+        loaded_tools=[TOOL],
+    ),
 ]
 
 
@@ -103,7 +114,12 @@ def compared(directory: Path) -> list[tuple[str, str | None]]:
             theirs = reference.apply_chat_template(messages, tokenize=False, **kwargs)
         except jinja2.exceptions.SecurityError:
             theirs = None
-        pairs.append((ours(messages, **kwargs), theirs))
+        except jinja2.exceptions.TemplateError as exc:  # a probe the template refuses
+            theirs = f"refused: {exc}"
+        try:
+            pairs.append((ours(messages, **kwargs), theirs))
+        except TemplateError as exc:
+            pairs.append((f"refused: {exc}", theirs))
     return pairs
 
 

@@ -122,6 +122,7 @@ fn dialect(choice: u8) -> DialectParams {
             compaction: false,
             compacted: None,
             applied_edits: None,
+            tool_search: None,
         }),
         1 | 2 => DialectParams::OpenAi(OpenAiParams {
             model: "m".into(),

@@ -235,6 +235,7 @@ class StreamSpec:
         applied_edits: str | None = None,
         stop_sequences: list[str] = ...,
         reply: Reply | None = None,
+        tool_search: tuple[str, str, list[tuple[str, str]]] | None = None,
     ) -> StreamSpec:
         """An Anthropic Messages stream. stream=True queues message_start and ping at once;
         stream=False makes the whole JSON Message body readable once the stream ends. With
@@ -242,7 +243,11 @@ class StreamSpec:
         `compaction` block (streamed as one `compaction_delta`) and the stop reason
         `compaction`. `compacted` is a summary made before this generation, the message's first
         block. `applied_edits` (a JSON array) is reported as the message's
-        `context_management.applied_edits`."""
+        `context_management.applied_edits`.
+        `tool_search` (the search tool's name, "regex" or "bm25", each deferred tool's name
+        and the text it is found by): the stream answers the model's calls of that tool itself,
+        with a `server_tool_use` and a `tool_search_tool_result` block, and a reply that
+        called only it ends with `pause_turn`."""
 
     @staticmethod
     def openai(

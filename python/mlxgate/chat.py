@@ -7,6 +7,7 @@ then renders it here, so one model gets one rendering whichever dialect asked.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -54,6 +55,10 @@ class Conversation:
     input_grammars: dict[str, str] = field(default_factory=dict)
     # The tools that are custom tools (raw text input): the reply answers calls to them so.
     custom_tools: list[str] = field(default_factory=list)
+    # Tools the model may call that the prompt's tool list leaves out: their definitions reached
+    # it inside the conversation (a tool search's result). Listing them would change the
+    # prompt's opening each time a tool is found, and with it every cached prefix.
+    loaded_tools: list[Tool] = field(default_factory=list)
 
 
 def markup(tool_call: str | None, think: tuple[str, str] | None) -> Markup | None:
@@ -148,6 +153,29 @@ def _inline_tools(messages: list[Message], tools: list[Tool], fmt: ToolFormat) -
     return out
 
 
+def _system_reminder(text: str) -> str:
+    """A system message as user text, for templates that take a system message only first
+    (Claude Code's own wrapping of system text inside user turns)."""
+    return f"<system-reminder>\n{text}\n</system-reminder>"
+
+
+def _system_in_place(messages: list[Message], anywhere: bool) -> list[Message]:
+    """System messages after the conversation's first other turn, where they stand: as system
+    turns where the template renders them there, else as user turns of `_system_reminder` text.
+    Never moved into the first system message, which would change every turn's prefix."""
+    if anywhere:
+        return messages
+    out: list[Message] = []
+    opened = False
+    for message in messages:
+        if message["role"] != "system":
+            opened = True
+        elif opened:
+            message = {"role": "user", "content": _system_reminder(message.get("content") or "")}
+        out.append(message)
+    return out
+
+
 def merge_turns(messages: list[Message]) -> list[Message]:
     """Join consecutive same-role plain turns, so strict templates see user/assistant alternate."""
     merged: list[Message] = []
@@ -200,6 +228,31 @@ class Renderer:
         self.arguments_as_json = False
         self.arguments_as_json = self.format.template_renders_calls and self._prints_arguments()
         self.added_tokens = AddedTokens.of(tokenizer.tokenizer)
+        self.system_anywhere = self._renders_system_in_place()
+
+    def _renders_system_in_place(self) -> bool:
+        """Whether the template renders a system message after other turns where it stands
+        (Qwen3, GLM, Kimi K2) rather than refusing it (Qwen3.5), dropping it (gpt-oss,
+        MiniMax M2) or moving it first (DeepSeek V3.1)."""
+        turns: list[Message] = [
+            {"role": role, "content": f"MLXGATE_{role.upper()}_PROBE_{i}"}
+            for i, role in enumerate(("user", "system", "assistant", "user"))
+        ]
+        parameters = {"type": "object", "properties": {"probe": {"type": "string"}}}
+        tool = {
+            "type": "function",
+            "function": {"name": "probe", "description": "probe", "parameters": parameters},
+        }
+        # Claude Code's first request and a later one, with tools and without.
+        for shape, tools in itertools.product((turns[:2], turns), (None, [tool])):
+            try:
+                text = self.tokenizer.render(shape, tools=tools, add_generation_prompt=True)
+            except Exception:  # the template refuses it
+                return False
+            places = [text.find(turn["content"]) for turn in shape]
+            if -1 in places or places != sorted(places):
+                return False
+        return True
 
     def _turn_end_ids(self) -> set[int]:
         """The special token the template closes an assistant turn with (`<|im_end|>`,
@@ -259,12 +312,15 @@ class Renderer:
         fmt = self.format
         choice = conversation.tool_choice
         tools = [] if choice.mode == "none" else list(conversation.tools)
-        if choice.mode == "tool" and choice.name not in {t["function"]["name"] for t in tools}:
+        # What the model may call: the listed tools and those the conversation loaded.
+        callable_tools = [] if choice.mode == "none" else [*tools, *conversation.loaded_tools]
+        names = {tool["function"]["name"] for tool in callable_tools}
+        if choice.mode == "tool" and choice.name not in names:
             raise ConversationError(f"tool_choice names {choice.name!r}, which is not in tools")
-        if choice.mode == "any" and not tools:
+        if choice.mode == "any" and not callable_tools:
             raise ConversationError("tool_choice 'any' needs at least one tool")
 
-        messages = conversation.messages
+        messages = _system_in_place(conversation.messages, self.system_anywhere)
         continuation = ""
         if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
             continuation = messages[-1].get("content") or ""
@@ -297,21 +353,25 @@ class Renderer:
         if fmt.think is not None and text.rstrip().endswith(fmt.think[0]):
             prefill = text[text.rstrip().rindex(fmt.think[0]) :]  # the template opened <think>
         forced, call_grammar, answer = "", None, fmt.reasoning.answer
-        if tools and choice.mode in ("any", "tool"):
+        if callable_tools and choice.mode in ("any", "tool"):
             name = choice.name if choice.mode == "tool" else None
             forced = fmt.tool_format.forced_opening(name)
             call_grammar = forced_call(
-                fmt.tool_format, tools, name, self.added_tokens, conversation.input_grammars
+                fmt.tool_format,
+                callable_tools,
+                name,
+                self.added_tokens,
+                conversation.input_grammars,
             )
         elif (
-            tools
+            callable_tools
             and (conversation.strict_tools or self._holds_inputs(conversation))
             and not (conversation.structured or answer)
         ):
             # (Where the answer has an opening, harmony's `<|channel|>`, calls open with it too:
             # free text around calls could not hold it.)
             call_grammar = optional_calls(
-                fmt.tool_format, tools, self.added_tokens, conversation.input_grammars
+                fmt.tool_format, callable_tools, self.added_tokens, conversation.input_grammars
             )
         if conversation.structured and not forced:
             forced = answer  # the answer at once, with no reasoning before it
@@ -320,12 +380,12 @@ class Renderer:
             text, prefill = f"{text.rstrip()}\n\n{fmt.think[1]}\n\n", ""
         text += continuation + forced
         reply = Reply(
-            markup=fmt.markup_tools if tools else fmt.markup_text,
+            markup=fmt.markup_tools if callable_tools else fmt.markup_text,
             prefill=prefill + continuation + forced,
             eos_ids=self.eos_ids,
             tools=[
                 (tool["function"]["name"], json.dumps(tool["function"].get("parameters") or {}))
-                for tool in tools
+                for tool in callable_tools
             ],
         )
         return Prompt(text, self.tokenizer.encode(text), reply, call_grammar)

@@ -1,7 +1,10 @@
 //! Anthropic Messages: streaming event sequence and the non-streaming Message body.
 
+use std::sync::Arc;
+
 use serde::{Serialize, Serializer};
 
+use super::tool_search::ToolSearch;
 use super::{tool_call_id, ErrorKind, ErrorReply, Finish, PromptUsage};
 use crate::jsonscan::minify;
 use crate::sse::{write_event, write_json};
@@ -21,6 +24,8 @@ pub struct AnthropicParams {
     /// The context-management edits applied to the request (a JSON array, Anthropic's
     /// `applied_edits`), reported in the message's `context_management`.
     pub applied_edits: Option<String>,
+    /// A declared server-side tool search: the stream answers the model's calls of it.
+    pub tool_search: Option<Arc<ToolSearch>>,
 }
 
 /// Kinds of content block. A change of kind closes the open block and opens the next index;
@@ -31,6 +36,9 @@ pub enum BlockKind {
     Thinking,
     ToolUse,
     Compaction,
+    /// A call of the server-side tool search, answered by the `SearchResult` after it.
+    ServerToolUse,
+    SearchResult,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -47,6 +55,10 @@ pub struct AnthropicStream {
     open: Option<OpenBlock>,
     next_index: u32,
     tool_calls: u32,
+    /// Calls the client runs (not the server's tool search).
+    client_calls: u32,
+    /// The open tool search call's id and input so far.
+    search_call: Option<(String, String)>,
     /// Non-streaming only: the content blocks so far.
     content: Vec<Block>,
     /// The open compaction block's summary (sent whole when the block closes).
@@ -61,6 +73,8 @@ impl AnthropicStream {
             open: None,
             next_index: 0,
             tool_calls: 0,
+            client_calls: 0,
+            search_call: None,
             content: Vec::new(),
             summary: String::new(),
         }
@@ -123,43 +137,90 @@ impl AnthropicStream {
 
     /// Opens a `tool_use` block with an empty `input`; the input follows as `input_json_delta`s
     /// (clients ignore an input given in `content_block_start`).
+    /// A call of the declared tool search opens a `server_tool_use` block instead, streamed
+    /// the same way.
     pub fn tool_start(&mut self, name: &str, out: &mut Vec<u8>) {
         if self.params.compaction {
             return; // a summary calls no tool
         }
+        if self.search_call.is_some() {
+            self.tool_end(out); // a search call is answered even if its end went unsaid
+        }
         self.close_block(out);
-        let mut id = String::with_capacity(30);
-        tool_call_id("toolu_", &self.params.message_id, self.tool_calls, &mut id);
+        let search = self
+            .params
+            .tool_search
+            .as_ref()
+            .is_some_and(|s| s.name == name);
+        let mut id = String::with_capacity(32);
+        let prefix = if search { "srvtoolu_" } else { "toolu_" };
+        tool_call_id(prefix, &self.params.message_id, self.tool_calls, &mut id);
         self.tool_calls += 1;
-        self.open_block(
-            BlockKind::ToolUse,
-            Block::ToolUse {
-                id,
-                name: name.to_owned(),
-                input: String::new(),
-            },
-            out,
-        );
+        let (name, input) = (name.to_owned(), String::new());
+        if search {
+            self.search_call = Some((id.clone(), String::new()));
+            let block = Block::ServerToolUse { id, name, input };
+            self.open_block(BlockKind::ServerToolUse, block, out);
+        } else {
+            self.client_calls += 1;
+            self.open_block(BlockKind::ToolUse, Block::ToolUse { id, name, input }, out);
+        }
     }
 
     pub fn tool_args(&mut self, fragment: &str, out: &mut Vec<u8>) {
-        let Some(open) = self.open.filter(|o| o.kind == BlockKind::ToolUse) else {
+        let Some(open) = self
+            .open
+            .filter(|o| matches!(o.kind, BlockKind::ToolUse | BlockKind::ServerToolUse))
+        else {
             return;
         };
         if fragment.is_empty() {
             return;
         }
+        if let (BlockKind::ServerToolUse, Some((_, input))) = (open.kind, &mut self.search_call) {
+            input.push_str(fragment);
+        }
         if self.params.stream {
             write_str_delta(out, open.index, INPUT_JSON_DELTA, fragment);
-        } else if let Some(Block::ToolUse { input, .. }) = self.content.last_mut() {
+        } else if let Some(Block::ToolUse { input, .. } | Block::ServerToolUse { input, .. }) =
+            self.content.last_mut()
+        {
             input.push_str(fragment);
         }
     }
 
+    /// A tool search call, once complete, is answered at once: its result block follows it.
     pub fn tool_end(&mut self, out: &mut Vec<u8>) {
-        if !self.params.compaction {
-            self.close_block(out);
+        if self.params.compaction {
+            return; // a summary calls no tool: its block stays open
         }
+        self.close_block(out);
+        let (Some((tool_use_id, input)), Some(search)) =
+            (self.search_call.take(), self.params.tool_search.clone())
+        else {
+            return;
+        };
+        let content = match search.run(&input) {
+            Ok(names) => SearchOutcome::ToolSearchToolSearchResult {
+                tool_references: names
+                    .into_iter()
+                    .map(|name| ToolReference {
+                        kind: "tool_reference",
+                        tool_name: name.to_owned(),
+                    })
+                    .collect(),
+            },
+            Err(invalid) => SearchOutcome::ToolSearchToolResultError {
+                error_code: "invalid_tool_input",
+                error_message: invalid.0,
+            },
+        };
+        let block = Block::ToolSearchToolResult {
+            tool_use_id,
+            content,
+        };
+        self.open_block(BlockKind::SearchResult, block, out);
+        self.close_block(out);
     }
 
     pub fn finish(&mut self, finish: Finish<'_>, output_tokens: u64, out: &mut Vec<u8>) {
@@ -173,6 +234,8 @@ impl AnthropicStream {
             Finish::EndTurn => ("end_turn", None),
             Finish::MaxTokens => ("max_tokens", None),
             Finish::StopSequence(stop) => ("stop_sequence", Some(stop)),
+            // Only the server's search was called: the client sends the reply back to go on.
+            Finish::ToolUse if self.client_calls == 0 => ("pause_turn", None),
             Finish::ToolUse => ("tool_use", None),
         };
         if self.params.stream {
@@ -217,13 +280,15 @@ impl AnthropicStream {
                 thinking: String::new(),
                 signature: "",
             },
-            // Opened by `tool_start` with its id and name; never entered by kind.
-            BlockKind::ToolUse => Block::ToolUse {
-                id: String::new(),
-                name: String::new(),
-                input: String::new(),
-            },
             BlockKind::Compaction => Block::Compaction { content: None },
+            // Opened by `tool_start` and `tool_end` with what they hold; never entered by kind.
+            BlockKind::ToolUse | BlockKind::ServerToolUse | BlockKind::SearchResult => {
+                Block::ToolUse {
+                    id: String::new(),
+                    name: String::new(),
+                    input: String::new(),
+                }
+            }
         };
         self.open_block(kind, block, out)
     }
@@ -469,6 +534,36 @@ enum Block {
     Compaction {
         content: Option<String>,
     },
+    ServerToolUse {
+        id: String,
+        name: String,
+        #[serde(serialize_with = "raw_object")]
+        input: String,
+    },
+    /// Sent whole in its `content_block_start`, with no deltas.
+    ToolSearchToolResult {
+        tool_use_id: String,
+        content: SearchOutcome,
+    },
+}
+
+#[derive(Debug, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum SearchOutcome {
+    ToolSearchToolSearchResult {
+        tool_references: Vec<ToolReference>,
+    },
+    ToolSearchToolResultError {
+        error_code: &'static str,
+        error_message: String,
+    },
+}
+
+#[derive(Debug, Serialize)]
+struct ToolReference {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    tool_name: String,
 }
 
 /// Writes JSON text (valid by construction: the markup parser validates it) as a nested value.
@@ -527,6 +622,7 @@ struct ErrorBody<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::events::tool_search::{Deferred, SearchKind};
     use crate::events::Protocol;
 
     fn params(stream: bool) -> AnthropicParams {
@@ -537,6 +633,7 @@ mod tests {
             compaction: false,
             compacted: None,
             applied_edits: None,
+            tool_search: None,
         }
     }
 
@@ -631,6 +728,97 @@ mod tests {
             std::str::from_utf8(&out).unwrap(),
             "{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"smol\",\"content\":[{\"type\":\"text\",\"text\":\"Hello\"}],\"stop_reason\":\"max_tokens\",\"stop_sequence\":null,\"usage\":{\"input_tokens\":5,\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":2,\"output_tokens\":2}}"
         );
+    }
+
+    fn searching(stream: bool) -> AnthropicStream {
+        let search = ToolSearch {
+            name: "tool_search_tool_regex".into(),
+            kind: SearchKind::Regex,
+            deferred: vec![Deferred {
+                name: "get_weather".into(),
+                document: "get_weather\nGet the weather.".into(),
+            }],
+        };
+        let params = AnthropicParams {
+            tool_search: Some(Arc::new(search)),
+            ..params(stream)
+        };
+        AnthropicStream::new(params, PromptUsage::default())
+    }
+
+    fn call(s: &mut AnthropicStream, name: &str, input: &str, out: &mut Vec<u8>) {
+        s.tool_start(name, out);
+        for fragment in [&input[..3], &input[3..]] {
+            s.tool_args(fragment, out);
+        }
+        s.tool_end(out);
+    }
+
+    #[test]
+    fn a_tool_search_call_is_answered_in_the_stream_and_pauses_the_turn() {
+        let mut s = searching(true);
+        let mut out = Vec::new();
+        call(
+            &mut s,
+            "tool_search_tool_regex",
+            r#"{"query": "weather"}"#,
+            &mut out,
+        );
+        s.finish(Finish::ToolUse, 9, &mut out);
+        let frames = frames(&out);
+        assert!(
+            frames[0].contains(r#""content_block":{"type":"server_tool_use","id":"srvtoolu_"#),
+            "{frames:?}"
+        );
+        assert!(frames[0].ends_with(r#""name":"tool_search_tool_regex","input":{}}}"#));
+        assert!(
+            frames[1].contains(r#""partial_json":"{\"q"}"#),
+            "{frames:?}"
+        );
+        let id = &frames[0][frames[0].find("srvtoolu_").unwrap()..][..33];
+        assert_eq!(
+            frames[4],
+            format!(
+                "event: content_block_start\ndata: {{\"type\":\"content_block_start\",\"index\":1,\"content_block\":{{\"type\":\"tool_search_tool_result\",\"tool_use_id\":\"{id}\",\"content\":{{\"type\":\"tool_search_tool_search_result\",\"tool_references\":[{{\"type\":\"tool_reference\",\"tool_name\":\"get_weather\"}}]}}}}}}"
+            )
+        );
+        assert!(
+            frames[5].starts_with("event: content_block_stop")
+                && frames[5].contains(r#""index":1"#)
+        );
+        assert!(
+            frames[6].contains(r#""stop_reason":"pause_turn""#),
+            "{frames:?}"
+        );
+    }
+
+    #[test]
+    fn a_bad_search_is_an_error_result_and_a_client_call_is_tool_use() {
+        let mut s = searching(false);
+        let mut out = Vec::new();
+        call(
+            &mut s,
+            "tool_search_tool_regex",
+            r#"{"query": "(x"}"#,
+            &mut out,
+        );
+        call(&mut s, "get_weather", r#"{"city": "Paris"}"#, &mut out);
+        s.finish(Finish::ToolUse, 9, &mut out);
+        let body: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        let content = body["content"].as_array().unwrap();
+        assert_eq!(content[0]["type"], "server_tool_use");
+        assert_eq!(content[0]["input"], serde_json::json!({"query": "(x"}));
+        assert_eq!(content[1]["tool_use_id"], content[0]["id"]);
+        let error = &content[1]["content"];
+        assert_eq!(error["type"], "tool_search_tool_result_error");
+        assert_eq!(error["error_code"], "invalid_tool_input");
+        assert!(error["error_message"]
+            .as_str()
+            .unwrap()
+            .contains("regular expression"));
+        assert_eq!(content[2]["type"], "tool_use");
+        assert!(content[2]["id"].as_str().unwrap().starts_with("toolu_"));
+        assert_eq!(body["stop_reason"], "tool_use");
     }
 
     #[test]

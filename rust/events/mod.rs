@@ -4,6 +4,7 @@ pub mod anthropic;
 pub mod custom_input;
 pub mod openai;
 pub mod responses;
+pub mod tool_search;
 
 use crate::error::CoreError;
 

@@ -10,6 +10,7 @@ use crate::error::CoreError;
 use crate::events::anthropic::AnthropicParams;
 use crate::events::openai::{CompletionKind, OpenAiParams};
 use crate::events::responses::{self, Compaction, NamespacedTool, ResponsesParams};
+use crate::events::tool_search::{Deferred, SearchKind, ToolSearch};
 use crate::events::{Dialect, DialectParams, ErrorKind, ErrorReply, FinishReason};
 use crate::markup::ToolSchemas;
 use crate::router::StreamSpec;
@@ -168,6 +169,10 @@ impl PyDialect {
     }
 }
 
+/// A declared tool search as Python gives it: its name, "regex" or "bm25", and each deferred
+/// tool's name and the text it is found by.
+type DeclaredSearch = (String, String, Vec<(String, String)>);
+
 /// How one request's stream reads and when it ends; see `Router.open`.
 #[pyclass(module = "mlxgate._native", name = "StreamSpec", frozen)]
 pub struct PyStreamSpec {
@@ -265,7 +270,7 @@ impl PyStreamSpec {
     #[staticmethod]
     #[pyo3(signature = (
         *, model, message_id, stream = true, compaction = false, compacted = None,
-        applied_edits = None, stop_sequences = Vec::new(), reply = None,
+        applied_edits = None, stop_sequences = Vec::new(), reply = None, tool_search = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn anthropic(
@@ -277,7 +282,19 @@ impl PyStreamSpec {
         applied_edits: Option<String>,
         stop_sequences: Vec<String>,
         reply: Option<&Bound<'_, PyReply>>,
-    ) -> PyStreamSpec {
+        tool_search: Option<DeclaredSearch>,
+    ) -> PyResult<PyStreamSpec> {
+        let tool_search = match tool_search {
+            Some((name, kind, deferred)) => Some(Arc::new(ToolSearch {
+                name,
+                kind: kind.parse::<SearchKind>()?,
+                deferred: deferred
+                    .into_iter()
+                    .map(|(name, document)| Deferred { name, document })
+                    .collect(),
+            })),
+            None => None,
+        };
         let params = AnthropicParams {
             model,
             message_id,
@@ -285,8 +302,13 @@ impl PyStreamSpec {
             compaction,
             compacted,
             applied_edits,
+            tool_search,
         };
-        spec(DialectParams::Anthropic(params), stop_sequences, reply)
+        Ok(spec(
+            DialectParams::Anthropic(params),
+            stop_sequences,
+            reply,
+        ))
     }
 
     #[staticmethod]

@@ -154,6 +154,7 @@ fn run(fixture: &Fixture) -> Vec<u8> {
             compaction: false,
             compacted: None,
             applied_edits: None,
+            tool_search: None,
         }),
         "openai" => DialectParams::OpenAi(OpenAiParams {
             model: open.model.clone(),

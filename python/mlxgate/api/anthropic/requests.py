@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from itertools import groupby
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxgate import chat
 from mlxgate.api import compaction
+from mlxgate.api.anthropic.tool_search import Toolset
 from mlxgate.api.errors import invalid
 from mlxgate.api.requests import reply_grammar, sampling
 from mlxgate.engine import Grammar, SamplingParams
@@ -31,15 +33,21 @@ class ContentBlock(BaseModel):
     name: str | None = None
     input: Any = None
     tool_use_id: str | None = None
-    content: str | list[ContentBlock] | None = None
+    # A tool result's: text or blocks; a tool search result's: one block (found or error).
+    content: str | list[ContentBlock] | ContentBlock | None = None
     is_error: bool | None = None
     tool_name: str | None = None
     thinking: str | None = None
+    tool_references: list[ContentBlock] | None = None
+    error_code: str | None = None
+    error_message: str | None = None
 
 
 class InputMessage(_Lenient):
     role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
+    # Claude Code's, on its system messages.
+    output_config: OutputConfig | None = None
 
 
 class SystemBlock(_Lenient):
@@ -62,7 +70,11 @@ class ToolChoiceSpec(_Lenient):
 
 
 class ThinkingSpec(_Lenient):
+    # "enabled", "disabled", or "adaptive": as the model's template does by default.
     type: str
+    budget_tokens: int | None = None
+    # Accepted; thinking is shown whatever it says.
+    display: str | None = None
 
 
 class OutputFormat(_Lenient):
@@ -72,6 +84,8 @@ class OutputFormat(_Lenient):
 
 class OutputConfig(_Lenient):
     format: OutputFormat | None = None
+    # "low" turns thinking off where the template has a switch and thinking is not "enabled".
+    effort: str | None = None
 
 
 class ContextManagement(_Lenient):
@@ -123,29 +137,47 @@ class MessagesRequest(CountTokensRequest):
         return sampling(defaults, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
-def _tool_result_text(block: ContentBlock) -> str:
+def _tool_result_text(block: ContentBlock, toolset: Toolset) -> str:
     if isinstance(block.content, str) or block.content is None:
         text = block.content or ""
+    elif isinstance(block.content, ContentBlock):
+        raise invalid("a tool_result's content is text or a list of blocks")
     else:
-        parts = []
-        for inner in block.content:
-            if inner.type == "text":
-                parts.append(inner.text or "")
-            elif inner.type == "tool_reference":
-                parts.append(f"Tool loaded: {inner.tool_name}")
-            elif inner.type == "image":
-                raise invalid("tool_result images are not supported by this model")
+        parts: list[str] = []
+        # A run of tool_reference blocks (a client's search result) is one <functions> block.
+        for references, run in groupby(block.content, lambda b: b.type == "tool_reference"):
+            if references:
+                parts.append(toolset.found([inner.tool_name or "" for inner in run]))
+                continue
+            for inner in run:
+                if inner.type == "text":
+                    parts.append(inner.text or "")
+                elif inner.type == "image":
+                    raise invalid("tool_result images are not supported by this model")
         text = "\n".join(parts)
     return f"Error: {text}" if block.is_error else text
 
 
-def _convert_message(index: int, message: InputMessage) -> list[chat.Message]:
-    """One Anthropic message as chat-template turns (tool results become `tool` turns)."""
-    role = "user" if message.role == "system" else message.role  # Claude Code sends these
+def _search_result_text(block: ContentBlock, toolset: Toolset) -> str:
+    """A `tool_search_tool_result` as the search tool's result: the tools found, or the error."""
+    result = block.content
+    if not isinstance(result, ContentBlock):
+        raise invalid("a tool_search_tool_result's content is one block")
+    if result.type == "tool_search_tool_result_error":
+        detail = f": {result.error_message}" if result.error_message else ""
+        return f"Error: {result.error_code}{detail}"
+    return toolset.found([ref.tool_name or "" for ref in result.tool_references or []])
+
+
+def _convert_message(index: int, message: InputMessage, toolset: Toolset) -> list[chat.Message]:
+    """One Anthropic message as chat-template turns: tool results become `tool` turns, and so
+    does a server tool search's result inside an assistant message (after its call). A system
+    message stays a system turn where it stands (chat.Renderer places it)."""
+    role = message.role
     if isinstance(message.content, str):
         return (
             [{"role": role, "content": message.content}]
-            if message.content or role != "user"
+            if message.content or role == "assistant"
             else []
         )
     turns: list[chat.Message] = []
@@ -158,6 +190,17 @@ def _convert_message(index: int, message: InputMessage) -> list[chat.Message]:
             turns.append({"role": role, "content": "\n".join(texts)})
             texts.clear()
 
+    def flush_assistant() -> None:
+        turn: chat.Message = {"role": "assistant", "content": "\n".join(texts)}
+        if any(reasoning):
+            turn[REASONING] = "\n\n".join(r for r in reasoning if r)
+        if calls:
+            turn["tool_calls"] = list(calls)
+        turns.append(turn)
+        texts.clear()
+        reasoning.clear()
+        calls.clear()
+
     for i, block in enumerate(message.content):
         where = f"messages.{index}.content.{i}"
         if block.type == "text":
@@ -167,7 +210,10 @@ def _convert_message(index: int, message: InputMessage) -> list[chat.Message]:
             reasoning.append(block.thinking or "")
         elif block.type in ("thinking", "redacted_thinking"):
             continue  # redacted reasoning has no text a local model wrote
-        elif block.type == "tool_use" and role == "assistant":
+        elif role == "assistant" and (
+            block.type == "tool_use"
+            or (block.type == "server_tool_use" and toolset.is_search(block.name))
+        ):
             arguments = block.input if isinstance(block.input, dict) else {}
             calls.append(
                 {
@@ -176,13 +222,17 @@ def _convert_message(index: int, message: InputMessage) -> list[chat.Message]:
                     "function": {"name": block.name, "arguments": arguments},
                 }
             )
+        elif block.type == "tool_search_tool_result" and role == "assistant":
+            flush_assistant()
+            text = _search_result_text(block, toolset)
+            turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
         elif block.type == "tool_result" and role == "user":
             flush_text()
             turns.append(
                 {
                     "role": "tool",
                     "tool_call_id": block.tool_use_id,
-                    "content": _tool_result_text(block),
+                    "content": _tool_result_text(block, toolset),
                 }
             )
         elif block.type in ("image", "document"):
@@ -190,14 +240,25 @@ def _convert_message(index: int, message: InputMessage) -> list[chat.Message]:
         else:
             raise invalid(f"{where}: content block type {block.type!r} is not supported here")
     if role == "assistant":
-        turn: chat.Message = {"role": "assistant", "content": "\n".join(texts)}
-        if any(reasoning):
-            turn[REASONING] = "\n\n".join(r for r in reasoning if r)
-        if calls:
-            turn["tool_calls"] = calls
-        return [turn]
+        if texts or reasoning or calls or not turns:
+            flush_assistant()
+        return turns
     flush_text()
     return turns
+
+
+def _referenced_tools(messages: list[InputMessage]) -> list[str]:
+    """The tools the conversation's tool searches found: `tool_reference` blocks in tool
+    results (a client's search, Claude Code's ToolSearch) and in server search results."""
+    names: list[str] = []
+    for message in messages:
+        for block in message.content if isinstance(message.content, list) else []:
+            content = block.content
+            if block.type == "tool_result" and isinstance(content, list):
+                names += [b.tool_name or "" for b in content if b.type == "tool_reference"]
+            elif block.type == "tool_search_tool_result" and isinstance(content, ContentBlock):
+                names += [b.tool_name or "" for b in content.tool_references or []]
+    return names
 
 
 def _system_text(system: str | list[SystemBlock] | None) -> str:
@@ -208,20 +269,22 @@ def _system_text(system: str | list[SystemBlock] | None) -> str:
     return "\n\n".join(b.text for b in system if not b.text.startswith(BILLING_HEADER_PREFIX))
 
 
-def _tools(request: CountTokensRequest) -> list[chat.Tool]:
-    tools = []
-    for tool in request.tools or []:
-        # Deferred tools are loaded on demand by the client (ToolSearch); server tools
-        # (web_search and the like) have no schema for a local model to call.
-        if tool.defer_loading or tool.input_schema is None:
-            continue
-        function = {
-            "name": tool.name,
-            "description": tool.description or "",
-            "parameters": tool.input_schema,
-        }
-        tools.append({"type": "function", "function": function})
-    return tools
+def _thinking(request: CountTokensRequest) -> bool | None:
+    """Whether the model thinks: as asked ("enabled", "disabled"), else as its template does
+    ("adaptive", or nothing said), except that "low" effort turns it off. The effort is the
+    request's `output_config`, else the last message's (Claude Code's system messages)."""
+    asked = request.thinking.type if request.thinking else None
+    if asked in ("enabled", "disabled"):
+        return asked == "enabled"
+    efforts = [
+        m.output_config.effort
+        for m in request.messages
+        if m.output_config and m.output_config.effort
+    ]
+    effort = (request.output_config.effort if request.output_config else None) or (
+        efforts[-1] if efforts else None
+    )
+    return False if effort == "low" else None
 
 
 def _since_compaction(messages: list[InputMessage]) -> list[tuple[int, InputMessage]]:
@@ -246,20 +309,19 @@ def _since_compaction(messages: list[InputMessage]) -> list[tuple[int, InputMess
 
 
 def conversation(request: CountTokensRequest) -> chat.Conversation:
+    toolset = Toolset.of(request.tools or [])
     messages: list[chat.Message] = []
     if system := _system_text(request.system):
         messages.append({"role": "system", "content": system})
     for index, message in _since_compaction(request.messages):
-        messages.extend(_convert_message(index, message))
+        messages.extend(_convert_message(index, message, toolset))
     choice = request.tool_choice
-    thinking = None
-    if request.thinking is not None:
-        thinking = {"disabled": False, "enabled": True}.get(request.thinking.type)
     return chat.Conversation(
         messages=messages,
-        tools=_tools(request),
+        tools=toolset.listed,
         tool_choice=chat.ToolChoice(choice.type, choice.name) if choice else chat.ToolChoice(),
-        thinking=thinking,
+        thinking=_thinking(request),
         structured=request.reply_format() is not None,
         strict_tools=any(tool.strict for tool in request.tools or []),
+        loaded_tools=toolset.loaded(_referenced_tools(request.messages)),
     )

@@ -13,6 +13,7 @@ from mlxgate._native import Dialect, Reply, StreamSpec
 from mlxgate.api import compaction
 from mlxgate.api.anthropic import context
 from mlxgate.api.anthropic.requests import CountTokensRequest, MessagesRequest, conversation
+from mlxgate.api.anthropic.tool_search import Toolset
 from mlxgate.api.http import Receive, Scope, Send, collect, send_bytes, send_json
 from mlxgate.api.pipeline import (
     COMMON_ADMISSION_ERRORS,
@@ -69,6 +70,7 @@ class AnthropicAPI:
                     return  # answered already: the client left, or the summary failed
                 prompt = compaction.resumed(managed.conversation, summary)
         applied = orjson.dumps(managed.applied).decode() if managed.applied else None
+        search = Toolset.of(request.tools or []).search
 
         def spec(reply: Reply) -> StreamSpec:
             return StreamSpec.anthropic(
@@ -80,6 +82,7 @@ class AnthropicAPI:
                 applied_edits=applied,
                 stop_sequences=request.stop_sequences or [],
                 reply=reply,
+                tool_search=search.stream_params() if search else None,
             )
 
         await self.pipeline.answer(scope, receive, send, request, prompt, spec)

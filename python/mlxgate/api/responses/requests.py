@@ -252,8 +252,8 @@ def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> li
     """`instructions`, then the stored history (`previous_response_id`), then `input`.
 
     System and developer messages before the first other turn become one system message; a later
-    one becomes a user turn, since templates accept a system message only first. Reasoning,
-    assistant text and function calls in a row are one assistant turn."""
+    one stays a system turn where it is (chat.Renderer renders it so where the template takes
+    one there). Reasoning, assistant text and function calls in a row are one assistant turn."""
     out: list[chat.Message] = []
     system: list[str] = [request.instructions] if request.instructions else []
     assistant: chat.Message | None = None
@@ -279,7 +279,7 @@ def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> li
                     system.append(said)
                 else:
                     close_assistant()
-                    out.append({"role": "user", "content": said})
+                    out.append({"role": "system", "content": said})
             elif item.role == "assistant":
                 turn = open_assistant()
                 turn["content"] = f"{turn['content']}{said}"
