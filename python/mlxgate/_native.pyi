@@ -376,8 +376,9 @@ class Reader:
         """200, or the HTTP status of the error the stream ended with (`Router.fail`)."""
     @property
     def result(self) -> bytes | None:
-        """The response object a finished generation answered with, where the dialect keeps one
-        (Responses: the Response object, completed, incomplete or failed); None otherwise."""
+        """What a finished generation is kept for, where the dialect keeps something (Responses:
+        the Response object, completed, incomplete or failed; an Anthropic compaction: its
+        summary's UTF-8 text); None otherwise."""
 
 @final
 class Router:

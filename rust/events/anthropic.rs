@@ -63,6 +63,8 @@ pub struct AnthropicStream {
     content: Vec<Block>,
     /// The open compaction block's summary (sent whole when the block closes).
     summary: String,
+    /// A compaction's summary, once written (`Reader.result`).
+    result: Option<Vec<u8>>,
 }
 
 impl AnthropicStream {
@@ -77,7 +79,13 @@ impl AnthropicStream {
             search_call: None,
             content: Vec::new(),
             summary: String::new(),
+            result: None,
         }
+    }
+
+    /// The summary a compaction generation wrote, once it ended.
+    pub fn take_result(&mut self) -> Option<Vec<u8>> {
+        self.result.take()
     }
 
     pub fn start(&mut self, out: &mut Vec<u8>) {
@@ -331,6 +339,9 @@ impl AnthropicStream {
     /// (clients take a delta's content as the block's, not as more of it).
     fn close_compaction(&mut self, index: u32, out: &mut Vec<u8>) {
         let summary = std::mem::take(&mut self.summary);
+        if self.params.compaction {
+            self.result = Some(summary.clone().into_bytes());
+        }
         if self.params.stream {
             let delta = Delta::Compaction { content: &summary };
             write(out, &Event::ContentBlockDelta { index, delta });
@@ -672,6 +683,53 @@ mod tests {
                 "event: message_stop\ndata: {\"type\":\"message_stop\"}",
             ]
         );
+    }
+
+    #[test]
+    fn a_compaction_is_one_block_sent_whole_and_kept_as_the_result() {
+        let mut s = stream(true);
+        s.params.compaction = true;
+        s.params.applied_edits = Some(r#"[{"type":"clear_tool_uses_20250919"}]"#.into());
+        let mut out = Vec::new();
+        s.start(&mut out);
+        s.thinking("hmm", &mut out);
+        s.text("The user ", &mut out);
+        s.tool_start("Bash", &mut out);
+        s.tool_end(&mut out);
+        s.text("said hi.", &mut out);
+        s.finish(Finish::EndTurn, 4, &mut out);
+        let frames = frames(&out);
+        let data: Vec<serde_json::Value> = frames
+            .iter()
+            .map(|f| serde_json::from_str(f.split_once("data: ").unwrap().1).unwrap())
+            .collect();
+        assert_eq!(data[2]["content_block"]["type"], "compaction");
+        assert_eq!(data[3]["delta"]["type"], "compaction_delta");
+        assert_eq!(data[3]["delta"]["content"], "The user said hi.");
+        assert_eq!(data[4]["type"], "content_block_stop");
+        assert_eq!(data[5]["delta"]["stop_reason"], "compaction");
+        assert_eq!(
+            data[5]["context_management"]["applied_edits"][0]["type"],
+            "clear_tool_uses_20250919"
+        );
+        assert_eq!(
+            s.take_result().as_deref(),
+            Some(b"The user said hi.".as_slice())
+        );
+
+        // A compaction made before the answer comes first, then the answer as usual.
+        let mut s = stream(false);
+        s.params.compacted = Some("Earlier: hi.".into());
+        let mut out = Vec::new();
+        s.start(&mut out);
+        s.text("Hello.", &mut out);
+        s.finish(Finish::EndTurn, 2, &mut out);
+        let body: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(body["content"][0]["type"], "compaction");
+        assert_eq!(body["content"][0]["content"], "Earlier: hi.");
+        assert_eq!(body["content"][1]["text"], "Hello.");
+        assert_eq!(body["stop_reason"], "end_turn");
+        assert!(body.get("context_management").is_none());
     }
 
     #[test]

@@ -327,12 +327,14 @@ impl Protocol {
         }
     }
 
-    /// The response object a finished generation answered with, where the dialect keeps one
-    /// (Responses: the object `previous_response_id` and `GET /v1/responses/{id}` return).
+    /// What a finished generation is kept for, where the dialect keeps something (Responses:
+    /// the object `previous_response_id` and `GET /v1/responses/{id}` return; an Anthropic
+    /// compaction: its summary's text).
     pub fn result(&mut self) -> Option<Vec<u8>> {
         match self {
             Self::Responses(s) => s.take_result(),
-            Self::Anthropic(_) | Self::OpenAi(_) => None,
+            Self::Anthropic(s) => s.take_result(),
+            Self::OpenAi(_) => None,
         }
     }
 

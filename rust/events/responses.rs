@@ -1101,6 +1101,48 @@ mod tests {
     }
 
     #[test]
+    fn a_compaction_answers_with_one_item_carrying_the_summary() {
+        let mut s = stream(true, Vec::new());
+        s.params.compaction = Some(Compaction::Item);
+        let mut out = Vec::new();
+        s.thinking("let me see", &mut out);
+        s.text("The user ", &mut out);
+        s.tool_start("ls", &mut out);
+        s.tool_end(&mut out);
+        s.text("said hi.", &mut out);
+        s.finish(Finish::EndTurn, 5, &mut out);
+        let response = &events(&out).pop().unwrap()["response"];
+        let output = response["output"].as_array().unwrap();
+        assert_eq!(output.len(), 1);
+        assert_eq!(output[0]["type"], "compaction");
+        let encrypted = output[0]["encrypted_content"].as_str().unwrap();
+        assert_eq!(
+            compaction_from_encrypted(encrypted).as_deref(),
+            Some("The user said hi.")
+        );
+
+        let mut s = stream(false, Vec::new());
+        s.params.compaction = Some(Compaction::Endpoint {
+            kept: r#"[{"type":"message","role":"user","content":"hi"}]"#.into(),
+        });
+        let mut out = Vec::new();
+        s.finish(Finish::EndTurn, 0, &mut out);
+        let body: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(body["object"], "response.compaction");
+        let kinds: Vec<&str> = body["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|item| item["type"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            kinds,
+            ["message", "compaction"],
+            "an empty summary is still one item"
+        );
+    }
+
+    #[test]
     fn a_failure_marks_the_open_item_incomplete_or_answers_openais_envelope() {
         let mut s = Protocol::Responses(Box::new(stream(true, Vec::new())));
         let mut out = Vec::new();

@@ -119,8 +119,7 @@ class AnthropicAPI:
         if reader.status != 200:
             await send_bytes(send, reader.status, body)
             return None
-        message = orjson.loads(body)
-        return str(message["content"][0].get("content") or "")
+        return (reader.result or b"").decode()
 
     async def count_tokens(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(CountTokensRequest, body)
