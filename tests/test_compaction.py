@@ -202,29 +202,25 @@ def test_clear_tool_uses_clears_the_old_results_and_says_so(claude: anthropic.An
             {"role": "user", "content": [result]},
         ]
     tool = {"name": "read", "description": "Read a page.", "input_schema": {"type": "object"}}
-    edit = {
-        "type": "clear_tool_uses_20250919",
-        "trigger": {"type": "tool_uses", "value": 3},
-        "keep": {"type": "tool_uses", "value": 1},
-    }
-    message = claude.beta.messages.create(
-        model="local",
-        max_tokens=64,
-        messages=messages,  # type: ignore[arg-type]
-        tools=[tool],  # type: ignore[list-item]
-        extra_body={"context_management": {"edits": [edit]}},
-    )
-    assert message.content[0].text == "Cleared."  # type: ignore[union-attr]
-    [applied] = message.context_management.applied_edits  # type: ignore[union-attr]
+
+    def edited(trigger: int) -> Any:
+        edit = {
+            "type": "clear_tool_uses_20250919",
+            "trigger": {"type": "tool_uses", "value": trigger},
+            "keep": {"type": "tool_uses", "value": 1},
+        }
+        return claude.beta.messages.create(
+            model="local",
+            max_tokens=64,
+            messages=messages,  # type: ignore[arg-type]
+            tools=[tool],  # type: ignore[list-item]
+            extra_body={"context_management": {"edits": [edit]}},
+        )
+
+    message = edited(trigger=3)
+    assert message.content[0].text == "Cleared."
+    [applied] = message.context_management.applied_edits
     assert (applied.type, applied.cleared_tool_uses) == ("clear_tool_uses_20250919", 3)
     assert applied.cleared_input_tokens > 0
     # Below its trigger, the edit does nothing and says nothing.
-    edit["trigger"] = {"type": "tool_uses", "value": 10}
-    untouched = claude.beta.messages.create(
-        model="local",
-        max_tokens=64,
-        messages=messages,  # type: ignore[arg-type]
-        tools=[tool],  # type: ignore[list-item]
-        extra_body={"context_management": {"edits": [edit]}},
-    )
-    assert untouched.context_management is None
+    assert edited(trigger=10).context_management is None

@@ -32,6 +32,10 @@ impl FromStr for CompletionKind {
     }
 }
 
+/// What follows a call's index in a chunk that adds to its arguments, or to a custom call's input.
+const FUNCTION_ARGUMENTS: &[u8] = b",\"function\":{\"arguments\":";
+const CUSTOM_INPUT: &[u8] = b",\"custom\":{\"input\":";
+
 /// What an OpenAI stream is opened with.
 #[derive(Debug, Clone)]
 pub struct OpenAiParams {
@@ -278,21 +282,13 @@ impl OpenAiStream {
             return;
         }
         match input {
-            Some(text) => self.custom_delta(&text, out),
-            None => {
-                let index = self.tool_calls - 1;
-                self.chunk(out, None, |out| {
-                    out.extend_from_slice(b"{\"tool_calls\":[{\"index\":");
-                    write_json(out, &index);
-                    out.extend_from_slice(b",\"function\":{\"arguments\":");
-                    write_json(out, fragment);
-                    out.extend_from_slice(b"}}]}");
-                });
-            }
+            Some(text) => self.call_delta(CUSTOM_INPUT, &text, out),
+            None => self.call_delta(FUNCTION_ARGUMENTS, fragment, out),
         }
     }
 
-    fn custom_delta(&mut self, text: &str, out: &mut Vec<u8>) {
+    /// A chunk that adds `text` to the open call: `{"tool_calls":[{"index":N,` + `field` + text.
+    fn call_delta(&mut self, field: &[u8], text: &str, out: &mut Vec<u8>) {
         if text.is_empty() {
             return;
         }
@@ -300,7 +296,7 @@ impl OpenAiStream {
         self.chunk(out, None, |out| {
             out.extend_from_slice(b"{\"tool_calls\":[{\"index\":");
             write_json(out, &index);
-            out.extend_from_slice(b",\"custom\":{\"input\":");
+            out.extend_from_slice(field);
             write_json(out, text);
             out.extend_from_slice(b"}}]}");
         });
@@ -318,7 +314,7 @@ impl OpenAiStream {
             }
             return;
         }
-        self.custom_delta(&rest, out);
+        self.call_delta(CUSTOM_INPUT, &rest, out);
     }
 
     pub fn finish(&mut self, finish: Finish<'_>, output_tokens: u64, out: &mut Vec<u8>) {
