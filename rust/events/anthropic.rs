@@ -887,7 +887,7 @@ mod tests {
         assert!(std::str::from_utf8(&out)
             .unwrap()
             .contains("\"content\":[],"));
-        let mut s = Protocol::Anthropic(stream(false));
+        let mut s = Protocol::Anthropic(Box::new(stream(false)));
         let mut out = Vec::new();
         s.text("partial", &mut out);
         assert_eq!(s.error(ErrorKind::Overloaded, "Overloaded", &mut out), 529);

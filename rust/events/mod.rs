@@ -195,7 +195,7 @@ impl DialectParams {
     pub fn protocol(&self, usage: PromptUsage, choice: u32) -> Protocol {
         match self {
             Self::Anthropic(p) => {
-                Protocol::Anthropic(anthropic::AnthropicStream::new(p.clone(), usage))
+                Protocol::Anthropic(Box::new(anthropic::AnthropicStream::new(p.clone(), usage)))
             }
             Self::OpenAi(p) => Protocol::OpenAi(Box::new(openai::OpenAiStream::new(
                 p.clone(),
@@ -248,11 +248,11 @@ impl DialectParams {
     }
 }
 
-/// The dialect state of one stream.
+/// The dialect state of one stream. Each boxed: a stream is allocated once, and the enum stays
+/// a pointer wide whatever the dialects' states grow to.
 #[derive(Debug)]
 pub enum Protocol {
-    Anthropic(anthropic::AnthropicStream),
-    /// Boxed so plain Anthropic streams keep the smaller footprint.
+    Anthropic(Box<anthropic::AnthropicStream>),
     OpenAi(Box<openai::OpenAiStream>),
     Responses(Box<responses::ResponsesStream>),
 }
