@@ -20,15 +20,20 @@ def _validation_message(exc: ValidationError) -> str:
     return f"{where}: {first['msg']}" if where else first["msg"]
 
 
-def parse(model: type[Model], body: bytes) -> Model:
-    """The request body validated as `model`, or a 400 saying what is wrong."""
+def json_object(body: bytes | str, what: str = "request body") -> dict[str, Any]:
+    """`body` parsed as a JSON object, or a 400 saying what is wrong with `what`."""
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise invalid(f"request body is not valid JSON: {exc}") from None
+        raise invalid(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
-        raise invalid("request body must be a JSON object")
-    return validate(model, payload)
+        raise invalid(f"{what} must be a JSON object")
+    return payload
+
+
+def parse(model: type[Model], body: bytes) -> Model:
+    """The request body validated as `model`, or a 400 saying what is wrong."""
+    return validate(model, json_object(body))
 
 
 def validate(model: type[Model], payload: dict[str, Any]) -> Model:

@@ -24,7 +24,7 @@ from mlxgate.api.errors import ApiError, invalid
 from mlxgate.api.guard import Guard
 from mlxgate.api.http import Receive, Scope, Send, refuse_websocket, unless_gone
 from mlxgate.api.middleware import shutting_down, unauthorized
-from mlxgate.api.requests import validate
+from mlxgate.api.requests import json_object, validate
 from mlxgate.api.responses.requests import Item, ResponsesRequest
 from mlxgate.api.responses.routes import ResponsesAPI
 from mlxgate.streams import events
@@ -216,12 +216,7 @@ class Connection:
                 ErrorKind.REQUEST_TOO_LARGE,
                 f"message is larger than the {limit // (1024 * 1024)} MB limit",
             )
-        try:
-            payload = orjson.loads(message)
-        except orjson.JSONDecodeError as exc:
-            raise invalid(f"message is not valid JSON: {exc}") from None
-        if not isinstance(payload, dict):
-            raise invalid("message must be a JSON object")
+        payload = json_object(message, "message")
         if (kind := payload.pop("type", None)) != "response.create":
             raise invalid(f"type: expected 'response.create', got {kind!r}", param="type")
         generate = payload.pop("generate", True)
