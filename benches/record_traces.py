@@ -1,12 +1,17 @@
 """Records the agent traces `make bench` replays (benches/traces/): the real Claude Code and Codex
-CLIs, each asked to write a nonce to a file, against `mlxgate serve --record-trace` with a
-forced-output model (tests/forced.py: it calls the agent's shell tool, then answers once the
-tool's result is in its prompt), so a session is the same every time it is recorded.
+CLIs against `mlxgate serve --record-trace` with forced-output models (tests/forced.py), so a
+session is the same every time it is recorded.
 
-    .venv/bin/python benches/record_traces.py
+    .venv/bin/python benches/record_traces.py [NAME ...]   # e.g. codex-session; default: all
 
-Claude Code runs with its default settings (its ~12k-token system prompt and tools), then `-c`
-continues the session; Codex runs `codex exec` with its defaults (~10k tokens).
+`claude-code` and `codex`: each CLI asked to write a nonce to a file (the model calls the
+agent's shell tool, then answers once the tool's result is in its prompt). Claude Code runs with
+its default settings (its ~12k-token system prompt and tools), then `-c` continues the session;
+Codex runs `codex exec` with its defaults (~10k tokens).
+
+`claude-code-session` and `codex-session`: the longer sessions of tests/sessions.py, through
+tool search, a custom tool, each CLI's compaction and the turns after it
+(tests/test_agent_sessions.py replays them).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 BENCHES = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHES.parent / "tests"))
 
+import sessions  # noqa: E402
 from agents import run_claude_code, run_codex  # noqa: E402  (the tests' own drivers)
 from conftest import start_server, stop_server  # noqa: E402
 from forced import (  # noqa: E402
@@ -75,14 +81,49 @@ def record(agent: str, tmp: Path) -> Path:
     return out
 
 
+def record_session(agent: str, tmp: Path) -> Path:
+    """One of tests/sessions.py's sessions (`claude-code` or `codex`), as `<agent>-session`."""
+    workdir = tmp / "work"
+    workdir.mkdir(parents=True)
+    if agent == "claude-code":
+        family, scripts = sessions.CLAUDE_CODE_FAMILY, sessions.CLAUDE_CODE_SCRIPTS
+    else:
+        family, scripts = sessions.CODEX_FAMILY, sessions.CODEX_SCRIPTS
+    trace = tmp / "trace.jsonl"
+    server = start_server(
+        tmp, *serve_args(forced_model_dir(tmp, family, scripts)), "--record-trace", str(trace)
+    )
+    try:
+        if agent == "claude-code":
+            sessions.claude_code_session(server, workdir)
+        else:
+            sessions.codex_session(server, workdir)
+    finally:
+        stop_server(server)
+    out = TRACES / f"{agent}-session.jsonl"
+    shutil.copy(trace, out)
+    return out
+
+
+# Each trace by its file's name: how it is recorded, and by which agent.
+RECORDERS = {
+    "claude-code": (record, "claude-code"),
+    "codex": (record, "codex"),
+    "claude-code-session": (record_session, "claude-code"),
+    "codex-session": (record_session, "codex"),
+}
+
+
 def main() -> None:
+    """Records the traces named on the command line, else all of them."""
     TRACES.mkdir(exist_ok=True)
-    for agent in ("claude-code", "codex"):
+    for name in sys.argv[1:] or RECORDERS:
+        recorder, agent = RECORDERS[name]
         with tempfile.TemporaryDirectory() as tmp:
-            out = record(agent, Path(tmp))
+            out = recorder(agent, Path(tmp))
         turns = [json.loads(line) for line in out.read_text().splitlines()]
-        sessions = {turn["session"] for turn in turns}
-        print(f"{out}: {len(turns)} requests in {len(sessions)} session(s)")
+        recorded = {turn["session"] for turn in turns}
+        print(f"{out}: {len(turns)} requests in {len(recorded)} session(s)")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,14 +29,19 @@ def codex_path() -> Path:
 
 
 def run_claude_code(
-    server: RunningServer, workdir: Path, *args: str, timeout: float = 300
+    server: RunningServer,
+    workdir: Path,
+    *args: str,
+    timeout: float = 300,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """The `claude` CLI as a new user runs it against a local server: no traffic but the
     server's, failures not retried (nor retried without streaming). Its home is beside
-    `workdir`, shared by every run in it, so `-c` finds the previous session."""
+    `workdir`, shared by every run in it, so `-c` finds the previous session. `env` adds
+    Claude Code's own settings (e.g. `CLAUDE_CODE_MAX_CONTEXT_TOKENS`)."""
     home = workdir.parent / f"claude-home-{workdir.name}"
     home.mkdir(exist_ok=True)
-    env = {
+    environment = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))},
         "HOME": str(home),
         "ANTHROPIC_BASE_URL": server.url,
@@ -44,10 +50,11 @@ def run_claude_code(
         "DISABLE_AUTOUPDATER": "1",
         "CLAUDE_CODE_MAX_RETRIES": "0",
         "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
+        **(env or {}),
     }
     return subprocess.run(
         [str(claude_code_path()), *args],
-        env=env,
+        env=environment,
         cwd=workdir,
         capture_output=True,
         text=True,
@@ -90,6 +97,8 @@ def run_codex(
     model: str = "local",
     provider_options: str = "",
     websockets: bool = False,
+    home: Path | None = None,
+    resume: bool = False,
 ) -> CodexRun:
     """`codex exec` as a new user runs it with a custom provider: no network but the server's
     (plugins and analytics off), commands run without a sandbox; failures are not retried
@@ -97,9 +106,15 @@ def run_codex(
     its tools by it: `gpt-5.5` gets the freeform `apply_patch`); `provider_options` are more
     `key=value` pairs of the provider's table (e.g. `capabilities={remote_compaction="v2"}`);
     `websockets`: the provider says `supports_websockets`, so Codex speaks the Responses API
-    over a WebSocket."""
-    home = workdir.parent / f"codex-home-{secrets.token_hex(4)}"
-    (home / ".codex").mkdir(parents=True)
+    over a WebSocket. `home`: a Codex home kept between runs, where the session is saved, so
+    that a later run with `resume` continues it (`codex exec resume --last`); else a
+    throwaway one and an ephemeral session."""
+    if home is None:
+        home = workdir.parent / f"codex-home-{secrets.token_hex(4)}"
+        session = ["--ephemeral"]
+    else:
+        session = ["resume", "--last"] if resume else []
+    (home / ".codex").mkdir(parents=True, exist_ok=True)
     no_retries = "" if retries else ",stream_max_retries=0,request_max_retries=0"
     transport = ",supports_websockets=true" if websockets else ""
     options = f",{provider_options}" if provider_options else ""
@@ -111,9 +126,9 @@ def run_codex(
         [
             str(codex_path()),
             "exec",
+            *session,
             "--json",
             "--skip-git-repo-check",
-            "--ephemeral",
             "--disable",
             "plugins",
             "-c",

@@ -16,7 +16,7 @@ import pytest
 from agents import run_codex
 from conftest import RunningServer, start_server, stop_server
 from forced import TOOL_RESULT, Script, answer, forced_model_dir, serve_args, tool_call
-from mlxgate.api.compaction import INSTRUCTION, SUMMARY_HEADING
+from sessions import INSTRUCTION_TRIGGER, PATCH, SUMMARY_TRIGGER
 
 
 def metric(server: RunningServer, sample: str) -> float:
@@ -122,14 +122,9 @@ def test_codex_stops_at_once_on_a_prompt_over_the_context(tmp_path: Path) -> Non
         stop_server(server)
 
 
-# Whole words of the compaction prompt's and of a replayed summary's opening (a trigger cut
-# mid-word would not encode as it does inside the prompt).
-INSTRUCTION_TRIGGER = " ".join(INSTRUCTION.split()[:6])
-SUMMARY_TRIGGER = SUMMARY_HEADING.split(".")[0]
 # Codex's own compaction prompt (local compaction) and how it hands the summary back.
 CODEX_COMPACTION = "You are performing a CONTEXT CHECKPOINT COMPACTION"
 CODEX_SUMMARY = "Another language model started to solve this problem"
-PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+Hello from the model.\n*** End Patch"
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +139,8 @@ def patching_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runnin
         [
             Script(answer("qwen3.5", "Resumed: the file is written."), when=SUMMARY_TRIGGER),
             Script(answer("qwen3.5", "Resumed: the file is written."), when=CODEX_SUMMARY),
-            Script(answer("qwen3.5", "SUMMARY: hello.txt was added."), when=INSTRUCTION_TRIGGER),
+            # The server asks for its summary with thinking off: the prompt closes the block.
+            Script("SUMMARY: hello.txt was added.", when=INSTRUCTION_TRIGGER),
             Script(answer("qwen3.5", "SUMMARY: hello.txt was added."), when=CODEX_COMPACTION),
             Script(answer("qwen3.5", "The file is written."), when=TOOL_RESULT["qwen3.5"]),
             Script(tool_call("qwen3.5", "apply_patch", {"input": PATCH})),

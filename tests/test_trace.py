@@ -201,8 +201,13 @@ def test_a_responses_turn_becomes_the_same_chat_completion() -> None:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["claude-code.jsonl", "codex.jsonl"])
+SHIPPED = sorted(path.name for path in (ROOT / "benches" / "traces").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_the_shipped_traces_replay_as_chat_completions_the_server_takes(name: str) -> None:
+    """Custom tool calls and their outputs, compactions, tool_reference results and system
+    messages mid-conversation included (the *-session traces)."""
     turns = read(ROOT / "benches" / "traces" / name)
     assert turns
     for turn in turns:
