@@ -171,12 +171,12 @@ def test_a_recorded_session_replays_from_the_prefix_cache(agent: str, tmp_path: 
     replayer against a fresh server with the same model: every turn after the first reads
     from the prefix cache all of its prompt that an earlier prompt shares (the engine caches
     prompts, so all but the earlier prompt's last token when it is the whole earlier prompt),
-    and at least 95% of it where the agent sent the conversation on unchanged. The requests
-    around a compaction are the agent's rewrites: Claude Code's summary request adds its
-    ~1.4k-token instructions, and after it both agents start the conversation over from the
-    summary (Claude Code right after the system prompt and tools; Codex after its base
-    instructions, moving its other context messages after the first user message): there
-    what the prompt shares with an earlier one is all that can be reused."""
+    and at least 95% of it on every turn but Claude Code's rewrites around its compaction: its
+    summary request adds ~1.4k tokens of instructions, and after it the conversation starts
+    over from the summary right after the system prompt and tools; there what the prompt
+    shares with an earlier one is all that can be reused. Codex's turn after its compaction
+    holds 95% too: it moves its context messages after the first user message, and they join
+    the instructions wherever they come before the model's first turn."""
     turns = read(ROOT / "benches" / "traces" / f"{agent}-session.jsonl")
     assert len({t.session for t in turns}) == 1
     server = serve(agent, tmp_path)
@@ -190,9 +190,9 @@ def test_a_recorded_session_replays_from_the_prefix_cache(agent: str, tmp_path: 
 
     renderer = chat.Renderer(tokenizer(MODELS[agent][0]))
     prompts = [prompt_ids(renderer, turn) for turn in turns]
-    # The turns the agent rewrote: after a compaction; and Claude Code's summary request (the
-    # server's own instruction, which Codex's gets, is ~100 tokens).
-    rewritten = {"after the compaction", *(["compaction"] if agent == "claude-code" else [])}
+    # The turns Claude Code rewrites (the server's own summary instruction, which Codex's
+    # compaction gets, is ~100 tokens).
+    rewritten = {"after the compaction", "compaction"} if agent == "claude-code" else set()
     rows = []
     kind = ""
     for number, (turn, record, prompt) in enumerate(zip(turns, records, prompts, strict=True)):

@@ -265,7 +265,8 @@ def _request(**body: Any) -> ResponsesRequest:
 
 
 def test_system_and_developer_messages_lead_as_one_system_turn() -> None:
-    """The leading ones join `instructions`; a later one stays where it is (chat.Renderer
+    """The ones before the model's first turn join `instructions` (Codex, after a compaction,
+    sends some after the user's first message); a later one stays where it is (chat.Renderer
     places it), so the rendered prefix of earlier turns never changes."""
     request = _request(
         instructions="Be brief.",
@@ -278,13 +279,16 @@ def test_system_and_developer_messages_lead_as_one_system_turn() -> None:
             {"role": "system", "content": "B"},
             {"role": "user", "content": "Hi"},
             {"role": "developer", "content": "C"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "developer", "content": "D"},
         ],
     )
     turns = messages(request, [], tools(request))
     assert turns == [
-        {"role": "system", "content": "Be brief.\n\nA\n\nB"},
+        {"role": "system", "content": "Be brief.\n\nA\n\nB\n\nC"},
         {"role": "user", "content": "Hi"},
-        {"role": "system", "content": "C"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "system", "content": "D"},
     ]
 
 

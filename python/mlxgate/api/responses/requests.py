@@ -251,9 +251,11 @@ def _reasoning(item: Item) -> str:
 def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> list[chat.Message]:
     """`instructions`, then the stored history (`previous_response_id`), then `input`.
 
-    System and developer messages before the first other turn become one system message; a later
-    one stays a system turn where it is (chat.Renderer renders it so where the template takes
-    one there). Reasoning, assistant text and function calls in a row are one assistant turn."""
+    System and developer messages before the model's first turn become one system message (after
+    a compaction Codex sends its context messages after the user's first message: joined with
+    the instructions, the prompt opens as it did before, from the prefix cache); a later one
+    stays a system turn where it is (chat.Renderer renders it so where the template takes one
+    there). Reasoning, assistant text and function calls in a row are one assistant turn."""
     out: list[chat.Message] = []
     system: list[str] = [request.instructions] if request.instructions else []
     assistant: chat.Message | None = None
@@ -275,7 +277,7 @@ def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> li
         if item.type == "message":
             said = text(item.content, where)
             if item.role in ("system", "developer"):
-                if not out and assistant is None:
+                if assistant is None and not any(turn["role"] != "user" for turn in out):
                     system.append(said)
                 else:
                     close_assistant()
