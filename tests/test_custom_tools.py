@@ -4,19 +4,23 @@ and not; its input is held to the tool's Lark grammar; a grammar that does not c
 naming the tool; a call and its output replay into the next turn.
 
 Forced-output models write the calls (tests/forced.py): Qwen3-Coder's XML format, which writes a
-string parameter raw (where the grammar holds the input), and Qwen3's Hermes JSON."""
+string parameter raw, and Qwen3's Hermes JSON, which writes it in a JSON string (where the
+grammar is held through the escaping, formats/escaped_grammar.py)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import llguidance
 import openai
 import pytest
 
 from conftest import RunningServer, start_server, stop_server
-from forced import TOOL_RESULT, Script, call_markup, forced_model_dir, serve_args
+from forced import TOOL_RESULT, Script, call_markup, forced_model_dir, serve_args, tokenizer
+from mlxgate.formats.escaped_grammar import escaped
 
 APPLY_PATCH_GRAMMAR = (Path(__file__).parent / "fixtures" / "apply_patch.lark").read_text()
 PATCH = '*** Begin Patch\n*** Add File: hello.txt\n+Hello, "world" \\o/\n*** End Patch'
@@ -154,13 +158,11 @@ def test_a_call_and_its_output_replay_into_the_next_turn(
     assert reply.choices[0].message.content == ANSWER
 
 
-def test_the_grammar_holds_a_forced_call_where_the_format_writes_raw_text(
-    family_server: tuple[str, RunningServer],
-) -> None:
+def test_the_grammar_holds_a_forced_call(family_server: tuple[str, RunningServer]) -> None:
     """The script writes `purple`: held to a grammar of three colours (tool_choice naming the
-    tool), the input is one of them where the format writes the input raw; free text, or a
-    format that writes JSON, keeps `purple`."""
-    family, server = family_server
+    tool), the input is one of them, written raw (Qwen3-Coder's XML) or inside a JSON string
+    (Hermes); free text keeps `purple`."""
+    _, server = family_server
     sdk = client(server)
 
     def painted(tool: dict[str, Any]) -> str:
@@ -176,14 +178,9 @@ def test_the_grammar_holds_a_forced_call_where_the_format_writes_raw_text(
 
     assert painted(PAINT) == "purple"
     colours = {**PAINT, "format": {"type": "grammar", "syntax": "lark", "definition": COLOURS}}
-    held = painted(colours)
-    if family == "qwen3-coder":
-        assert held in ("red", "green", "blue")
-    else:
-        assert held == "purple"
+    assert painted(colours) in ("red", "green", "blue")
     regex = {**PAINT, "format": {"type": "grammar", "syntax": "regex", "definition": "gr[ae]y"}}
-    if family == "qwen3-coder":
-        assert painted(regex) in ("gray", "grey")
+    assert painted(regex) in ("gray", "grey")
 
 
 @pytest.mark.parametrize("api", ["responses", "chat"])
@@ -204,3 +201,46 @@ def test_a_grammar_that_does_not_compile_is_a_400_naming_the_tool(
     assert caught.value.status_code == 400
     message = caught.value.body["message"]  # type: ignore[index]
     assert "custom tool 'paint'" in message and "cannot be compiled" in message, message
+
+
+@pytest.mark.parametrize(
+    ("grammar", "sentences", "not_sentences"),
+    [
+        (
+            APPLY_PATCH_GRAMMAR,
+            [
+                PATCH,
+                "*** Begin Patch\n*** Update File: x.py\n@@ def f():\n-    print('hi')\n"
+                '+    print("héllo 😀\\t")\n*** End Patch\n',
+            ],
+            ["*** Begin Patch\n*** End Patch", "*** Begin Patch\n*** Add File: a\n+x\n\n"],
+        ),
+        (COLOURS, ["red", "blue"], ["purple", "re"]),
+        ('start: /gr[ae]y/ ";"', ["gray;", "grey;"], ["griy;"]),
+        (r'start: /[^a-c"]+/', ["xyz?", "de f\n"], ["abc", 'de"f']),
+        ("start: /\\d{2,3}/ WS /x|y/\n%import common.WS", ["12 x", "123\n\ty"], ["1 x"]),
+    ],
+)
+def test_a_grammar_holds_its_sentences_written_in_a_json_string(
+    grammar: str, sentences: list[str], not_sentences: list[str]
+) -> None:
+    """The escaped grammar takes each sentence as JSON writes it (quotes, backslashes, newlines
+    and tabs escaped, other characters as they are) and nothing else."""
+    held = escaped(grammar)
+    assert held is not None
+    chat = tokenizer("qwen3")
+    vocab = llguidance.LLTokenizer(chat.tokenizer.to_str(), n_vocab=151936, eos_token=[0])
+    compiled = llguidance.LLMatcher.grammar_from_lark(held)
+    assert not llguidance.LLMatcher.validate_grammar(compiled)
+    for sentence, expected in [(s, True) for s in sentences] + [(s, False) for s in not_sentences]:
+        written = json.dumps(sentence, ensure_ascii=False)[1:-1]
+        ids = chat.tokenizer.encode(written, add_special_tokens=False).ids
+        matcher = llguidance.LLMatcher(vocab, compiled)
+        taken = matcher.try_consume_tokens(ids)
+        assert (taken == len(ids) and matcher.is_accepting()) == expected, (sentence, written)
+
+
+def test_a_grammar_with_no_exact_escaping_is_not_held_in_json() -> None:
+    """Anchors and lookarounds have no JSON-escaped counterpart: the input is then a JSON string."""
+    assert escaped("start: /^a/") is None
+    assert escaped("start: /a(?=b)/") is None

@@ -1,7 +1,8 @@
 """What holding a custom tool's input to its grammar costs: llguidance's mask computation per
-token while a Qwen3-Coder-format reply writes Codex's `apply_patch` call (the tool's Lark grammar
-nested in the call's, tool_choice auto), against the same reply's tokens with no custom tool (a
-`strict` function tool's grammar over the same text) and the decode step it is spent beside.
+token while a reply writes Codex's `apply_patch` call (tool_choice auto), in Qwen3-Coder's XML
+format (the tool's Lark grammar nested as is) and in Qwen3's Hermes JSON (the grammar rewritten
+for the JSON string, formats/escaped_grammar.py), against the same XML reply held only as a
+`strict` function tool's call, and the decode step it is spent beside.
 
     PYTHONPATH=benches .venv/bin/python benches/studies/custom_tool_grammar.py [--repeats 50]
 
@@ -12,6 +13,7 @@ computes them (one row; the engine computes a step's rows together on llguidance
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -32,10 +34,13 @@ PATCH = (
     "*** Begin Patch\n*** Update File: src/app.py\n@@ def main():\n-    print('hi')\n"
     "+    print('hello, world')\n+    return 0\n*** Add File: NOTES.md\n+Said hello.\n*** End Patch"
 )
-REPLY = (
-    "I will edit the file now.\n<tool_call>\n<function=apply_patch>\n<parameter=input>\n"
-    f"{PATCH}\n</parameter>\n</function>\n</tool_call>"
-)
+REPLIES = {
+    "qwen3-coder": "I will edit the file now.\n<tool_call>\n<function=apply_patch>\n"
+    f"<parameter=input>\n{PATCH}\n</parameter>\n</function>\n</tool_call>",
+    "qwen3": "I will edit the file now.\n<tool_call>\n"
+    + json.dumps({"name": "apply_patch", "arguments": {"input": PATCH}}, ensure_ascii=False)
+    + "\n</tool_call>",
+}
 
 
 def grammar(renderer: Renderer, custom: bool) -> str:
@@ -71,17 +76,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", type=Path, default=ROOT / "benches" / "results")
     args = parser.parse_args()
-    chat = tokenizer("qwen3-coder")
-    renderer = Renderer(chat)
-    vocab = llguidance.LLTokenizer(chat.tokenizer.to_str(), n_vocab=151936, eos_token=[0])
-    ids = chat.tokenizer.encode(REPLY, add_special_tokens=False).ids
     rows = []
-    for name, custom in (("custom apply_patch (Lark nested)", True), ("strict function", False)):
-        times = [
-            t
-            for _ in range(args.repeats)
-            for t in mask_times(grammar(renderer, custom), vocab, ids)
-        ]
+    cases = (
+        ("custom apply_patch, Qwen3-Coder XML (Lark nested)", "qwen3-coder", True),
+        ("custom apply_patch, Hermes JSON (Lark escaped)", "qwen3", True),
+        ("strict function, Qwen3-Coder XML", "qwen3-coder", False),
+    )
+    for name, family, custom in cases:
+        chat = tokenizer(family)
+        vocab = llguidance.LLTokenizer(chat.tokenizer.to_str(), n_vocab=151936, eos_token=[0])
+        ids = chat.tokenizer.encode(REPLIES[family], add_special_tokens=False).ids
+        held = grammar(Renderer(chat), custom)
+        times = [t for _ in range(args.repeats) for t in mask_times(held, vocab, ids)]
         ms = np.array(times) * 1e3
         rows.append(
             f"| {name} | {statistics.median(ms):.3f} | {np.percentile(ms, 90):.3f} "
@@ -90,10 +96,10 @@ def main() -> None:
     lines = [
         f"# A custom tool's grammar: mask cost per token ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
-        f"`benches/studies/custom_tool_grammar.py --repeats {args.repeats}`: the {len(ids)} tokens "
-        "of a Qwen3-Coder reply that writes Codex's apply_patch call, the mask computed before "
-        "each (one row, Qwen3's 151,936-token vocabulary), over all repeats. For scale: a decode "
-        "step of the embedded 135M model is ~16 ms on this machine (docs/performance.md).",
+        f"`benches/studies/custom_tool_grammar.py --repeats {args.repeats}`: the tokens of a "
+        "reply that writes Codex's apply_patch call, the mask computed before each (one row, "
+        "Qwen3's 151,936-token vocabulary), over all repeats. For scale: a decode step of the "
+        "embedded 135M model is ~16 ms on this machine (docs/performance.md).",
         "",
         "| grammar | median ms | p90 ms | p99 ms | max ms |",
         "| --- | --- | --- | --- | --- |",

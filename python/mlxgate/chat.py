@@ -15,12 +15,7 @@ from typing import Any, Literal
 from mlxgate import formats
 from mlxgate._native import Markup, Reply
 from mlxgate.formats import ToolFormat
-from mlxgate.formats.call_grammar import (
-    AddedTokens,
-    forced_call,
-    optional_calls,
-    raw_string_parameters,
-)
+from mlxgate.formats.call_grammar import AddedTokens, forced_call, optional_calls
 from mlxgate.formats.reasoning import FIELD as REASONING
 from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
 
@@ -365,7 +360,7 @@ class Renderer:
             )
         elif (
             callable_tools
-            and (conversation.strict_tools or self._holds_inputs(conversation))
+            and (conversation.strict_tools or conversation.input_grammars)
             and not (conversation.structured or answer)
         ):
             # (Where the answer has an opening, harmony's `<|channel|>`, calls open with it too:
@@ -389,10 +384,6 @@ class Renderer:
             ],
         )
         return Prompt(text, self.tokenizer.encode(text), reply, call_grammar)
-
-    def _holds_inputs(self, conversation: Conversation) -> bool:
-        """Whether custom tools' grammars hold their calls' inputs in this model's format."""
-        return bool(conversation.input_grammars) and raw_string_parameters(self.format.tool_format)
 
     def plain(self, text: str) -> Prompt:
         """A prompt given as text, no template (legacy completions): its reply is plain text."""

@@ -5,10 +5,9 @@ declares `apply_patch` so, with a Lark grammar of its patch format).
 No chat template knows such a tool, so the prompt shows it as a function of one string parameter,
 `input`, described with its format: every tool format can write that call. The stream core reads
 the call's input back out of the arguments (`rust/events/custom_input.rs`) and answers with a
-custom tool call. Where the tool format writes a string parameter as raw text (the XML-parameter
-formats: Qwen3-Coder, Qwen3.5, GLM, MiniMax, Seed-OSS) the input is held to the tool's grammar by
-llguidance as the model writes it (`formats/call_grammar.py`); where it writes JSON, to a JSON
-string.
+custom tool call. The input is held to the tool's grammar by llguidance as the model writes it
+(`formats/call_grammar.py`): as raw text where the tool format writes a string parameter so (the
+XML-parameter formats), inside the JSON string where it writes JSON (`formats/escaped_grammar.py`).
 """
 
 from __future__ import annotations
@@ -19,9 +18,7 @@ from typing import Any
 from mlxgate import chat
 from mlxgate.api.errors import invalid
 from mlxgate.engine import Grammar, GrammarError
-
-# The one parameter a custom tool's function has (the stream core reads the same name).
-INPUT = "input"
+from mlxgate.formats.call_grammar import CUSTOM_INPUT as INPUT  # the stream core reads it too
 
 
 @dataclass(frozen=True)

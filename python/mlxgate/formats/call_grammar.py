@@ -11,6 +11,7 @@ is raw text for a string and the property's JSON otherwise. Grammars are llguida
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -20,10 +21,14 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from mlxgate.formats import ToolFormat
+from mlxgate.formats.escaped_grammar import escaped
 
 # The separators `json.dumps` writes and templates render arguments with: the model's habit.
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 PROBE_KEY, PROBE_VALUE = "mlxgate_probe_key", "mlxgate_probe_value"
+# The one parameter of the function a custom tool is shown as (api/custom_tools.py), whose value
+# is the tool's raw input.
+CUSTOM_INPUT = "input"
 
 
 @dataclass(frozen=True)
@@ -82,12 +87,19 @@ def forced_call(
         rest = empty[len(head) :]
         rule = f"arguments{index}"
         before = ""  # between the opening and the arguments
+        grammar = (inputs or {}).get(function["name"])
         if "{}" in rest:
             before, closing = rest.split("{}", 1)
-            rules.append(f"{rule}: %json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}")
+            in_json = _escaped(grammar) if grammar else None
+            if in_json is not None:
+                # A custom tool's input in a JSON string, its grammar held through the escaping.
+                opened, closed = literal(json.dumps({CUSTOM_INPUT: ""})[:-2]), literal('"}')
+                rules.append(f"{rule}: {opened} {rule}_input {closed}")
+                rules.append(f"{rule}_input: %lark {{\n{in_json}}}")
+            else:
+                rules.append(f"{rule}: %json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}")
         else:
             closing = rest
-            grammar = (inputs or {}).get(function["name"])
             parameters = _xml_parameters(
                 fmt, function["name"], head, rest, schema, rule, tokens, grammar
             )
@@ -110,10 +122,11 @@ def forced_call(
     return "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
 
 
-def raw_string_parameters(fmt: ToolFormat) -> bool:
-    """Whether the format writes a string parameter as raw text (XML parameters, not a JSON
-    object), so that a custom tool's grammar can hold the input as the model writes it."""
-    return "{}" not in fmt.render_call("probe", {})
+@functools.lru_cache(maxsize=64)
+def _escaped(grammar: str) -> str | None:
+    """A custom tool's grammar as it is written in a JSON string (the same few grammars come
+    with every request of an agent)."""
+    return escaped(grammar)
 
 
 def optional_calls(
