@@ -241,6 +241,8 @@ def test_a_grammar_holds_its_sentences_written_in_a_json_string(
 
 
 def test_a_grammar_with_no_exact_escaping_is_not_held_in_json() -> None:
-    """Anchors and lookarounds have no JSON-escaped counterpart: the input is then a JSON string."""
+    """Anchors, lookarounds and skipped terminals have no JSON-escaped counterpart: the input is
+    then a JSON string."""
     assert escaped("start: /^a/") is None
     assert escaped("start: /a(?=b)/") is None
+    assert escaped('start: "a" "b"\n%ignore " "') is None

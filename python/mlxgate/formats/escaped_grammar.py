@@ -14,6 +14,7 @@ held to a JSON string only.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import re._constants as sre_constants  # Python's own regex parser, as `re` compiles with it
 import re._parser as sre_parser
@@ -34,6 +35,8 @@ SHORT_ESCAPES = {
     "\t": "\\t",
 }
 SPECIAL = {chr(c) for c in range(0x20)} | {'"', "\\"}
+
+log = logging.getLogger("mlxgate")
 
 
 class Unsupported(ValueError):
@@ -212,7 +215,9 @@ def escaped(grammar: str) -> str | None:
     writer = _Writer()
     try:
         loaded, _ = load_grammar(grammar, "<custom tool>", [], False)
-        terminals, rules, _ = loaded.compile(["start"], set())
+        terminals, rules, ignored = loaded.compile(["start"], set())
+        if ignored:
+            raise Unsupported("%ignore: llguidance's Lark has no skipped terminals")
         symbols: dict[str, str] = {}  # a terminal of the grammar -> what stands for it
         bodies: dict[str, str] = {}  # rules the regular expressions became
         for terminal in terminals:
@@ -231,7 +236,9 @@ def escaped(grammar: str) -> str | None:
                 symbols.get(symbol.name) or _name(symbol.name) for symbol in rule.expansion
             )
             alternatives.setdefault(_name(rule.origin.name), []).append(expansion or '""')
-    except (lark.exceptions.LarkError, Unsupported, re.error):
+    except (lark.exceptions.LarkError, Unsupported, re.error, ValueError, KeyError) as exc:
+        # The grammar compiled in llguidance (the request checked it): held as a JSON string.
+        log.info("a custom tool's grammar is held as a JSON string only: %s", exc)
         return None
     lines = [f"{name}: {' | '.join(options)}" for name, options in alternatives.items()]
     lines += [f"{name}: {body}" for name, body in bodies.items()]
