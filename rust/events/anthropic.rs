@@ -232,7 +232,6 @@ impl AnthropicStream {
     }
 
     pub fn finish(&mut self, finish: Finish<'_>, output_tokens: u64, out: &mut Vec<u8>) {
-        self.write_compacted(out);
         if self.params.compaction {
             self.enter_block(BlockKind::Compaction, out);
         }

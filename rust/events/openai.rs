@@ -275,9 +275,9 @@ impl OpenAiStream {
             .as_mut()
             .map(|reader| reader.push(fragment));
         if !self.params.stream {
-            if let Some(call) = self.calls.last_mut() {
-                call.arguments
-                    .push_str(input.as_deref().unwrap_or(fragment));
+            // A custom call's input is set whole when it ends.
+            if let (None, Some(call)) = (&input, self.calls.last_mut()) {
+                call.arguments.push_str(fragment);
             }
             return;
         }

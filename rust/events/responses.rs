@@ -104,6 +104,7 @@ enum ItemBody {
     CustomToolCall {
         call_id: String,
         name: String,
+        /// The whole input, once the call ended (what streamed is in `reader`).
         input: String,
         reader: CustomInput,
     },
@@ -283,11 +284,10 @@ impl ResponsesStream {
                     fragment.to_owned(),
                 )
             }
-            ItemBody::CustomToolCall { input, reader, .. } => {
-                let text = reader.push(fragment);
-                input.push_str(&text);
-                ("response.custom_tool_call_input.delta", text)
-            }
+            ItemBody::CustomToolCall { reader, .. } => (
+                "response.custom_tool_call_input.delta",
+                reader.push(fragment),
+            ),
             _ => return,
         };
         if self.params.stream && !delta.is_empty() {

@@ -12,6 +12,7 @@ XML-parameter formats), inside the JSON string where it writes JSON (`formats/es
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,15 +44,24 @@ def _grammar(format: Any, where: str, name: str) -> tuple[str | None, str]:
         grammar = "start: /" + definition.replace("/", "\\/") + "/\n"
     else:
         raise invalid(f"{where}.format.syntax: {syntax!r} is not 'lark' or 'regex'")
+    if (error := _compile_error(grammar)) is not None:
+        raise invalid(
+            f"{where}.format.definition: the grammar of custom tool {name!r} cannot be "
+            f"compiled: {error}"
+        )
+    described = f"The tool's input: raw text in this {syntax} grammar:\n{definition.strip()}"
+    return grammar, described
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_error(grammar: str) -> str | None:
+    """Why llguidance cannot compile `grammar`, if it cannot (an agent sends the same tools
+    with every request: each grammar is checked once)."""
     try:
         Grammar.lark(grammar)
     except GrammarError as exc:
-        raise invalid(
-            f"{where}.format.definition: the grammar of custom tool {name!r} cannot be "
-            f"compiled: {exc}"
-        ) from None
-    described = f"The tool's input: raw text in this {syntax} grammar:\n{definition.strip()}"
-    return grammar, described
+        return str(exc)
+    return None
 
 
 def custom_tool(

@@ -6,7 +6,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -72,23 +72,31 @@ class ResponsesAPI:
             return []
         return [Item.model_validate(item) for item in self.store.history(previous_id)]
 
-    def prepare(self, request: ResponsesRequest, history: list[Item]) -> Prepared:
-        """What answering `request` after `history` takes, over HTTP or a WebSocket."""
+    def prepare(
+        self, request: ResponsesRequest, history: list[Item], kept: str | None = None
+    ) -> Prepared:
+        """What answering `request` after `history` takes, over HTTP or a WebSocket; with `kept`
+        (the JSON array of its user messages), as `/v1/responses/compact` answers."""
         given = tools(request)
         response_id = f"resp_{uuid.uuid4().hex}"
+        compaction: Literal["item", "endpoint"] | None = (
+            "endpoint" if kept is not None else "item" if request.compacting else None
+        )
+        echo = orjson.dumps(request.echo(given.served)).decode() if kept is None else "{}"
 
         def spec(reply: Reply | None) -> StreamSpec:
             return StreamSpec.responses(
                 model=self.services.models.served,
                 response_id=response_id,
                 created_at=int(time.time()),
-                echo=orjson.dumps(request.echo(given.served)).decode(),
+                echo=echo,
                 stream=request.stream,
                 reasoning_summary=request.reasoning_summary,
                 encrypted_reasoning=request.encrypted_reasoning,
                 namespaced=given.namespaced,
                 custom_tools=given.custom_names,
-                compaction="item" if request.compacting else None,
+                compaction=compaction,
+                kept_items=kept,
                 reply=reply,
             )
 
@@ -119,23 +127,10 @@ class ResponsesAPI:
             if item.type == "message" and item.role == "user"
         ]
         request.input = [*request.items, Item(type="compaction_trigger")]
-        given = tools(request)
-        compaction_id = f"resp_{uuid.uuid4().hex}"
-
-        def spec(reply: Reply) -> StreamSpec:
-            return StreamSpec.responses(
-                model=self.services.models.served,
-                response_id=compaction_id,
-                created_at=int(time.time()),
-                echo="{}",
-                stream=False,
-                compaction="endpoint",
-                kept_items=orjson.dumps(kept).decode(),
-                reply=reply,
-            )
-
-        prompt = conversation(request, history, given)
-        await self.pipeline.answer(scope, receive, send, request, prompt, spec)
+        prepared = self.prepare(request, history, kept=orjson.dumps(kept).decode())
+        await self.pipeline.answer(
+            scope, receive, send, request, prepared.conversation, prepared.spec
+        )
 
     def _response_id(self, scope: Scope) -> str:
         return path_tail(scope, "/v1/responses/")
