@@ -9,29 +9,19 @@ log-probabilities at that step; after it the two continuations are different tex
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
-import orjson
 import pytest
-from tiny_models import ARCHITECTURES, VOCAB, WINDOW, twins
+from tiny_engine import STEPS, Served, assert_same, prompts, reference, wait_until
+from tiny_models import ARCHITECTURES, WINDOW, twins
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
-from mlxgate._native import Reader, Reply, Router, StreamSpec, Vocab
-from mlxgate.engine import Engine, EngineSettings, GenerationRequest
+from mlxgate._native import StreamSpec
+from mlxgate.engine import GenerationRequest
 from mlxgate.engine.cache_kinds import CacheLayout
-from mlxgate.models import LoadedModel
-from mlxgate.models.adapter import ModelAdapter, install_kernels
-from mlxgate.models.context import ServedContext
+from mlxgate.models.adapter import ModelAdapter
 
-# Log-probability gap within which two tokens tie: float32 rounding of different matmul shapes
-# moves logits by ~1e-6; a wrong computation moves them by whole units.
-TIE = 1e-4
-STEPS = 12
 CHUNK = 16  # the largest prefill pass: longer prompts take several
 
 # mlx-lm cannot quantize these tiny shapes (a dimension below the group size) or at all.
@@ -45,114 +35,6 @@ CASES = [
     ],
     pytest.param(("gpt_oss", "mxfp4"), id="gpt_oss-mxfp4"),
 ]
-
-
-@dataclass
-class Expected:
-    tokens: list[int]
-    logprobs: list[np.ndarray]
-
-
-def reference(model: Any, prompt: list[int], steps: int = STEPS) -> Expected:
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    out = Expected([], [])
-    for token, logprobs in generate_step(mx.array(prompt), model, max_tokens=steps):
-        out.tokens.append(int(token))
-        out.logprobs.append(np.array(logprobs.astype(mx.float32)))
-    return out
-
-
-def assert_same(got: list[int], want: Expected, what: str) -> None:
-    """Equal token for token, or equal up to a step where mlx-lm's top two tokens tie."""
-    for step, (ours, theirs) in enumerate(zip(got, want.tokens, strict=False)):
-        if ours != theirs:
-            logprobs = want.logprobs[step]
-            gap = float(logprobs[theirs] - logprobs[ours])
-            assert gap <= TIE, (
-                f"{what}: step {step} gave {ours} where mlx-lm gives {theirs} "
-                f"(log-probability {gap:.3g} lower: not a tie)\n ours {got}\ntheirs {want.tokens}"
-            )
-            return
-    assert len(got) == len(want.tokens), f"{what}: {len(got)} tokens, mlx-lm {len(want.tokens)}"
-
-
-class Served:
-    """The engine over one tiny model, with a vocabulary whose token i reads `i,`."""
-
-    def __init__(
-        self,
-        model: Any,
-        context_length: int = 4096,
-        draft_model: Any = None,
-        context: ServedContext | None = None,
-        **settings: Any,
-    ) -> None:
-        for m in (model, draft_model):
-            if m is not None:
-                install_kernels(m)  # as `models.load` does
-        vocab = Vocab.from_token_bytes([f"{i},".encode() for i in range(VOCAB)], [])
-        loaded = LoadedModel("tiny", model, cast(Any, None), context_length, "test", context)
-        self.engine = Engine(
-            loaded, Router(vocab), EngineSettings(**settings), draft_model=draft_model
-        )
-        self.engine.start()
-
-    def submit(self, prompt: list[int], steps: int = STEPS) -> Reader:
-        spec = StreamSpec.anthropic(
-            model="tiny",
-            message_id="msg_t",
-            stream=False,
-            stop_sequences=[],
-            reply=Reply(eos_ids=[]),
-        )
-        return self.engine.admit(GenerationRequest(prompt, spec, steps))
-
-    @staticmethod
-    def result(reader: Reader, timeout_s: float = 120.0) -> tuple[list[int], dict[str, Any]]:
-        """The generated token ids and the usage of a finished stream."""
-        message = Served.body(reader, timeout_s)
-        assert message["type"] == "message", message
-        text = "".join(block["text"] for block in message["content"])
-        return [int(t) for t in text.split(",") if t], message["usage"]
-
-    @staticmethod
-    def choices(reader: Reader, timeout_s: float = 120.0) -> list[dict[str, Any]]:
-        """The messages of a finished OpenAI response with several choices, in order."""
-        response = Served.body(reader, timeout_s)
-        return [choice["message"] for choice in response["choices"]]
-
-    @staticmethod
-    def body(reader: Reader, timeout_s: float) -> dict[str, Any]:
-        ready = threading.Event()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            data = reader.take()
-            assert data is not None, "stream ended without a body"
-            if data:
-                return orjson.loads(data)  # type: ignore[no-any-return]
-            ready.clear()
-            if reader.park(ready, lambda _: ready.set()):
-                ready.wait(max(0.0, deadline - time.monotonic()))
-        raise TimeoutError("no body")
-
-    def generate(self, prompt: list[int], steps: int = STEPS) -> tuple[list[int], dict[str, Any]]:
-        return self.result(self.submit(prompt, steps))
-
-
-def prompts(count: int, low: int, high: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [
-        rng.integers(1, VOCAB, size=int(rng.integers(low, high))).tolist() for _ in range(count)
-    ]
-
-
-def wait_until(condition: Any, engine: Engine, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"condition not met in time: {engine.metrics}"
-        time.sleep(0.002)
 
 
 @pytest.fixture(params=CASES)
@@ -201,11 +83,16 @@ def test_cached_prefixes_are_reused_exactly_and_reported(
 ) -> None:
     served, model, layout = case
     first = prompts(1, 40, 41, seed=4)[0]
-    served.generate(first)
-    # An agent's next turn: the whole previous prompt, then more.
-    turn = first + prompts(1, 20, 21, seed=5)[0]
+    reply, _ = served.generate(first)
+    # (The reply is kept in the step that ends it, just after its client is woken.)
+    wait_until(lambda: served.engine.metrics.running == 0, served.engine)
+    # An agent's next turn: the whole previous prompt and reply, then more. The reply was kept
+    # as it ended: its last token was sampled, never fed, unless a verify pass fed guesses past
+    # the end (then the cache holds those, and the next turn may reuse one more).
+    turn = first + reply + prompts(1, 20, 21, seed=5)[0]
     tokens, usage = served.generate(turn)
-    assert usage["cache_read_input_tokens"] == len(first) - 1
+    assert usage["cache_read_input_tokens"] in (len(first) + len(reply) - 1, len(turn) - 20)
+    assert served.engine.metrics.reply_tokens_kept >= len(reply)
     assert_same(tokens, reference(model, turn), "next turn")
     # Another conversation sharing only the first 24 tokens: attention keys/values are cut
     # there; a window or a recurrent state cannot be, so nothing is reused (and none reported).

@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from test_architectures import CHUNK, STEPS, Served, assert_same, prompts, reference
+from test_architectures import CHUNK
+from tiny_engine import STEPS, Served, assert_same, prompts, reference
 from tiny_models import config as tiny_config
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)

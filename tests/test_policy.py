@@ -177,3 +177,13 @@ def test_a_steered_chunk_never_overruns_the_prompt_or_the_chunk_size(
     chunk = StepPolicy(SETTINGS).steered_chunk((tokens, took), todo, allowance_s)
     assert 1 <= chunk <= min(todo, 256)
     assert chunk == todo or chunk >= 16
+
+
+def test_the_least_prefill_left_goes_first_and_a_long_wait_counts_a_tenth() -> None:
+    policy = measured(decode_s=0.1, prefill_token_s=0.01)
+    # A 100-token turn goes before a 12k-token prompt that has waited two minutes.
+    assert policy.rank(100, waited_s=0.0) < policy.rank(12_000, waited_s=120.0)
+    # Among prompts alike, the one that waited longer.
+    assert policy.rank(100, waited_s=5.0) < policy.rank(100, waited_s=1.0)
+    # A long prompt that waited ten times its rest's prefill goes before a new short one.
+    assert policy.rank(1_000, waited_s=101.0) < policy.rank(1, waited_s=0.0)

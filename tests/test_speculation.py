@@ -24,7 +24,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
-from test_architectures import Served, assert_same, prompts, reference, wait_until
+from tiny_engine import Served, assert_same, prompts, reference, wait_until
 from tiny_models import VOCAB, build, quantized, twins
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)

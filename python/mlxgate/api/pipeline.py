@@ -50,9 +50,10 @@ def prompt_too_long(
 ) -> ApiError:
     """A prompt over the context, in the words Claude Code and OpenAI's clients both parse (Claude
     Code reads the two numbers to decide whether to compact; Codex acts on the OpenAI code)."""
+    held = " (what the KV cache's memory budget holds, --kv-memory-gb)" if error.memory else ""
     return ApiError(
         ErrorKind.INVALID_REQUEST,
-        f"prompt is too long: {error.prompt_tokens} tokens > {error.context_length} maximum",
+        f"prompt is too long: {error.prompt_tokens} tokens > {error.context_length} maximum{held}",
         should_retry=False,
         code=code,
         param=param,

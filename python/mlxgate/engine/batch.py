@@ -136,14 +136,40 @@ class DecodeBatch:
         # The copies are paid now, by the step that admits, not by the next decode step.
         mx.eval([cache_kinds.arrays(c) for band in bands for c in band.caches])
 
-    def drop(self, ended: np.ndarray) -> None:
-        """Free the slots of rows that ended (a boolean mask over slots)."""
+    def extract(self, stream_id: int) -> list[Any]:
+        """A copy of one row's caches, per layer a single-sequence cache (padding left out)."""
+        for band in self.bands:
+            slots = np.flatnonzero(band.stream_ids == stream_id)
+            if len(slots):
+                return [cache.extract(int(slots[0])) for cache in band.caches]
+        raise KeyError(stream_id)
+
+    def kv_bytes(self) -> int:
+        """The bytes the bands' caches hold (free slots, padding and room for growth included)."""
+        return sum(cache_kinds.nbytes(c) for band in self.bands for c in band.caches)
+
+    def growth_bytes(self, width: int, token_bytes: int) -> int:
+        """The bytes the bands' attention caches add when the next step writes `width` more
+        columns: a band whose buffer is full grows by mlx-lm's step (256 columns) for every slot."""
+        grown = 0
+        for band in self.bands:
+            attention = band._attention
+            if attention is None or attention.keys is None:
+                continue
+            if attention._idx + width > attention.keys.shape[2]:
+                steps = -(-width // attention.step)
+                grown += len(band.stream_ids) * steps * attention.step * token_bytes
+        return grown
+
+    def drop(self, ended: np.ndarray, compact: bool = False) -> None:
+        """Free the slots of rows that ended (a boolean mask over slots); `compact`: give their
+        memory back now (copies the rest of their bands)."""
         if not ended.any():
             return
         start = 0
         for band in self.bands:
             stop = start + len(band.stream_ids)
-            band.drop(ended[start:stop])
+            band.drop(ended[start:stop], compact)
             start = stop
         self.bands = [band for band in self.bands if len(band)]
 
@@ -276,7 +302,7 @@ class _Band:
         if shift.any():
             self._trim()
 
-    def drop(self, ended: np.ndarray) -> None:
+    def drop(self, ended: np.ndarray, compact: bool = False) -> None:
         """Free the slots of rows that ended (a boolean mask over slots)."""
         if not ended.any():
             return
@@ -286,7 +312,7 @@ class _Band:
         live = int(np.count_nonzero(self.stream_ids))
         if live == 0:
             self._empty()
-        elif len(self.stream_ids) - live > live:
+        elif compact or len(self.stream_ids) - live > live:
             self._compact()
         else:
             self._trim()

@@ -50,11 +50,15 @@ class AdmissionError(Exception):
 
 
 class PromptTooLong(AdmissionError):
-    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+    """Over the context, or (`memory`) over the tokens the KV memory budget holds."""
+
+    def __init__(self, prompt_tokens: int, context_length: int, *, memory: bool = False) -> None:
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
+        self.memory = memory
+        held = "the KV cache's memory budget (--kv-memory-gb) of" if memory else "a"
         super().__init__(
-            f"{prompt_tokens} prompt tokens do not fit a {context_length}-token context"
+            f"{prompt_tokens} prompt tokens do not fit {held} {context_length}-token context"
         )
 
 

@@ -8,6 +8,11 @@ worth of compute.
 While few sequences decode, a decode step may be a verify pass instead: rows that guess their
 next tokens from their own prompt and output (engine/speculation.py) feed them after their input
 token, and keep those the model confirms.
+
+A sequence that finishes leaves its prompt and reply in the prefix cache: the conversation's
+next turn starts with them. The KV caches the engine holds stay within a memory budget
+(engine/kv_memory.py): when the batch's would outgrow it, the youngest sequence is preempted
+(its keys/values kept in the prefix cache) and resumes from there, exactly, once there is room.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from mlxgate.engine.batch_sampler import BatchSampler
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.constraints import Vocabulary
 from mlxgate.engine.contract import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
+from mlxgate.engine.kv_memory import KVMemory, default_budget
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.policy import StepPolicy
 from mlxgate.engine.prefill import Pending, Prefill
@@ -43,6 +49,15 @@ from mlxgate.models.adapter import ModelAdapter
 from mlxgate.models.rope_switch import ScaledRows
 
 log = logging.getLogger("mlxgate.engine")
+
+
+@dataclasses.dataclass(eq=False)
+class _Row:
+    """A sequence in the decode batch."""
+
+    pending: Pending  # as it was admitted (or resumed)
+    sampler: Sampler
+    tokens: list[int]  # its prompt and the tokens decoded since: its caches hold all but the last
 
 
 def _choice(request: GenerationRequest, index: int) -> GenerationRequest:
@@ -89,6 +104,8 @@ class Engine:
         self.prefix_cache = PrefixCache(
             self.settings.prefix_cache_mb << 20, cuttable=self.layout.cuttable
         )
+        self.kv_memory = self._kv_memory()
+        self.metrics.kv_budget_bytes = self.kv_memory.budget
         # Bands of rows need the attention that attends band by band.
         self._banded = self._adapter.banded_attention
         # mlx-lm's code for some models gets batches wrong: found out now, not by a client.
@@ -127,7 +144,9 @@ class Engine:
             # Looked up at each call: a router swapped in later (tests wrap it) is the one used.
             ping=lambda stream_id: self.router.ping(stream_id),
             join=self._add_rows,
+            memory=self.kv_memory,
         )
+        self._rows: dict[int, _Row] = {}  # by stream id
         self._batch = DecodeBatch(self.layout, self._banded)
         self._sampler = BatchSampler()  # the batch's: made and dropped with it
         self._trim_heap = heap.trimmer()
@@ -144,6 +163,8 @@ class Engine:
         context = self.loaded.context_length
         if prompt_tokens >= context:  # at least one token must fit after the prompt
             raise PromptTooLong(prompt_tokens, context)
+        if self.kv_memory.need(prompt_tokens + 1) > self.kv_memory.budget:
+            raise PromptTooLong(prompt_tokens, self.kv_memory.most_tokens() - 1, memory=True)
         queued = len(self._incoming) + self.metrics.queue_depth
         if queued >= self.settings.max_queued:
             raise QueueFull(retry_after_s=1 + queued // 8)
@@ -175,6 +196,17 @@ class Engine:
                 self._incoming.extend(choices)
             self._wakeup.notify()
         return reader
+
+    def _kv_memory(self) -> KVMemory:
+        """What a sequence's caches cost (measured on a one-token prefill), and the budget."""
+        caches = self._adapter.make_cache()
+        self._adapter.prefill(mx.array([[0]], dtype=mx.uint32), caches)
+        s = self.settings
+        if s.kv_memory_gb > 0:
+            budget = int(s.kv_memory_gb * 2**30)
+        else:
+            budget = default_budget(mx.get_active_memory(), s.prefix_cache_mb << 20)
+        return KVMemory.of(caches, budget)
 
     def start(self) -> None:
         self._running.set()
@@ -234,6 +266,7 @@ class Engine:
         for stream_id in dict.fromkeys([*self._batch.running_ids, *held]):
             self.router.fail(stream_id, ErrorKind.INTERNAL, message)
         self._batch, self._sampler = DecodeBatch(self.layout, self._banded), BatchSampler()
+        self._rows = {}
         if self.speculation is not None:
             self.speculation.reset()
 
@@ -244,6 +277,7 @@ class Engine:
         if not (prefill.waiting or len(self._batch)):
             return
         started = time.perf_counter()
+        self._keep_budget()
         decoding = len(self._batch)
         if decoding:
             self._decode()
@@ -253,10 +287,14 @@ class Engine:
             allowance_s = policy.allowance_s(decoding, len(prefill.waiting))
             budget = policy.budget(decoding, allowance_s)
             # Rows that finished in this step's decode have left: their room is free.
-            prefilled = prefill.run(budget, allowance_s, running=len(self._batch))
+            kv_room = self.kv_memory.budget - self._batch.kv_bytes() - prefill.held_bytes()
+            prefilled = prefill.run(budget, allowance_s, len(self._batch), kv_room)
             policy.prefilled(prefilled, time.perf_counter() - prefill_started)
         prefill.ping()
         self._cancel_stalled()
+        if len(self._rows) > len(self._batch):
+            running = self._batch.running_ids
+            self._rows = {sid: self._rows[sid] for sid in running if sid in self._rows}
         elapsed = time.perf_counter() - started
         m = self.metrics
         with m.lock:
@@ -280,6 +318,53 @@ class Engine:
     def _update_gauges(self) -> None:
         self.metrics.queue_depth = len(self.prefill.waiting)
         self.metrics.running = len(self._batch)
+        self.metrics.kv_bytes = self._batch.kv_bytes() + self.prefill.held_bytes()
+
+    def _keep_budget(self) -> None:
+        """Preempt the youngest decoding sequences while the batch's caches, their growth in the
+        next step and the prompts in prefill would outgrow the KV memory budget. The oldest
+        always goes on (a prompt that cannot fit alone was refused at admission)."""
+        memory, batch = self.kv_memory, self._batch
+        width = 1 + (self.settings.max_draft_tokens if self.speculation is not None else 0)
+        while len(batch) > 1:
+            held = batch.kv_bytes() + batch.growth_bytes(width, memory.token_bytes)
+            if held + self.prefill.held_bytes() <= memory.budget:
+                return
+            running = [self._rows[sid] for sid in batch.running_ids]
+            self._preempt(max(running, key=lambda row: row.pending.submitted_at))
+
+    def _preempt(self, row: _Row) -> None:
+        """Take a sequence out of the batch to free its caches: its keys/values go into the prefix
+        cache, and it waits again, with its own sampler, to resume from them."""
+        pending = row.pending
+        stream_id = pending.stream_id
+        self.prefix_cache.store(
+            row.tokens[:-1], self._batch.extract(stream_id), variant=int(pending.scaled)
+        )
+        self._batch.drop(self._batch.stream_ids == stream_id, compact=True)
+        del self._rows[stream_id]
+        decoded = len(row.tokens) - len(pending.request.prompt_ids)
+        max_tokens = pending.request.max_tokens
+        request = dataclasses.replace(
+            pending.request,
+            prompt_ids=row.tokens,
+            max_tokens=None if max_tokens is None else max(1, max_tokens - decoded),
+            choices=1,
+        )
+        self.prefill.waiting.append(
+            Pending(
+                stream_id,
+                request,
+                None,
+                pending.scaled,
+                submitted_at=pending.submitted_at,
+                sampler=row.sampler,
+            )
+        )
+        self.metrics.preemptions += 1
+        log.info(
+            "stream %d preempted after %d tokens to keep the KV memory budget", stream_id, decoded
+        )
 
     def _poll_cancelled(self) -> set[int]:
         self._gone.update(self.router.cancelled())
@@ -329,13 +414,16 @@ class Engine:
         # Each row's emitted tokens in order: the router ends a stream at the first that ends it.
         emitted = (np.arange(tokens.shape[1]) <= kept[:, None]) & (slot_ids != FREE)[:, None]
         token_ids = tokens[emitted]
-        ended = self.router.step(
-            np.broadcast_to(slot_ids[:, None], tokens.shape)[emitted], token_ids
-        )
+        stream_ids = np.broadcast_to(slot_ids[:, None], tokens.shape)[emitted]
+        ended = self.router.step(stream_ids, token_ids)
         self.metrics.decode_tokens += len(token_ids)
+        rows = self._rows
+        for stream_id, token in zip(stream_ids.tolist(), token_ids.tolist(), strict=True):
+            rows[stream_id].tokens.append(token)
         finished = [sid for sid, why in ended if why != FinishReason.CANCELLED]
         if finished:
             self.metrics.requests_finished += len(finished)
+            self._keep_replies(finished)
             batch.drop(np.isin(batch.stream_ids, finished))
         self._gone.update(sid for sid, why in ended if why == FinishReason.CANCELLED)
         if self._gone:
@@ -375,18 +463,34 @@ class Engine:
             m.accepted_tokens += accepted
         speculation.forget(len(self._batch), lambda: self._batch.running_ids)
 
+    def _keep_replies(self, finished: list[int]) -> None:
+        """Finished sequences' prompts and replies go into the prefix cache: the conversation's
+        next turn starts with them."""
+        if self.prefix_cache.max_bytes <= 0:
+            return
+        for stream_id in finished:
+            row = self._rows[stream_id]
+            kept = row.tokens[:-1]  # the last token was sampled, never fed
+            self.prefix_cache.store(
+                kept, self._batch.extract(stream_id), variant=int(row.pending.scaled)
+            )
+            self.metrics.reply_tokens_kept += len(kept) - len(row.pending.request.prompt_ids) + 1
+
     def _add_rows(self, joining: list[Pending], caches: list[Any]) -> None:
         now = time.monotonic()
         with self.metrics.lock:
-            self.metrics.ttft_s.extend(now - p.submitted_at for p in joining)
+            self.metrics.ttft_s.extend(now - p.submitted_at for p in joining if p.sampler is None)
         if self.speculation is not None:
             for p in joining:
                 self.speculation.start(p.stream_id, p.request)
+        samplers = [p.sampler or Sampler(p.request.sampling, p.request.grammar) for p in joining]
+        for p, sampler in zip(joining, samplers, strict=True):
+            self._rows[p.stream_id] = _Row(p, sampler, list(p.request.prompt_ids))
         self._batch.add(
             caches,
             [len(p.request.prompt_ids) - 1 for p in joining],
             [p.stream_id for p in joining],
-            [Sampler(p.request.sampling, p.request.grammar) for p in joining],
+            samplers,
             [p.request.prompt_ids[-1] for p in joining],
             [p.scaled for p in joining],
         )

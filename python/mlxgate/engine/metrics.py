@@ -99,6 +99,15 @@ class EngineMetrics:
     prefill_passes = Count("prefill forward passes (one may carry several prompts)")
     decode_tokens = Count("tokens generated")
     cache_hit_tokens = Count("prompt tokens reused from the prefix cache")
+    inflight_hit_tokens = Count(
+        "prompt tokens reused from another prompt's prefill, waited for instead of computed again"
+    )
+    reply_tokens_kept = Count(
+        "tokens of finished replies kept in the prefix cache for the conversation's next turn"
+    )
+    preemptions = Count(
+        "decoding sequences preempted to keep the KV memory budget (resumed from the prefix cache)"
+    )
     requests_finished = Count("requests that finished generating")
     requests_cancelled = Count("requests whose client went away")
     verify_passes = Count("speculative decoding: decode steps that checked guessed tokens")
@@ -111,6 +120,8 @@ class EngineMetrics:
     heap_trim_s = Count("seconds the engine spent giving the C heap's free pages back", 0.0)
     queue_depth = Level("requests admitted and waiting for prefill")
     running = Level("sequences in the decode batch")
+    kv_bytes = Level("bytes the decode batch's and the prefilling prompts' KV caches hold")
+    kv_budget_bytes = Level("the KV memory budget (--kv-memory-gb)")
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

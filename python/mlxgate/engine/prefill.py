@@ -1,9 +1,15 @@
 """Prompts from admission until they join the decode batch: the queue and the prefill passes.
 
-A step prefills up to its budget (engine/policy.py), oldest prompt first. Several short prompts
-that fit go through the model together, one row each of a batched KV cache; a long prompt goes
-chunk by chunk, one chunk per step while streams decode. A prompt joins the running batch once
-all but its last token is in the KV cache; that last token is its first decode input.
+A step prefills up to its budget (engine/policy.py), the prompt with the least prefill left
+first (a prompt's wait counts for it too, so a long one still finishes): an agent's short turn
+does not wait behind another session's long first turn. Several short prompts that fit go
+through the model together, one row each of a batched KV cache; a long prompt goes chunk by
+chunk, one chunk per step while streams decode. A prompt joins the running batch once all but
+its last token is in the KV cache; that last token is its first decode input.
+
+A prompt whose prefix another waiting prompt is computing right now waits for it instead of
+computing it again, and starts from those keys/values once they are done (in-flight sharing).
+With a KV memory budget, a prompt starts only when its cache fits (engine/kv_memory.py).
 
 A pass stops between layers once every client it serves has left; such a prefill is torn: some
 layers hold more tokens than it finished. What it finished goes to the prefix cache, and where
@@ -17,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import mlx.core as mx
@@ -25,9 +32,11 @@ import numpy as np
 from mlxgate.engine import cache_kinds
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.contract import GenerationRequest
+from mlxgate.engine.kv_memory import KVMemory
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.policy import StepPolicy
-from mlxgate.engine.prefix_cache import PrefixCache, PrefixMatch
+from mlxgate.engine.prefix_cache import CacheEntry, PrefixCache, PrefixMatch, common_prefix
+from mlxgate.engine.sampling import Sampler
 from mlxgate.models.adapter import ModelAdapter
 from mlxgate.models.rope_switch import ScaledRows
 
@@ -46,6 +55,11 @@ class Pending:
     done: int = 0  # prompt tokens whose keys/values are in `caches`
     last_chunk: tuple[int, float] | None = None  # (tokens, seconds) of its latest prefill pass
     torn: bool = False  # a pass stopped part way: `caches` hold more than `done` in some layers
+    # A sequence preempted while decoding (its prompt: the prompt and the tokens it decoded):
+    # its sampler goes on where it was.
+    sampler: Sampler | None = None
+    held: bool = False  # has waited for another prompt's prefill of its prefix
+    shared: dict[int, int] = field(default_factory=dict)  # stream id -> common prefix with it
     # More choices of the same prompt (OpenAI's `n`): prefilled with this one, then each decodes
     # from its own copy of the cache.
     siblings: list[Pending] = field(default_factory=list)
@@ -58,6 +72,16 @@ class Pending:
     @property
     def choices(self) -> list[Pending]:
         return [self, *self.siblings]
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        """The tokens its prefill computes: all of the prompt but the last."""
+        return np.asarray(self.request.prompt_ids[:-1], dtype=np.int32)
+
+    @property
+    def rest(self) -> int:
+        """Prompt tokens it still has to compute, its cached prefix left out."""
+        return self.todo - (self.match.length if self.match is not None else 0)
 
     def without(self, gone: set[int]) -> Pending | None:
         """This sequence without its choices whose clients left: None if none is left; another
@@ -102,10 +126,11 @@ class Prefill:
         cancelled: Callable[[], set[int]],
         ping: Callable[[int], None],
         join: Join,
+        memory: KVMemory | None = None,
     ) -> None:
         """`grouped`: whether several prompts may share a pass. `cancelled`: the stream ids whose
         clients left (polled during passes); `ping` sends a stream a keep-alive; `join` adds
-        prefilled sequences to the decode batch."""
+        prefilled sequences to the decode batch; `memory`: the KV memory budget, if any."""
         self.adapter = adapter
         self.layout = layout
         self.prefix_cache = prefix_cache
@@ -116,32 +141,48 @@ class Prefill:
         self._cancelled = cancelled
         self._ping = ping
         self._join = join
+        self.memory = memory
         self.waiting: deque[Pending] = deque()
         # Taken from the queue by this step's prefill and not yet in the batch.
         self.joining: list[Pending] = []
 
-    def run(self, budget: int, allowance_s: float | None, running: int) -> int:
-        """Prefill up to `budget` prompt tokens beside `running` decoding rows, oldest sequence
-        first; returns how many.
+    def run(
+        self, budget: int, allowance_s: float | None, running: int, kv_room: int | None = None
+    ) -> int:
+        """Prefill up to `budget` prompt tokens beside `running` decoding rows, the prompts with
+        the least left first; returns how many. `kv_room`: the bytes of the KV memory budget that
+        new prefills may take (None: no budget).
 
         With streams decoding (`allowance_s` set), a prompt already in prefill takes one chunk
-        sized from its previous pass instead.
+        sized from its previous pass, out of what is left of the allowance.
         """
+        self.waiting, held = self._ranked()
+        try:
+            return self._prefill(budget, allowance_s, running, kv_room)
+        finally:
+            self.waiting.extend(held)
+
+    def _prefill(
+        self, budget: int, allowance_s: float | None, running: int, kv_room: int | None
+    ) -> int:
         admitted: list[Pending] = []
         groups: list[PromptGroup] = []
         idle = not running
         spent = 0
+        started = time.perf_counter()
         while self.waiting and budget > 0:
             self.ping()  # one step may prefill for long: a pass at a time
             room = self.settings.max_running - running
             room -= sum(len(p.choices) for p in admitted) + sum(len(g.rows) for g in groups)
             if room < len(self.waiting[0].choices):
                 break
-            group = self._whole_prompts(budget, room) if self.grouped else None
+            group = self._whole_prompts(budget, room, kv_room) if self.grouped else None
             if group is not None:
                 # Several short prompts that fit this step: one forward pass for all of them.
                 for _ in group.rows:
                     self.joining.append(self.waiting.popleft())
+                if kv_room is not None:
+                    kv_room -= sum(self._reserve(p) for p in group.rows)
                 self.metrics.prefill_tokens += sum(p.todo for p in group.rows)
                 self.metrics.prefill_passes += 1
                 if self._forward_group(group):
@@ -157,10 +198,19 @@ class Prefill:
             if pending.torn:
                 self._mend(pending)
             if pending.caches is None:
+                if kv_room is not None:
+                    need = self._reserve(pending)
+                    if need > kv_room and (running or admitted or groups or self._started()):
+                        break  # it waits for memory; nothing overtakes it
+                    kv_room -= need
                 self._start(pending)
             steered = False
             if allowance_s is not None and (last := pending.last_chunk) is not None:
-                chunk, steered = self.policy.steered_chunk(last, pending.todo, allowance_s), True
+                left_s = allowance_s - (time.perf_counter() - started)
+                if left_s <= 0 and spent:
+                    break
+                chunk = self.policy.steered_chunk(last, pending.todo, max(left_s, 0.0))
+                steered = True
             else:
                 chunk = self.policy.chunk(budget, pending.todo)
             if chunk > 0:
@@ -189,6 +239,72 @@ class Prefill:
             self._join_group(group)
         self.joining = []
         return spent
+
+    def held_bytes(self) -> int:
+        """What the prompts in prefill reserve of the KV memory budget."""
+        return sum(self._reserve(p) for p in self.waiting if p.caches is not None)
+
+    def _reserve(self, pending: Pending) -> int:
+        assert self.memory is not None
+        request = pending.request
+        return self.memory.reserve(len(request.prompt_ids), request.max_tokens) * len(
+            pending.choices
+        )
+
+    def _started(self) -> bool:
+        return any(p.caches is not None for p in self.waiting)
+
+    def _ranked(self) -> tuple[deque[Pending], list[Pending]]:
+        """The waiting sequences in the order this step serves them (`policy.rank`), and apart,
+        those that wait for another one's prefill of their prefix."""
+        for pending in self.waiting:
+            if pending.caches is None and (pending.held or pending.sampler is not None):
+                self._look_again(pending)
+        now = time.monotonic()
+        ranked = sorted(self.waiting, key=lambda p: self.policy.rank(p.rest, now - p.submitted_at))
+        ready: deque[Pending] = deque()
+        held: list[Pending] = []
+        for index, pending in enumerate(ranked):
+            if pending.caches is None and self._waits_for_prefix(pending, ranked[:index]):
+                pending.held = True
+                held.append(pending)
+            else:
+                ready.append(pending)
+        return ready, held
+
+    def _look_again(self, pending: Pending) -> None:
+        """The prefix cache may hold more of the prompt than at admission: the prefill it waited
+        for, or (preempted) its own keys/values."""
+        match = self.prefix_cache.lookup(pending.request.prompt_ids, variant=int(pending.scaled))
+        if match is not None and match.length > (pending.match.length if pending.match else 0):
+            pending.match = match
+
+    def _waits_for_prefix(self, pending: Pending, ahead: list[Pending]) -> bool:
+        """Whether one of the sequences served before `pending` is computing more of its prefix
+        (a chunk or more) than it can have now; where one has computed it already (attention keys/values: cut to
+        the part they share), `pending` starts from that instead."""
+        best = pending.match.length if pending.match is not None else 0
+        promised = 0
+        for other in ahead:
+            if other.scaled != pending.scaled:
+                continue
+            shared = pending.shared.get(other.stream_id)
+            if shared is None:
+                shared = common_prefix(pending.tokens, other.tokens)
+                pending.shared[other.stream_id] = shared
+            if not self.layout.cuttable:
+                # Only its whole prefill is kept (a snapshot, as it joins the batch).
+                if shared == len(other.tokens):
+                    promised = max(promised, shared)
+            elif other.caches is not None and not other.torn and other.done >= shared:
+                if shared - best >= self.prefix_cache.min_tokens:
+                    entry = CacheEntry(other.tokens[: other.done], other.caches, 0)
+                    pending.match, best = PrefixMatch(entry, shared), shared
+                    pending.held = True
+            else:
+                promised = max(promised, shared)
+        # A short shared prefix is cheaper computed again, in a pass with other prompts.
+        return promised - best >= self.settings.max_prefill_chunk
 
     def ping(self) -> None:
         """A keep-alive for each waiting stream not pinged for the ping interval."""
@@ -220,9 +336,9 @@ class Prefill:
         self.joining = []
         return held
 
-    def _whole_prompts(self, budget: int, room: int) -> PromptGroup | None:
-        """Two or more not yet started prompts at the head of the queue that fit `budget` together
-        (`policy.group`), or None.
+    def _whole_prompts(self, budget: int, room: int, kv_room: int | None) -> PromptGroup | None:
+        """Two or more not yet started prompts at the head of the queue that fit `budget` (and
+        `kv_room`) together (`policy.group`), or None.
 
         Each row is the prompt's cached prefix (if any) followed by the rest of the prompt,
         right-padded to the longest rest.
@@ -230,15 +346,17 @@ class Prefill:
         rests = self.policy.group(
             (
                 # Not a long prompt already being prefilled chunk by chunk, nor n choices.
-                None
-                if p.caches is not None or p.siblings
-                else p.todo - (p.match.length if p.match else 0)
+                None if p.caches is not None or p.siblings else p.rest
                 for p in self.waiting
             ),
             budget,
             room,
         )
-        if not rests:
+        if kv_room is not None:
+            reserved = itertools.accumulate(self._reserve(p) for p in self.waiting)
+            fit = sum(1 for _, total in zip(rests, reserved, strict=False) if total <= kv_room)
+            rests = rests[:fit]
+        if len(rests) < 2:
             return None
         rows = list(itertools.islice(self.waiting, len(rests)))
         for pending in rows:
@@ -305,11 +423,15 @@ class Prefill:
         return None
 
     def _start(self, pending: Pending) -> None:
-        self.metrics.queue_wait_s.append(time.monotonic() - pending.submitted_at)
+        if pending.sampler is None:
+            self.metrics.queue_wait_s.append(time.monotonic() - pending.submitted_at)
         if pending.match is not None:
             pending.caches = pending.match.caches()
             pending.done = pending.match.length
-            self.metrics.cache_hit_tokens += pending.match.length
+            m = self.metrics
+            m.cache_hit_tokens += pending.match.length
+            if pending.held:
+                m.inflight_hit_tokens += pending.match.length
             pending.match = None
         else:
             pending.caches = self.adapter.make_cache()

@@ -41,7 +41,7 @@ class PrefixMatch:
         return [cache_kinds.cut(layer, self.length) for layer in self.entry.layers]
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     mismatch = np.flatnonzero(a[:n] != b[:n])
     return int(mismatch[0]) if len(mismatch) else n
@@ -82,7 +82,7 @@ class PrefixCache:
             for key, entry in self._entries.items():
                 if entry.variant != variant:
                     continue
-                length = min(_common_prefix(entry.tokens, tokens), limit)
+                length = min(common_prefix(entry.tokens, tokens), limit)
                 if not self.cuttable and length < len(entry.tokens):
                     continue  # a snapshot is all or nothing
                 if length > best_len:
@@ -92,33 +92,42 @@ class PrefixCache:
             self._entries.move_to_end(best_key)
             return PrefixMatch(self._entries[best_key], best_len)
 
+    def _covered(self, tokens: np.ndarray, variant: int) -> bool:
+        """Whether an entry holds these tokens already (a longer one, where entries can be cut);
+        it then counts as used."""
+        with self._lock:
+            for key, old in self._entries.items():
+                if old.variant != variant:
+                    continue
+                if common_prefix(old.tokens, tokens) == len(tokens) and (
+                    len(old.tokens) == len(tokens) or self.cuttable
+                ):
+                    self._entries.move_to_end(key)
+                    return True
+        return False
+
     def store(self, tokens: list[int] | np.ndarray, caches: list[Any], variant: int = 0) -> None:
         """Keep a copy of the state of `tokens` (each cache holds exactly those, one sequence),
         computed as `variant`."""
         if self.max_bytes <= 0 or len(tokens) < self.min_tokens:
+            return
+        token_ids = np.asarray(tokens, dtype=np.int32)
+        if self._covered(token_ids, variant):
             return
         layers = [cache_kinds.snapshot(cache, owned=True) for cache in caches]
         mx.eval([cache_kinds.arrays(layer) for layer in layers])
         nbytes = sum(cache_kinds.nbytes(layer) for layer in layers)
         if nbytes > self.max_bytes:
             return
-        entry = CacheEntry(np.asarray(tokens, dtype=np.int32), layers, nbytes, variant)
+        entry = CacheEntry(token_ids, layers, nbytes, variant)
         with self._lock:
-            for key, old in self._entries.items():
-                if old.variant != variant:
-                    continue
-                if _common_prefix(old.tokens, entry.tokens) == len(entry.tokens) and (
-                    len(old.tokens) == len(entry.tokens) or self.cuttable
-                ):
-                    self._entries.move_to_end(key)  # already covered by a longer entry
-                    return
             if self.cuttable:
                 # An entry that the new one extends is redundant.
                 for key in [
                     k
                     for k, old in self._entries.items()
                     if old.variant == variant
-                    and _common_prefix(old.tokens, entry.tokens) == len(old.tokens)
+                    and common_prefix(old.tokens, entry.tokens) == len(old.tokens)
                 ]:
                     self._bytes -= self._entries.pop(key).nbytes
             self._entries[self._next_key] = entry

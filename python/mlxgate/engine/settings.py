@@ -47,6 +47,14 @@ class EngineSettings:
         1024,
         "memory for reusing the KV cache of shared prompt prefixes across requests; 0 turns it off",
     )
+    kv_memory_gb: float = setting(
+        0.0,
+        "memory the running and prefilling sequences' KV caches may hold: a prompt starts only "
+        "when its cache fits, a decoding sequence is preempted (its cache kept in the prefix "
+        "cache, resumed later exactly) when the batch's would outgrow it, and a prompt that "
+        "cannot fit even alone is refused",
+        default_text="half the machine's memory after the weights, less the prefix cache's",
+    )
     max_draft_tokens: int = setting(
         8,
         "speculative decoding: the most tokens a sequence guesses ahead (from its own prompt "
