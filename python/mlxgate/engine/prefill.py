@@ -281,8 +281,8 @@ class Prefill:
 
     def _waits_for_prefix(self, pending: Pending, ahead: list[Pending]) -> bool:
         """Whether one of the sequences served before `pending` is computing more of its prefix
-        (a chunk or more) than it can have now; where one has computed it already (attention keys/values: cut to
-        the part they share), `pending` starts from that instead."""
+        (a chunk or more) than it can have now; where one has computed it already (attention
+        keys/values: cut to the part they share), `pending` starts from that instead."""
         best = pending.match.length if pending.match is not None else 0
         promised = 0
         for other in ahead:
