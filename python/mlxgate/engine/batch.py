@@ -156,7 +156,8 @@ class DecodeBatch:
             attention = band._attention
             if attention is None or attention.keys is None:
                 continue
-            if attention._idx + width > attention.keys.shape[2]:
+            keys = attention.keys[0] if isinstance(attention.keys, tuple) else attention.keys
+            if attention._idx + width > keys.shape[2]:
                 steps = -(-width // attention.step)
                 grown += len(band.stream_ids) * steps * attention.step * token_bytes
         return grown

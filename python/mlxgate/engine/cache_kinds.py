@@ -7,6 +7,10 @@ has a batched form in mlx-lm (`BatchKVCache`, `BatchRotatingKVCache`; `ArraysCac
 itself) with `merge`, `extend`, `filter` and `extract`; the engine uses those, and its own
 faster copies only where it has them (attention keys/values).
 
+With `--kv-bits`, plain attention layers keep their keys/values quantized (mlx-lm's
+`QuantizedKVCache`, batched as engine/quantized_kv.py's `BatchQuantizedKVCache`): each of keys
+and values is then a triple of arrays (packed, scales, biases) that every copy below moves alike.
+
 What a kind allows:
 - a row can be written into a free slot of the batch: attention and recurrent state, not a
   rotated window (its rows share one write position);
@@ -31,12 +35,20 @@ from mlx_lm.models.cache import (
     BatchKVCache,
     CacheList,
     KVCache,
+    QuantizedKVCache,
     RotatingKVCache,
 )
+
+from mlxgate.engine.quantized_kv import BatchQuantizedKVCache
+
+# Attention keys/values, float or quantized: one sequence's and a batch's.
+_ATTENTION = (KVCache, QuantizedKVCache)
+_BATCH_ATTENTION = (BatchKVCache, BatchQuantizedKVCache)
 
 # Single-sequence cache kinds the engine batches, by what their layers do.
 _LAYER_NAMES: dict[type, str] = {
     KVCache: "attention",
+    QuantizedKVCache: "attention",
     RotatingKVCache: "sliding-window attention",
     ArraysCache: "recurrent",
 }
@@ -59,11 +71,11 @@ class CacheLayout:
     def of(cls, caches: Sequence[Any]) -> CacheLayout:
         kinds = tuple(_kind(cache) for cache in caches)
         leaves = [leaf for cache in caches for leaf in _leaves(cache)]
-        attention = [i for i, cache in enumerate(caches) if type(cache) is KVCache]
+        attention = [i for i, cache in enumerate(caches) if type(cache) in _ATTENTION]
         return cls(
             kinds=kinds,
             attention_layer=attention[0] if attention else None,
-            cuttable=all(type(leaf) is KVCache for leaf in leaves),
+            cuttable=all(type(leaf) in _ATTENTION for leaf in leaves),
             slots=not any(isinstance(leaf, RotatingKVCache) for leaf in leaves),
         )
 
@@ -111,12 +123,14 @@ def arrays(cache: Any) -> list[mx.array]:
 
 def merge(caches: Sequence[Any]) -> Any:
     """One batch cache over single-sequence `caches` of one layer (mlx-lm's own merge)."""
+    if type(caches[0]) is QuantizedKVCache:
+        return BatchQuantizedKVCache.merge(list(caches))
     return type(caches[0]).merge(list(caches))
 
 
 def batch_of_one(cache: Any) -> Any:
     """A single sequence's cache as a one-row batch cache."""
-    if type(cache) is KVCache:
+    if type(cache) in _ATTENTION:
         return _kv_row(cache)
     if type(cache) is CacheList:
         return CacheList(*(batch_of_one(sub) for sub in cache.caches))
@@ -132,16 +146,43 @@ def batch_of(cache: Any, rows: int) -> Any:
     return batch
 
 
-def _kv_row(cache: KVCache) -> BatchKVCache:
+def _kv_row(cache: KVCache | QuantizedKVCache) -> Any:
     """A one-row batch cache with room for the next tokens (`BatchKVCache.merge` leaves none, so
     the first decode step would copy it again to grow it: ~0.1 s for a 1,500-token prompt)."""
     assert cache.keys is not None and cache.values is not None
     length = cache.offset
     capacity = -(-(length + 1) // cache.step) * cache.step
-    keys, values = (_with_room(kv[..., :length, :], capacity) for kv in (cache.keys, cache.values))
-    row = BatchKVCache([0])
+    keys, values = (
+        _each(lambda a: _with_room(a[..., :length, :], capacity), kv)
+        for kv in (cache.keys, cache.values)
+    )
+    row = _batch_of_kind(cache)
     row.state = (keys, values, mx.array([length]), row.left_padding, length)
     return row
+
+
+def _batch_of_kind(cache: KVCache | QuantizedKVCache) -> Any:
+    """An empty one-row batch cache of the kind of single-sequence `cache`."""
+    if type(cache) is QuantizedKVCache:
+        return BatchQuantizedKVCache([0], cache.group_size, cache.bits)
+    return BatchKVCache([0])
+
+
+def _each(f: Any, kv: Any) -> Any:
+    """`f` applied to keys (or values): a float array, or each array of a quantized triple."""
+    return tuple(f(a) for a in kv) if isinstance(kv, tuple) else f(kv)
+
+
+def _parts(cache: Any) -> list[mx.array]:
+    """The arrays of an attention cache's keys then values (two, or two triples)."""
+    return [a for kv in (cache.keys, cache.values) for a in (kv if isinstance(kv, tuple) else [kv])]
+
+
+def _from_parts(cache: Any, parts: list[mx.array]) -> tuple[Any, Any]:
+    """(keys, values) of `cache`'s kind made of `parts` (as `_parts` lists them)."""
+    if isinstance(cache.keys, tuple):
+        return tuple(parts[:3]), tuple(parts[3:])
+    return parts[0], parts[1]
 
 
 def _with_room(kv: mx.array, capacity: int) -> mx.array:
@@ -152,7 +193,7 @@ def _with_room(kv: mx.array, capacity: int) -> mx.array:
 
 def append_rows(mine: Any, theirs: Any, rows: list[int]) -> None:
     """Grow batch cache `mine` by `rows` of batch cache `theirs` (in place)."""
-    if type(mine) is BatchKVCache:
+    if type(mine) in _BATCH_ATTENTION:
         _kv_append(mine, theirs, rows)
     elif type(mine) is CacheList:
         for a, b in zip(mine.caches, theirs.caches, strict=True):
@@ -169,7 +210,7 @@ def _rows_copy(cache: Any, rows: list[int]) -> Any:
     return out
 
 
-def _kv_append(mine: BatchKVCache, theirs: BatchKVCache, rows: list[int]) -> None:
+def _kv_append(mine: Any, theirs: Any, rows: list[int]) -> None:
     """One new buffer, both parts right-aligned (mlx-lm's `extend` pads both sides and
     concatenates: three copies)."""
     assert mine.keys is not None and mine.values is not None
@@ -178,15 +219,15 @@ def _kv_append(mine: BatchKVCache, theirs: BatchKVCache, rows: list[int]) -> Non
     ours, joining = mine.size(), theirs.size()
     columns = max(ours, joining)
     capacity = -(-columns // mine.step) * mine.step  # room for the next tokens
-    old = mine.keys.shape[0]
+    old = mine.offset.shape[0]
     grown = []
-    for mine_kv, theirs_kv in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+    for mine_kv, theirs_kv in zip(_parts(mine), _parts(theirs), strict=True):
         _, heads, _, dim = mine_kv.shape
         both = mx.zeros((old + len(rows), heads, capacity, dim), dtype=mine_kv.dtype)
         both[:old, :, columns - ours : columns, :] = mine_kv[..., :ours, :]
         both[old:, :, columns - joining : columns, :] = theirs_kv[index, :, :joining, :]
         grown.append(both)
-    keys, values = grown
+    keys, values = _from_parts(mine, grown)
     left_padding = mx.concatenate(
         [mine.left_padding + (columns - ours), theirs.left_padding[index] + (columns - joining)]
     )
@@ -207,18 +248,16 @@ def write_slots(
     Attention rows are right-aligned with the batch: `lengths[row]` tokens end at its last
     column, and `padding`/`offset` are the band's per-slot arrays after the write.
     """
-    if type(mine) is BatchKVCache:
+    if type(mine) in _BATCH_ATTENTION:
         assert mine.keys is not None and mine.values is not None
         assert theirs.keys is not None and theirs.values is not None
         columns, end = mine.size(), theirs.size()
         for slot, row in placed:
             n = lengths[row]
-            mine.keys[slot : slot + 1, :, columns - n : columns, :] = theirs.keys[
-                row : row + 1, :, end - n : end, :
-            ]
-            mine.values[slot : slot + 1, :, columns - n : columns, :] = theirs.values[
-                row : row + 1, :, end - n : end, :
-            ]
+            for part, joining in zip(_parts(mine), _parts(theirs), strict=True):
+                part[slot : slot + 1, :, columns - n : columns, :] = joining[
+                    row : row + 1, :, end - n : end, :
+                ]
         mine.left_padding, mine.offset = padding, offset
     elif type(mine) is CacheList:
         for a, b in zip(mine.caches, theirs.caches, strict=True):
@@ -236,27 +275,27 @@ def keep_rows(cache: Any, index: mx.array) -> None:
     """Keep only the rows `index` of a batch cache (copies them; contiguous buffers)."""
     cache.filter(index)
     for leaf in _leaves(cache):
-        if type(leaf) is BatchKVCache:
+        if type(leaf) in _BATCH_ATTENTION:
             own_buffers(leaf)
 
 
-def own_buffers(cache: BatchKVCache) -> None:
+def own_buffers(cache: Any) -> None:
     """A column slice is a strided view; writing the next token into a view copies the whole
     array every step, so make the keys/values contiguous once."""
     assert cache.keys is not None and cache.values is not None
-    cache.keys = mx.contiguous(cache.keys)
-    cache.values = mx.contiguous(cache.values)
+    cache.keys = _each(mx.contiguous, cache.keys)
+    cache.values = _each(mx.contiguous, cache.values)
 
 
 def drop_columns(cache: Any, unused: int, padding: mx.array) -> None:
     """Drop the leftmost `unused` columns of attention keys/values (no live row uses them)."""
     for leaf in _leaves(cache):
-        if type(leaf) is BatchKVCache:
+        if type(leaf) in _BATCH_ATTENTION:
             keys, values, offset, _, columns = leaf.state
             assert keys is not None and values is not None
             leaf.state = (
-                keys[..., unused:, :],
-                values[..., unused:, :],
+                _each(lambda a: a[..., unused:, :], keys),
+                _each(lambda a: a[..., unused:, :], values),
                 offset,
                 padding,
                 columns - unused,
@@ -270,7 +309,7 @@ def rewind(cache: Any, surplus: int, shift: np.ndarray) -> None:
     right over them (its left padding grows by as much). Attention keys/values only."""
     rows = np.flatnonzero(shift).tolist()
     for leaf in _leaves(cache):
-        if type(leaf) is not BatchKVCache:
+        if type(leaf) not in _BATCH_ATTENTION:
             raise UnsupportedCache(f"a {type(leaf).__name__} cannot take back positions")
         leaf.trim(surplus)
         if not rows:
@@ -279,7 +318,7 @@ def rewind(cache: Any, surplus: int, shift: np.ndarray) -> None:
         end = leaf._idx
         for row in rows:
             n = int(shift[row])
-            for kv in (leaf.keys, leaf.values):
+            for kv in _parts(leaf):
                 kv[row : row + 1, :, n:end, :] = kv[row : row + 1, :, : end - n, :]
         moved = mx.array(shift.astype(np.int32))
         leaf.left_padding = leaf.left_padding + moved
@@ -298,9 +337,9 @@ def snapshot(cache: Any, *, owned: bool = False) -> Any:
     if type(cache) is CacheList:
         return CacheList(*(snapshot(sub, owned=owned) for sub in cache.caches))
     take = mx.contiguous if owned else (lambda a: a[...])
-    if type(cache) is KVCache:
+    if type(cache) in _ATTENTION:
         out = cut(cache, cache.offset)
-        out.keys, out.values = take(out.keys), take(out.values)
+        out.keys, out.values = _each(take, out.keys), _each(take, out.values)
         return out
     out = copy.copy(cache)
     for name, value in vars(cache).items():
@@ -317,9 +356,13 @@ def cut(cache: Any, length: int) -> Any:
     if type(cache) is CacheList:
         return CacheList(*(cut(sub, length) for sub in cache.caches))
     assert cache.keys is not None and cache.values is not None
-    out = KVCache()
-    out.keys = cache.keys[..., :length, :]
-    out.values = cache.values[..., :length, :]
+    out = (
+        QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+        if type(cache) is QuantizedKVCache
+        else KVCache()
+    )
+    out.keys = _each(lambda a: a[..., :length, :], cache.keys)
+    out.values = _each(lambda a: a[..., :length, :], cache.values)
     out.offset = length
     return out
 

@@ -91,7 +91,10 @@ class Engine:
         self.router = router
         self.settings = settings or EngineSettings()
         self.metrics = EngineMetrics()
-        self._adapter = ModelAdapter(self.model)
+        kv_bits = self.settings.kv_bits
+        self._adapter = ModelAdapter(self.model, kv_bits, self.settings.kv_group_size)
+        if kv_bits:
+            log.info("quantized KV cache: %s", self._adapter.check_quantized_kv())
         # An engine around a bare model (tests, benchmarks) has no tokenizer, and no grammars.
         tokenizer = loaded.tokenizer
         self.vocabulary = (

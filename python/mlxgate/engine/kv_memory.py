@@ -13,7 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
 
 # mlx-lm grows a keys/values buffer by this many columns at a time.
 COLUMNS_STEP = 256
@@ -36,6 +42,9 @@ class KVMemory:
             if type(leaf) is KVCache:
                 assert leaf.keys is not None and leaf.values is not None
                 token += (leaf.keys.nbytes + leaf.values.nbytes) // leaf.keys.shape[2]
+            elif type(leaf) is QuantizedKVCache:  # keys, values: (packed, scales, biases)
+                parts = [*leaf.keys, *leaf.values]
+                token += sum(part.nbytes for part in parts) // parts[0].shape[-2]
             elif type(leaf) is RotatingKVCache:
                 assert leaf.keys is not None and leaf.values is not None
                 per_token = (leaf.keys.nbytes + leaf.values.nbytes) // leaf.keys.shape[2]

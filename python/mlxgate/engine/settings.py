@@ -55,6 +55,16 @@ class EngineSettings:
         "cannot fit even alone is refused",
         default_text="half the machine's memory after the weights, less the prefix cache's",
     )
+    kv_bits: int = setting(
+        0,
+        "keep attention keys/values quantized to 8 or 4 bits: 0.28x or 0.16x the bytes of float32 "
+        "ones (0.53x or 0.28x of 16-bit ones), so more sequences and prefix cache fit; decode "
+        "steps are slower on CPU (1.5-5x with the embedded model); outputs are close to the float "
+        "cache's, not the same. Sliding windows and recurrent layers keep floats; 0: floats",
+    )
+    kv_group_size: int = setting(
+        64, "with --kv-bits: features sharing one scale and bias (32, 64 or 128)"
+    )
     max_draft_tokens: int = setting(
         8,
         "speculative decoding: the most tokens a sequence guesses ahead (from its own prompt "

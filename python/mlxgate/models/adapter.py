@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlxgate.models import cpu_attention, cpu_kernels, fast_exp, rope_switch
 from mlxgate.models.rope_switch import ScaledRows
@@ -47,10 +47,21 @@ class ModelAdapter:
     Each call says which of its rows are served with the scaled rope (`scaled`): it matters only
     to a model whose ropes are switched (models/rope_switch.py), which serves the rest with its
     own.
+
+    With `kv_bits` (8 or 4; 0: floats), the layers the model gives a plain `KVCache` keep their
+    keys/values quantized instead, in groups of `kv_group_size` features (mlx-lm's
+    `QuantizedKVCache`, whose attention mlx-lm's `scaled_dot_product_attention` picks); a sliding
+    window, a recurrent state or a `CacheList` stays as the model made it.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, kv_bits: int = 0, kv_group_size: int = 64) -> None:
+        if kv_bits not in (0, 4, 8):
+            raise ValueError(f"--kv-bits must be 0 (off), 4 or 8, not {kv_bits}")
+        if kv_bits and kv_group_size not in (32, 64, 128):
+            raise ValueError(f"--kv-group-size must be 32, 64 or 128, not {kv_group_size}")
         self.model = model
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
         # Arrays a model builds in its constructor outside its parameters (e.g. rotary
         # frequencies) are lazy until first used; MLX streams are per thread, so they are
         # computed here rather than first on the engine's thread, which cannot run them.
@@ -62,8 +73,49 @@ class ModelAdapter:
         self._rope_rows = rope_switch.rows_of(model)
 
     def make_cache(self) -> list[Any]:
-        """A fresh single-sequence cache per layer, of the kinds the model asks for."""
-        return make_prompt_cache(self.model)
+        """A fresh single-sequence cache per layer, of the kinds the model asks for (plain
+        attention quantized with `kv_bits`)."""
+        caches = make_prompt_cache(self.model)
+        if not self.kv_bits:
+            return caches
+        return [
+            QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
+            if type(cache) is KVCache
+            else cache
+            for cache in caches
+        ]
+
+    def check_quantized_kv(self) -> str:
+        """With `kv_bits`: one token through the model with its quantized caches (a head size the
+        group size does not divide, or attention code that reads the keys itself, fails here
+        rather than at a client's request), then what is quantized, in words."""
+        caches = self.make_cache()
+        quantized = sum(type(cache) is QuantizedKVCache for cache in caches)
+        if not quantized:
+            return "no layer keeps plain attention keys/values: --kv-bits changes nothing"
+        try:
+            mx.eval(self.model(mx.array([[0, 0]], dtype=mx.uint32), cache=caches))
+        except Exception as exc:
+            raise ValueError(
+                f"--kv-bits {self.kv_bits} --kv-group-size {self.kv_group_size}: this model "
+                f"cannot attend over quantized keys/values ({type(exc).__name__}: {exc})"
+            ) from exc
+        per_token = floats = 0.0
+        for cache in caches:
+            if type(cache) is QuantizedKVCache:
+                triples: Any = (cache.keys, cache.values)
+                for packed, scales, biases in triples:
+                    columns = packed.shape[2]
+                    per_token += (packed.nbytes + scales.nbytes + biases.nbytes) / columns
+                    features = scales.shape[-1] * self.kv_group_size
+                    floats += scales.size // scales.shape[-1] * features * scales.itemsize / columns
+        kept = len(caches) - quantized
+        return (
+            f"{quantized} attention layers at {self.kv_bits} bits (groups of "
+            f"{self.kv_group_size}): {per_token / 1024:.1f} KiB a token instead of "
+            f"{floats / 1024:.1f} KiB ({per_token / floats:.2f}x)"
+            + (f"; {kept} other layers (windows, recurrent state) keep floats" if kept else "")
+        )
 
     @property
     def cancellable(self) -> bool:

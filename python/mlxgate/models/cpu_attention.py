@@ -89,12 +89,11 @@ def scaled_dot_product_attention(
             [scaled_dot_product_attention(q, k, v, c, scale, m, sinks) for q, k, v, c, m in bands]
         )
     batch, heads, n, head_dim = queries.shape
-    kv_heads, t = keys.shape[1], keys.shape[2]
     if (
-        batch * heads * n * t < MLX_SCORES
+        hasattr(cache, "bits")  # keys/values as (packed, scales, biases): mlx-lm's quantized way
         or sinks is not None
-        or hasattr(cache, "bits")
         or queries.dtype != mx.float32
+        or batch * heads * n * keys.shape[2] < MLX_SCORES
     ):
         return base.scaled_dot_product_attention(
             queries,
@@ -105,6 +104,7 @@ def scaled_dot_product_attention(
             mask=mask,  # type: ignore[arg-type]
             sinks=sinks,
         )
+    kv_heads, t = keys.shape[1], keys.shape[2]
     repeats = heads // kv_heads
     q = (queries * scale).reshape(batch, kv_heads, repeats * n, head_dim)
     scores = q @ keys.swapaxes(-1, -2)

@@ -95,12 +95,15 @@ def attention(
         bands = zip(cache.split(queries), keys, values, cache.bands, masks, strict=True)
         return mx.concatenate([attention(q, k, v, c, scale, m, sinks) for q, k, v, c, m in bands])
     extension = _extension()
-    faster = (
-        extension.using_avx512()
-        or queries.shape[2] <= KERNEL_QUERIES
-        or keys.shape[2] >= KERNEL_KEYS
-    )
-    if sinks is not None or hasattr(cache, "bits") or not faster:
+    if (
+        sinks is not None
+        or hasattr(cache, "bits")  # keys/values as (packed, scales, biases)
+        or not (
+            extension.using_avx512()
+            or queries.shape[2] <= KERNEL_QUERIES
+            or keys.shape[2] >= KERNEL_KEYS
+        )
+    ):
         return cpu_attention.scaled_dot_product_attention(
             queries, keys, values, cache, scale, mask, sinks
         )
