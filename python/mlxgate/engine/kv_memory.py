@@ -43,7 +43,7 @@ class KVMemory:
                 assert leaf.keys is not None and leaf.values is not None
                 token += (leaf.keys.nbytes + leaf.values.nbytes) // leaf.keys.shape[2]
             elif type(leaf) is QuantizedKVCache:  # keys, values: (packed, scales, biases)
-                parts = [*leaf.keys, *leaf.values]
+                parts: list[Any] = [*leaf.keys, *leaf.values]  # type: ignore[misc]
                 token += sum(part.nbytes for part in parts) // parts[0].shape[-2]
             elif type(leaf) is RotatingKVCache:
                 assert leaf.keys is not None and leaf.values is not None
