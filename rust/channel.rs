@@ -221,6 +221,11 @@ impl<W> Channel<W> {
         outcome.cached_tokens = cached_tokens;
     }
 
+    /// Of the prompt, `cached_tokens` came from the prefix cache after all.
+    pub fn cached(&self, cached_tokens: u64) {
+        self.lock().outcome.cached_tokens = cached_tokens;
+    }
+
     /// One more token generated (by any choice); the first one's time is kept.
     pub fn count_token(&self) {
         if self.output_tokens.fetch_add(1, Ordering::Relaxed) == 0 {

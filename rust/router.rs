@@ -408,6 +408,15 @@ impl<W> Router<W> {
         stream.channel.append_with(|buf| protocol.ping(buf))
     }
 
+    /// The stream's prompt reused `cached_tokens` from the prefix cache, not what it was opened
+    /// with (usage reported from now on says so). Unknown ids are ignored.
+    pub fn cached(&mut self, stream_id: u64, cached_tokens: u64) {
+        if let Some(stream) = self.streams.get_mut(&stream_id) {
+            stream.protocol.cached(cached_tokens);
+            stream.channel.cached(cached_tokens);
+        }
+    }
+
     /// Ends with an `overloaded` error every response whose reader has lagged past the unread-byte
     /// bound for longer than `timeout` (the engine never waits for a reader) and appends, sorted,
     /// the ids of its streams. Appends the wakers to `wake`.

@@ -26,9 +26,9 @@ import openai
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import _get_classes
-from test_architectures import Expected, Served, assert_same, prompts, wait_until
 from test_engine import QUESTIONS, body, make_engine, prompt_ids, submit, text
 from test_speculation import Oracle
+from tiny_engine import Expected, Served, assert_same, prompts, wait_until
 from tiny_models import config
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)

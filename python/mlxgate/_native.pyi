@@ -432,6 +432,12 @@ class Router:
         event, an empty OpenAI chunk, Responses' `response.in_progress`. Only a response's
         first choice pings."""
 
+    def cached(self, stream_id: int, cached_tokens: int) -> None:
+        """The stream's prompt reused `cached_tokens` from the prefix cache after all (more than it
+        was opened with: another prompt's prefill it waited for); the usage reported at its end
+        (a body, OpenAI's usage chunk, Responses' completed response) says so. Unknown ids are
+        ignored."""
+
     def fail_stalled(self, timeout_s: float) -> list[int]:
         """End with an `overloaded` error every response whose reader has held more than
         `max_unread_bytes` unread for longer than `timeout_s` (the router keeps the clock), and

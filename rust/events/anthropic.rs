@@ -51,7 +51,7 @@ struct OpenBlock {
 #[derive(Debug)]
 pub struct AnthropicStream {
     params: AnthropicParams,
-    usage: PromptUsage,
+    pub(crate) usage: PromptUsage,
     open: Option<OpenBlock>,
     next_index: u32,
     tool_calls: u32,

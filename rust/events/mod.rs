@@ -278,6 +278,12 @@ impl Protocol {
         dispatch!(self, s => s.ping(out))
     }
 
+    /// The prompt turned out to reuse `cached_tokens` from the prefix cache (more than at
+    /// admission: another prompt's prefill it waited for), for the usage reported at the end.
+    pub fn cached(&mut self, cached_tokens: u64) {
+        dispatch!(self, s => s.usage.cached_tokens = cached_tokens)
+    }
+
     #[inline]
     pub fn text(&mut self, text: &str, out: &mut Vec<u8>) {
         dispatch!(self, s => s.text(text, out))

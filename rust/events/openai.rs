@@ -56,7 +56,7 @@ pub struct OpenAiParams {
 #[derive(Debug)]
 pub struct OpenAiStream {
     params: OpenAiParams,
-    usage: PromptUsage,
+    pub(crate) usage: PromptUsage,
     /// This stream's choice: `n` > 1 writes one stream per choice into one response.
     choice_index: u32,
     /// `data: {"id":…,"object":…,"created":…,"model":…,` shared by every chunk.

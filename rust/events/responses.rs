@@ -126,7 +126,7 @@ struct Item {
 #[derive(Debug)]
 pub struct ResponsesStream {
     params: ResponsesParams,
-    usage: PromptUsage,
+    pub(crate) usage: PromptUsage,
     sequence_number: u64,
     output: Vec<Item>,
     /// The last output item is still being written.

@@ -239,6 +239,12 @@ impl PyRouter {
         wake(py, waker);
     }
 
+    /// The stream's prompt reused `cached_tokens` from the prefix cache after all (more than it
+    /// was opened with); the usage reported at its end says so.
+    fn cached(&self, stream_id: u64, cached_tokens: u64) {
+        self.lock().cached(stream_id, cached_tokens);
+    }
+
     /// Ends with an `overloaded` error every response whose reader has held more than
     /// `max_unread_bytes` unread for longer than `timeout_s`; returns the ids of its streams.
     fn fail_stalled(&self, py: Python<'_>, timeout_s: f64) -> Vec<u64> {

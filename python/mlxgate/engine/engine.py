@@ -147,6 +147,7 @@ class Engine:
             # Looked up at each call: a router swapped in later (tests wrap it) is the one used.
             ping=lambda stream_id: self.router.ping(stream_id),
             join=self._add_rows,
+            cached=lambda stream_id, tokens: self.router.cached(stream_id, tokens),
             memory=self.kv_memory,
         )
         self._rows: dict[int, _Row] = {}  # by stream id
@@ -176,8 +177,9 @@ class Engine:
         scaled = window > (served.native if served else context)
         # One lookup for every choice: a match is immutable, and each start copies its caches.
         match = self.prefix_cache.lookup(prompt_ids, variant=int(scaled))
+        cached = match.length if match else 0
         choices = [
-            Pending(next(self._ids), _choice(request, index), match, scaled)
+            Pending(next(self._ids), _choice(request, index), match, scaled, reported=cached)
             for index in range(request.choices)
         ]
         # Choices decode together; where they cannot (more than may run at once), each is a
@@ -189,7 +191,7 @@ class Engine:
                 [pending.stream_id for pending in choices],
                 request.stream,
                 prompt_tokens=prompt_tokens,
-                cached_tokens=match.length if match else 0,
+                cached_tokens=cached,
                 max_tokens=min(request.max_tokens or window, window - prompt_tokens),
             )
             if together:

@@ -59,6 +59,7 @@ class Pending:
     # its sampler goes on where it was.
     sampler: Sampler | None = None
     held: bool = False  # has waited for another prompt's prefill of its prefix
+    reported: int = 0  # the cached tokens its response was opened with
     shared: dict[int, int] = field(default_factory=dict)  # stream id -> common prefix with it
     # More choices of the same prompt (OpenAI's `n`): prefilled with this one, then each decodes
     # from its own copy of the cache.
@@ -126,11 +127,13 @@ class Prefill:
         cancelled: Callable[[], set[int]],
         ping: Callable[[int], None],
         join: Join,
+        cached: Callable[[int, int], None] = lambda stream_id, tokens: None,
         memory: KVMemory | None = None,
     ) -> None:
         """`grouped`: whether several prompts may share a pass. `cancelled`: the stream ids whose
         clients left (polled during passes); `ping` sends a stream a keep-alive; `join` adds
-        prefilled sequences to the decode batch; `memory`: the KV memory budget, if any."""
+        prefilled sequences to the decode batch; `cached` tells a stream how much of its prompt
+        was reused after all; `memory`: the KV memory budget, if any."""
         self.adapter = adapter
         self.layout = layout
         self.prefix_cache = prefix_cache
@@ -141,6 +144,7 @@ class Prefill:
         self._cancelled = cancelled
         self._ping = ping
         self._join = join
+        self._cached = cached
         self.memory = memory
         self.waiting: deque[Pending] = deque()
         # Taken from the queue by this step's prefill and not yet in the batch.
@@ -432,6 +436,9 @@ class Prefill:
             m.cache_hit_tokens += pending.match.length
             if pending.held:
                 m.inflight_hit_tokens += pending.match.length
+            if pending.sampler is None and pending.match.length != pending.reported:
+                for choice in pending.choices:
+                    self._cached(choice.stream_id, pending.match.length)
             pending.match = None
         else:
             pending.caches = self.adapter.make_cache()
