@@ -153,3 +153,12 @@ def test_a_prompt_that_cannot_fit_the_kv_budget_alone_is_refused(llama: tuple[An
         assert len(tokens) == 12
     finally:
         served.engine.stop()
+
+
+def test_the_memory_refusal_reads_as_the_clients_prompt_too_long() -> None:
+    """Claude Code reads the two numbers of "prompt is too long" to decide to compact."""
+    from mlxgate.api.pipeline import prompt_too_long
+
+    error = prompt_too_long(PromptTooLong(5000, 1023, memory=True))
+    assert str(error).startswith("prompt is too long: 5000 tokens > 1023 maximum")
+    assert "--kv-memory-gb" in str(error)
