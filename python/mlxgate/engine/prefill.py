@@ -302,7 +302,9 @@ class Prefill:
                     promised = max(promised, shared)
             elif other.caches is not None and not other.torn and other.done >= shared:
                 if shared - best >= self.prefix_cache.min_tokens:
-                    entry = CacheEntry(other.tokens[: other.done], other.caches, 0)
+                    # All its tokens, not just the done ones: its caches grow as it goes on,
+                    # and a match shorter than its entry is cut to its length.
+                    entry = CacheEntry(other.tokens, other.caches, 0)
                     pending.match, best = PrefixMatch(entry, shared), shared
                     pending.held = True
             else:
