@@ -9,8 +9,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import orjson
 import pytest
+from tiny_engine import Served
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 
@@ -91,19 +91,7 @@ def submit(
     return engine.admit(GenerationRequest(ids, spec, max_tokens))
 
 
-def body(reader: Reader, timeout_s: float = 120.0) -> dict[str, Any]:
-    """The non-streamed Message body, waiting on the reader the way the event loop does."""
-    ready = threading.Event()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        data = reader.take()
-        assert data is not None, "stream ended without a body"
-        if data:
-            return orjson.loads(data)  # type: ignore[no-any-return]
-        ready.clear()
-        if reader.park(ready, lambda _: ready.set()):
-            ready.wait(deadline - time.monotonic())
-    raise TimeoutError("no body")
+body = Served.body  # the non-streamed Message body
 
 
 def text(message: dict[str, Any]) -> str:

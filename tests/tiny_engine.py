@@ -102,7 +102,8 @@ class Served:
         return [choice["message"] for choice in response["choices"]]
 
     @staticmethod
-    def body(reader: Reader, timeout_s: float) -> dict[str, Any]:
+    def body(reader: Reader, timeout_s: float = 120.0) -> dict[str, Any]:
+        """The non-streamed body, waiting on the reader the way the event loop does."""
         ready = threading.Event()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
