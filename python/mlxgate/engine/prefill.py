@@ -243,6 +243,7 @@ class Prefill:
         rows = list(itertools.islice(self.waiting, len(rests)))
         for pending in rows:
             self._start(pending)
+        rests = [p.todo for p in rows]  # a prefix that failed its disk read is computed
         width = max(rests)
         tokens = np.zeros((len(rows), width), dtype=np.uint32)
         for row, pending in enumerate(rows):
