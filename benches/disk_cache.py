@@ -6,8 +6,9 @@ prompt's keys/values go to disk and come back, and what writing costs the decode
 Writes: the writer thread's bytes/s (serializing, checksumming, writing, renaming). Reads: the
 reader thread's bytes/s (reading, checking, joining the blocks into numpy buffers; the files are
 in the page cache, as they are right after writing), and the engine thread's part (numpy to MLX
-arrays). Decode: one sequence's decode step time with the writer idle (A) and with it writing
-the same entry again (B), A and B interleaved round by round; the ratio is median B / median A.
+arrays). Decode: one sequence's decode step time with the writer idle (A) and while it writes
+the same entry again under other names (B: only the steps that ended before it finished), A and
+B interleaved round by round; the ratio is median B / median A.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np  # isort: skip
 
 from mlxgate.engine import cache_kinds
 from mlxgate.engine.cache_kinds import CacheLayout
-from mlxgate.engine.disk_cache import DiskCache, identity
+from mlxgate.engine.disk_cache import MAX_QUEUED_WRITES, DiskCache, identity
 from mlxgate.engine.prefix_cache import CacheEntry
 from mlxgate.models import load
 from mlxgate.models.adapter import ModelAdapter
@@ -75,12 +76,15 @@ def main() -> None:
     mx.eval([cache_kinds.arrays(layer) for layer in layers])
     nbytes = sum(cache_kinds.nbytes(layer) for layer in layers)
     entry = CacheEntry(np.asarray(tokens, dtype=np.int32), layers, nbytes)
-    print(f"{loaded.name}: {layout.describe()}; a {args.tokens}-token prompt's cache: "
-          f"{nbytes / 2**20:.1f} MiB")  # fmt: skip
+    print(
+        f"{loaded.name}: {layout.describe()}; a {args.tokens}-token prompt's cache: "
+        f"{nbytes / 2**20:.1f} MiB"
+    )
 
     with tempfile.TemporaryDirectory() as directory:
-        disk = DiskCache(directory, identity(loaded), 2**40, adapter.make_cache,
-                         cuttable=layout.cuttable)  # fmt: skip
+        disk = DiskCache(
+            directory, identity(loaded), 2**40, adapter.make_cache, cuttable=layout.cuttable
+        )
         blocks = len(disk._block_names(entry.tokens, 0)) if layout.cuttable else 1
         write_s, walls = [], []
         for variant in range(3):  # the first also touches fresh memory
@@ -91,10 +95,12 @@ def main() -> None:
             write_s.append(disk.stats.write_s - before)
         stats = disk.stats
         size = stats.written_bytes / 3
-        print(f"write: {blocks} files, {size / 2**20:.1f} MiB in "
-              + ", ".join(f"{s:.3f}" for s in write_s)
-              + f" s on the writer: {size / min(write_s) / 2**20:.0f} MiB/s at best "
-              f"({min(walls):.3f} s wall)")  # fmt: skip
+        print(
+            f"write: {blocks} files, {size / 2**20:.1f} MiB in "
+            + ", ".join(f"{s:.3f}" for s in write_s)
+            + f" s on the writer: {size / min(write_s) / 2**20:.0f} MiB/s at best "
+            f"({min(walls):.3f} s wall)"
+        )
         disk.write(entry)
         wait_for(lambda: disk.stats.written_files >= 4 * blocks)
 
@@ -109,26 +115,35 @@ def main() -> None:
             mx.eval([cache_kinds.arrays(layer) for layer in disk.layers(read)])
             make_s.append(time.perf_counter() - started)
         read_bytes = stats.read_bytes / 3
-        print(f"read: {read_bytes / 2**20:.1f} MiB in {min(read_s):.3f} s on the reader: "
-              f"{read_bytes / min(read_s) / 2**20:.0f} MiB/s; to MLX arrays on the engine "
-              f"thread {min(make_s) * 1e3:.1f} ms")  # fmt: skip
+        print(
+            f"read: {read_bytes / 2**20:.1f} MiB in {min(read_s):.3f} s on the reader: "
+            f"{read_bytes / min(read_s) / 2**20:.0f} MiB/s; to MLX arrays on the engine "
+            f"thread {min(make_s) * 1e3:.1f} ms"
+        )
 
         token = mx.argmax(last, axis=-1)
         decode_steps(model, caches, token, 4)  # warm
-        idle, writing, overlapped = [], [], []
-        for variant in range(1, args.rounds + 1):
+        idle, writing = [], []
+        variants = iter(range(1, 10_000))
+        for _ in range(args.rounds):
             idle += decode_steps(model, caches, token, args.steps)
-            written = disk.stats.written_files
-            disk.write(CacheEntry(entry.tokens, layers, nbytes, variant))  # other names
-            busy = decode_steps(model, caches, token, args.steps)
-            writing += busy
-            overlapped.append(disk.stats.written_files - written < blocks)
-            wait_for(lambda w=written: disk.stats.written_files >= w + blocks)
+            target = disk.stats.written_files
+            # Enough writes (each under other names, so written in full) to outlast the round.
+            writes = min(2 + int(sum(idle[-args.steps :]) / min(walls)), MAX_QUEUED_WRITES)
+            for _ in range(writes):
+                disk.write(CacheEntry(entry.tokens, layers, nbytes, next(variants)))
+                target += blocks
+            # Only the steps that ended while the writer still wrote.
+            for step_s in decode_steps(model, caches, token, args.steps):
+                if disk.stats.written_files < target:
+                    writing.append(step_s)
+            wait_for(lambda t=target: disk.stats.written_files >= t)
         disk.close()
     a, b = statistics.median(idle), statistics.median(writing)
-    print(f"decode step: idle writer {a * 1e3:.2f} ms, writing {b * 1e3:.2f} ms (median of "
-          f"{len(idle)} each): ratio {b / a:.3f}; the writer was still busy at the end of "
-          f"{sum(overlapped)}/{len(overlapped)} B rounds")  # fmt: skip
+    print(
+        f"decode step: writer idle {a * 1e3:.2f} ms (median of {len(idle)}), writing "
+        f"{b * 1e3:.2f} ms (median of {len(writing)}): ratio {b / a:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ arrays the engine evaluated before storing the entry and no one writes to: the b
 an evaluated array hands over its pointer and computes nothing, so a write costs the engine
 thread nothing. bfloat16, which numpy lacks, is written as its 16 bits (uint16) and its dtype
 recorded in the metadata. The engine thread turns what the reader read into MLX arrays when the
-prompt starts prefilling (`DiskMatch.caches`).
+prompt starts prefilling (`DiskMatch.caches`), waiting for the read if it is not done (reading a
+prefix takes a fraction of computing it). The writer runs at a lower priority: on a busy CPU the
+engine's steps come first.
 
 Under DIR/<identity>/ (identity: a hash of everything that changes the numbers, `identity`):
 - a model whose caches are all attention keys/values (cuttable) keeps blocks of BLOCK_TOKENS
@@ -57,6 +59,8 @@ log = logging.getLogger("mlxgate.engine")
 
 BLOCK_TOKENS = 256
 SUFFIX = ".safetensors"
+WRITER_NICE = 10  # the writer thread's nice value (Linux): it yields the CPU to the engine
+FORMAT = 1  # of the files: part of the identity
 MAX_QUEUED_WRITES = 16  # entries waiting for the writer; past them an entry is not written
 
 # numpy's dtype for each MLX dtype a cache holds; bfloat16 goes as its bits.
@@ -92,6 +96,7 @@ def identity(loaded: LoadedModel) -> str:
     digest = blake2b(digest_size=12)
     context = dataclasses.asdict(loaded.context) if loaded.context else None
     settings = [
+        FORMAT,
         importlib.metadata.version("mlx"),
         architecture(model),
         loaded.context_length,
@@ -138,10 +143,9 @@ class DiskMatch:
     builds the caches; a file that fails its checks shrinks `length` to the blocks before it, or
     to the memory match it falls back to, or to nothing."""
 
-    tier = "disk"
-
-    def __init__(self, disk: DiskCache, read: Future[_Read], length: int,
-                 fallback: PrefixMatch | None) -> None:  # fmt: skip
+    def __init__(
+        self, disk: DiskCache, read: Future[_Read], length: int, fallback: PrefixMatch | None
+    ) -> None:
         self.length = length
         self._disk = disk
         self._read = read
@@ -153,6 +157,8 @@ class DiskMatch:
         if not self._settled:
             self._settle()
         if self._layers is not None:
+            with self._disk.lock:  # each start counts, as the engine's own count does
+                self._disk.stats.hit_tokens += self.length
             return [cache_kinds.snapshot(layer) for layer in self._layers]
         if self._fallback is not None:
             return self._fallback.caches()
@@ -160,14 +166,16 @@ class DiskMatch:
 
     def _settle(self) -> None:
         self._settled = True
-        read = self._read.result()
         fallback = self._fallback.length if self._fallback is not None else 0
-        if read.length > fallback and read.length > 0:
-            self._layers = self._disk.layers(read)
-            self.length = read.length
-            with self._disk.lock:
-                self._disk.stats.hit_tokens += read.length
-        else:
+        self.length = fallback
+        try:
+            read = self._read.result()
+            if read.length > fallback:
+                self._layers = self._disk.layers(read)
+                self.length = read.length
+        except Exception:  # whatever went wrong, the prompt computes what it lacks
+            log.exception("prefix cache: reading a prefix from disk failed")
+            self._layers = None
             self.length = fallback
         self._read = Future()  # the numpy buffers go
 
@@ -210,8 +218,9 @@ class DiskCache:
         self._ages: dict[Path, tuple[float, int]] = {}  # every file under root: (mtime, bytes)
         self._writes: queue.Queue[CacheEntry | None] = queue.Queue(MAX_QUEUED_WRITES)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="mlxgate-disk-read")
-        self._writer = threading.Thread(target=self._write_loop, name="mlxgate-disk-write",
-                                        daemon=True)  # fmt: skip
+        self._writer = threading.Thread(
+            target=self._write_loop, name="mlxgate-disk-write", daemon=True
+        )
         self._writer.start()
 
     @staticmethod
@@ -388,6 +397,8 @@ class DiskCache:
         self._reader.shutdown(wait=False, cancel_futures=True)
 
     def _write_loop(self) -> None:
+        if hasattr(os, "setpriority"):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         self._scan()
         while (entry := self._writes.get()) is not None:
             try:
@@ -469,18 +480,19 @@ class DiskCache:
             "dtypes": json.dumps(dtypes),
             "fields": json.dumps(fields),
         }
-        data = safetensors.numpy.save(arrays, metadata=metadata)
         path = self.dir / (name + SUFFIX)
         temporary = path.with_name(f".{name}.{os.getpid()}.tmp")
-        temporary.write_bytes(data)
+        # Straight to the file: a third fewer copies than serializing to bytes first.
+        safetensors.numpy.save_file(arrays, temporary, metadata=metadata)
+        size = temporary.stat().st_size
         os.replace(temporary, path)
         with self.lock:
             self._names.add(name)
             if not self.cuttable:
                 self._lengths[len(tokens)] += 1
-            self._ages[path] = (time.time(), len(data))
+            self._ages[path] = (time.time(), size)
             self.stats.written_files += 1
-            self.stats.written_bytes += len(data)
+            self.stats.written_bytes += size
             self.stats.write_s += time.perf_counter() - started
             self._evict()
 
