@@ -8,6 +8,7 @@ mlx-lm's.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +165,27 @@ def test_a_restarted_server_reports_the_prefix_it_read_from_disk(tmp_path: Path)
     _, cached, metrics = ask()
     assert cached == (prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS
     assert f'mlxgate_prefix_cache_hit_tokens_total{{tier="disk"}} {cached}.0' in metrics
+
+
+def test_the_directory_keeps_to_its_size_least_recently_used_first(tmp_path: Path) -> None:
+    model = build("llama")
+    first_run(model, tmp_path)
+    files = block_files(tmp_path, model, PROMPT)
+    block = files[0].stat().st_size
+    stranger = tmp_path / "another-model" / ("0" * 32 + SUFFIX)
+    stranger.parent.mkdir()
+    stranger.write_bytes(b"\0" * block)  # another identity's, older than ours: counted
+    old = files[0].stat().st_mtime - 60
+    os.utime(stranger, (old, old))
+    # Room for three and a half blocks. A prompt that reads block 0 back (a read touches it);
+    # then another prompt's two new blocks push out the stranger, then the least recently used
+    # of ours: block 1.
+    other = prompts(1, 2 * BLOCK_TOKENS + 10, 2 * BLOCK_TOKENS + 11, seed=13)[0]
+    again = Served(model, prefix_cache_dir=str(tmp_path), prefix_cache_disk_gb=3.5 * block / 2**30)
+    assert again.generate(PROMPT[: BLOCK_TOKENS + 5])[1]["cache_read_input_tokens"] == BLOCK_TOKENS
+    again.generate(other)
+    again.engine.stop()
+    disk = again.engine.prefix_cache.disk
+    assert disk is not None
+    assert not stranger.exists() and files[0].exists() and not files[1].exists()
+    assert (disk.stats.files, disk.stats.bytes) == (3, 3 * block)
