@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import mlx.core as mx
 import numpy as np
 import openai
 import pytest
@@ -53,17 +54,21 @@ def block_files(directory: Path, model: Any, prompt: list[int]) -> list[Path]:
 
 
 @pytest.mark.parametrize(
-    "arch",
+    ("arch", "dtype"),
     [
-        pytest.param("llama", id="attention-blocks"),
-        pytest.param("qwen3_5", id="recurrent-snapshot"),
-        pytest.param("gemma3_text", id="windowed-snapshot"),
+        pytest.param("llama", None, id="attention-blocks"),
+        pytest.param("llama", mx.bfloat16, id="attention-blocks-bfloat16"),
+        pytest.param("qwen3_5", None, id="recurrent-snapshot"),
+        pytest.param("gemma3_text", None, id="windowed-snapshot"),
     ],
 )
 def test_a_restarted_engine_reuses_what_the_last_one_wrote_exactly(
-    arch: str, tmp_path: Path
+    arch: str, dtype: mx.Dtype | None, tmp_path: Path
 ) -> None:
     model, reference_model = twins(arch)
+    if dtype is not None:  # keys/values in a dtype numpy lacks
+        model.set_dtype(dtype)
+        reference_model.set_dtype(dtype)
     cold = first_run(model, tmp_path)
     again = served(model, tmp_path)
     engine = again.engine
@@ -75,7 +80,8 @@ def test_a_restarted_engine_reuses_what_the_last_one_wrote_exactly(
     assert usage["cache_read_input_tokens"] == prefix
     assert engine.metrics.prefill_tokens - computed == len(PROMPT) - 1 - prefix
     assert tokens == cold
-    assert_same(tokens, reference(reference_model, PROMPT), "from disk")
+    if dtype is None:  # (bfloat16 rounds mlx-lm's one pass and our chunks apart)
+        assert_same(tokens, reference(reference_model, PROMPT), "from disk")
     disk = engine.prefix_cache.disk
     assert disk is not None and disk.stats.hit_tokens == prefix
     if engine.layout.cuttable:
@@ -85,7 +91,8 @@ def test_a_restarted_engine_reuses_what_the_last_one_wrote_exactly(
         again = served(model, tmp_path)
         tokens, usage = again.generate(branch)
         assert usage["cache_read_input_tokens"] == BLOCK_TOKENS
-        assert_same(tokens, reference(reference_model, branch), "branch")
+        if dtype is None:
+            assert_same(tokens, reference(reference_model, branch), "branch")
     again.engine.stop()
 
 

@@ -27,6 +27,7 @@ evicted alike.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib.metadata
@@ -340,7 +341,8 @@ class DiskCache:
                 self.stats.damaged_files += 1
             return None
         now = time.time()
-        os.utime(path, (now, now))
+        with contextlib.suppress(FileNotFoundError):  # evicted meanwhile: what was read is good
+            os.utime(path, (now, now))
         with self.lock:
             self._ages[path] = (now, len(data))
         return tensors, dtypes, fields, len(data)
@@ -399,7 +401,10 @@ class DiskCache:
     def _write_loop(self) -> None:
         if hasattr(os, "setpriority"):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        self._scan()
+        try:
+            self._scan()
+        except OSError:
+            log.exception("prefix cache: listing %s failed; its size is not bounded", self.root)
         while (entry := self._writes.get()) is not None:
             try:
                 self._write_entry(entry)
