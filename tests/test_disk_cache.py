@@ -129,14 +129,24 @@ def test_a_damaged_block_is_not_used_and_the_output_is_exact(
         del data[len(data) // 2 :]
     damaged.write_bytes(bytes(data))
 
+    beside = prompts(1, 81, 82, seed=14)[0]  # near the rest promised: a group with it
     again = served(model, tmp_path)
     engine = again.engine
-    computed = engine.metrics.prefill_tokens
+    computed, passes = engine.metrics.prefill_tokens, engine.metrics.prefill_passes
     with caplog.at_level(logging.WARNING, logger="mlxgate.engine"):
-        tokens, _ = again.generate(PROMPT)
+        # Queued together, so one pass prefills both: the group's widths are what is left to
+        # compute once the read fell short, not what the lookup promised.
+        with engine._wakeup:
+            readers = [again.submit(PROMPT), again.submit(beside)]
+        tokens, beside_tokens = (again.result(reader)[0] for reader in readers)
     assert "is damaged" in caplog.text
     assert tokens == cold
-    assert engine.metrics.prefill_tokens - computed == len(PROMPT) - 1 - BLOCK_TOKENS
+    assert engine.metrics.prefill_passes - passes == 1
+    computed = engine.metrics.prefill_tokens - computed
+    assert computed == len(PROMPT) - 1 - BLOCK_TOKENS + len(beside) - 1
+    alone = Served(model)
+    assert beside_tokens == alone.generate(beside)[0]
+    alone.engine.stop()
     disk = engine.prefix_cache.disk
     assert disk is not None
     assert (disk.stats.damaged_files, disk.stats.hit_tokens) == (1, BLOCK_TOKENS)
