@@ -30,7 +30,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxgate._native import ErrorKind, FinishReason, Reader, Router
-from mlxgate.engine import batch_check, heap
+from mlxgate.engine import batch_check, disk_cache, heap
 from mlxgate.engine.batch import FREE, DecodeBatch
 from mlxgate.engine.batch_sampler import BatchSampler
 from mlxgate.engine.cache_kinds import CacheLayout
@@ -105,7 +105,15 @@ class Engine:
         # Raises UnsupportedCache for a layer cache the engine cannot batch: at start-up.
         self.layout = CacheLayout.of(self._adapter.make_cache())
         self.prefix_cache = PrefixCache(
-            self.settings.prefix_cache_mb << 20, cuttable=self.layout.cuttable
+            self.settings.prefix_cache_mb << 20,
+            cuttable=self.layout.cuttable,
+            disk=disk_cache.configured(
+                self.settings.prefix_cache_dir,
+                self.settings.prefix_cache_disk_gb,
+                loaded,
+                self._adapter.make_cache,
+                self.layout.cuttable,
+            ),
         )
         self.kv_memory = self._kv_memory()
         self.metrics.kv_budget_bytes = self.kv_memory.budget
@@ -224,6 +232,7 @@ class Engine:
             self._wakeup.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.prefix_cache.close()
         held = [c.stream_id for p in (*self._incoming, *self.prefill.waiting) for c in p.choices]
         for stream_id in [*held, *self._batch.running_ids]:
             self.router.fail(stream_id, ErrorKind.UNAVAILABLE, "the server is shutting down")

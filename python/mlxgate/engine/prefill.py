@@ -35,7 +35,13 @@ from mlxgate.engine.contract import GenerationRequest
 from mlxgate.engine.kv_memory import KVMemory
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.policy import StepPolicy
-from mlxgate.engine.prefix_cache import CacheEntry, PrefixCache, PrefixMatch, common_prefix
+from mlxgate.engine.prefix_cache import (
+    CacheEntry,
+    MemoryMatch,
+    PrefixCache,
+    PrefixMatch,
+    common_prefix,
+)
 from mlxgate.engine.sampling import Sampler
 from mlxgate.models.adapter import ModelAdapter
 from mlxgate.models.rope_switch import ScaledRows
@@ -305,7 +311,7 @@ class Prefill:
                     # All its tokens, not just the done ones: its caches grow as it goes on,
                     # and a match shorter than its entry is cut to its length.
                     entry = CacheEntry(other.tokens, other.caches, 0)
-                    pending.match, best = PrefixMatch(entry, shared), shared
+                    pending.match, best = MemoryMatch(entry, shared), shared
                     pending.held = True
             else:
                 promised = max(promised, shared)
@@ -367,6 +373,7 @@ class Prefill:
         rows = list(itertools.islice(self.waiting, len(rests)))
         for pending in rows:
             self._start(pending)
+        rests = [p.todo for p in rows]  # a prefix that failed its disk read is computed
         width = max(rests)
         tokens = np.zeros((len(rows), width), dtype=np.uint32)
         for row, pending in enumerate(rows):
@@ -436,7 +443,7 @@ class Prefill:
             pending.done = pending.match.length
             m = self.metrics
             m.cache_hit_tokens += pending.match.length
-            if pending.held:
+            if pending.held and isinstance(pending.match, MemoryMatch):
                 m.inflight_hit_tokens += pending.match.length
             if pending.sampler is None and pending.match.length != pending.reported:
                 for choice in pending.choices:

@@ -6,6 +6,9 @@ window or a recurrent state holds exactly what it has seen: for a model with suc
 entry is a snapshot, reused only by a prompt that starts with all of its tokens, and shorter
 snapshots are kept beside longer ones (an agent's next turn branches off where its last prompt
 ended, another session's off the end of the shared system prompt).
+
+With a disk tier (engine/disk_cache.py) every stored entry is also written to disk, and a lookup
+takes the longer of the two tiers' matches.
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 import numpy as np
 
 from mlxgate.engine import cache_kinds
+
+if TYPE_CHECKING:
+    from mlxgate.engine.disk_cache import DiskCache
 
 
 @dataclass(frozen=True)
@@ -29,8 +35,18 @@ class CacheEntry:
     variant: int = 0  # how the model computed them (its own rope or the scaled one)
 
 
+class PrefixMatch(Protocol):
+    """A cached prefix of a prompt: `length` tokens (settled by `caches()`, which may find fewer
+    on disk than the index promised)."""
+
+    @property
+    def length(self) -> int: ...
+
+    def caches(self) -> list[Any]: ...
+
+
 @dataclass(frozen=True)
-class PrefixMatch:
+class MemoryMatch:
     entry: CacheEntry
     length: int  # tokens of the entry reused as the request's prefix
 
@@ -54,10 +70,18 @@ class PrefixCache:
     engine thread; a lock guards the index, never MLX work.
     """
 
-    def __init__(self, max_bytes: int, min_tokens: int = 16, *, cuttable: bool = True) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        min_tokens: int = 16,
+        *,
+        cuttable: bool = True,
+        disk: DiskCache | None = None,
+    ) -> None:
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens
         self.cuttable = cuttable  # entries can be reused in part (attention keys/values only)
+        self.disk = disk
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
         self._next_key = 0
         self._bytes = 0
@@ -71,8 +95,8 @@ class PrefixCache:
         return len(self._entries)
 
     def lookup(self, prompt: list[int], variant: int = 0) -> PrefixMatch | None:
-        """The longest cached prefix of `prompt` computed as `variant`, leaving at least one
-        token to compute."""
+        """The longest cached prefix of `prompt` computed as `variant`, in memory or on disk,
+        leaving at least one token to compute."""
         if self.max_bytes <= 0 or len(prompt) <= self.min_tokens:
             return None
         tokens = np.asarray(prompt, dtype=np.int32)
@@ -87,10 +111,15 @@ class PrefixCache:
                     continue  # a snapshot is all or nothing
                 if length > best_len:
                     best_key, best_len = key, length
-            if best_len < self.min_tokens:
-                return None
-            self._entries.move_to_end(best_key)
-            return PrefixMatch(self._entries[best_key], best_len)
+            match = None
+            if best_len >= self.min_tokens:
+                self._entries.move_to_end(best_key)
+                match = MemoryMatch(self._entries[best_key], best_len)
+        if self.disk is not None:
+            on_disk = self.disk.lookup(tokens, variant, limit, match)
+            if on_disk is not None and on_disk.length >= self.min_tokens:
+                return on_disk
+        return match
 
     def _covered(self, tokens: np.ndarray, variant: int) -> bool:
         """Whether an entry holds these tokens already (a longer one, where entries can be cut);
@@ -136,3 +165,10 @@ class PrefixCache:
             while self._bytes > self.max_bytes:
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= evicted.nbytes
+        if self.disk is not None:
+            self.disk.write(entry)
+
+    def close(self) -> None:
+        """Finish writing to disk (after the engine's last step)."""
+        if self.disk is not None:
+            self.disk.close()

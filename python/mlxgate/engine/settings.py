@@ -47,6 +47,19 @@ class EngineSettings:
         1024,
         "memory for reusing the KV cache of shared prompt prefixes across requests; 0 turns it off",
     )
+    prefix_cache_dir: str | None = setting(
+        None,
+        "a directory where the prefix cache also keeps its entries, so that a restarted server "
+        "reuses them (a subdirectory per model and its settings)",
+        metavar="DIR",
+        default_text="none: memory only",
+    )
+    prefix_cache_disk_gb: float = setting(
+        20.0,
+        "the most disk space the prefix cache's directory may take (every model's files in it); "
+        "the least recently used files go first",
+        metavar="GB",
+    )
     kv_memory_gb: float = setting(
         0.0,
         "memory the running and prefilling sequences' KV caches may hold: a prompt starts only "
