@@ -234,11 +234,16 @@ class DiskCache:
         return blake2b(self.model + bytes([variant]), digest_size=16).digest()
 
     def lookup(
-        self, tokens: np.ndarray, variant: int, limit: int, fallback: PrefixMatch | None
+        self,
+        tokens: np.ndarray,
+        variant: int,
+        limit: int,
+        fallback: PrefixMatch | None,
+        longer_than: int = 0,
     ) -> DiskMatch | None:
         """The longest prefix of `tokens` (at most `limit` of them) on disk, if longer than
-        `fallback` (the memory tier's match): its reading starts now."""
-        floor = fallback.length if fallback is not None else 0
+        `fallback` (the memory tier's match) and `longer_than`: its reading starts now."""
+        floor = max(longer_than, fallback.length if fallback is not None else 0)
         with self.lock:
             if self.cuttable:
                 names = self._blocks(tokens, variant, limit)

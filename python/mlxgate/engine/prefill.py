@@ -285,8 +285,9 @@ class Prefill:
     def _look_again(self, pending: Pending) -> None:
         """The prefix cache may hold more of the prompt than at admission: the prefill it waited
         for, or (preempted) its own keys/values."""
-        match = self.prefix_cache.lookup(pending.request.prompt_ids, variant=int(pending.scaled))
-        if match is not None and match.length > (pending.match.length if pending.match else 0):
+        held = pending.match.length if pending.match is not None else 0
+        match = self.prefix_cache.lookup(pending.request.prompt_ids, int(pending.scaled), held)
+        if match is not None:
             pending.match = match
 
     def _waits_for_prefix(self, pending: Pending, ahead: list[Pending]) -> bool:

@@ -94,9 +94,12 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: list[int], variant: int = 0) -> PrefixMatch | None:
+    def lookup(
+        self, prompt: list[int], variant: int = 0, longer_than: int = 0
+    ) -> PrefixMatch | None:
         """The longest cached prefix of `prompt` computed as `variant`, in memory or on disk,
-        leaving at least one token to compute."""
+        leaving at least one token to compute; None unless longer than `longer_than` (a match
+        the caller holds: a disk match starts reading its files)."""
         if self.max_bytes <= 0 or len(prompt) <= self.min_tokens:
             return None
         tokens = np.asarray(prompt, dtype=np.int32)
@@ -112,11 +115,11 @@ class PrefixCache:
                 if length > best_len:
                     best_key, best_len = key, length
             match = None
-            if best_len >= self.min_tokens:
+            if best_len >= max(self.min_tokens, longer_than + 1):
                 self._entries.move_to_end(best_key)
                 match = MemoryMatch(self._entries[best_key], best_len)
         if self.disk is not None:
-            on_disk = self.disk.lookup(tokens, variant, limit, match)
+            on_disk = self.disk.lookup(tokens, variant, limit, match, longer_than)
             if on_disk is not None and on_disk.length >= self.min_tokens:
                 return on_disk
         return match
