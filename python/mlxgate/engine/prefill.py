@@ -241,8 +241,10 @@ class Prefill:
             if pending.todo == 0:
                 admitted.append(self.waiting.popleft())
                 self.joining.append(pending)
-            if idle and admitted:
-                break  # the first stream can start; the next steps prefill beside it
+            if idle and admitted and spent:
+                # The first stream can start; the next steps prefill beside it. (One that was
+                # all cached cost nothing: the step goes on, prompts behind it may group.)
+                break
         if admitted:
             self._join_one_by_one(admitted)
         for group in groups:
