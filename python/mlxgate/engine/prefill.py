@@ -187,6 +187,11 @@ class Prefill:
             if room < len(self.waiting[0].choices):
                 break
             group = self._whole_prompts(budget, room, kv_room) if self.grouped else None
+            if group is None and idle and admitted:
+                # With nothing decoding, the first stream to start ends the step (the next steps
+                # prefill beside it), unless short prompts behind it fit one pass together:
+                # beside decoding streams they would go a few per step (a burst's TTFT tail).
+                break
             if group is not None:
                 # Several short prompts that fit this step: one forward pass for all of them.
                 for _ in group.rows:
@@ -241,10 +246,6 @@ class Prefill:
             if pending.todo == 0:
                 admitted.append(self.waiting.popleft())
                 self.joining.append(pending)
-            if idle and admitted and spent:
-                # The first stream can start; the next steps prefill beside it. (One that was
-                # all cached cost nothing: the step goes on, prompts behind it may group.)
-                break
         if admitted:
             self._join_one_by_one(admitted)
         for group in groups:
