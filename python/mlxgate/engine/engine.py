@@ -50,13 +50,6 @@ from mlxgate.models.rope_switch import ScaledRows
 
 log = logging.getLogger("mlxgate.engine")
 
-# A burst's requests reach the engine over a few milliseconds (the event loop parses one after
-# another). An idle engine waits for a lull of GATHER_LULL_S between them (at most GATHER_MAX_S)
-# before its first step, so that they start in one prefill pass: once the first one decodes,
-# the rest would go a few a step beside it.
-GATHER_LULL_S = 0.002
-GATHER_MAX_S = 0.02
-
 
 @dataclasses.dataclass(eq=False)
 class _Row:
@@ -255,7 +248,6 @@ class Engine:
             with self._wakeup:
                 if not self._has_work():
                     self._wakeup.wait(timeout=1.0)
-                    self._gather()
             self._take_incoming()
             worked = self._has_work()
             try:
@@ -265,16 +257,6 @@ class Engine:
                 self._fail_all(f"generation failed: {exc}")
             if worked:
                 self._tidy_heap()
-
-    def _gather(self) -> None:
-        """After waking up idle: wait for a lull in arrivals (GATHER_LULL_S). Holds `_wakeup`."""
-        deadline = time.monotonic() + GATHER_MAX_S
-        seen = len(self._incoming)
-        while seen and time.monotonic() < deadline:
-            self._wakeup.wait(timeout=GATHER_LULL_S)
-            if len(self._incoming) == seen:
-                return
-            seen = len(self._incoming)
 
     def _has_work(self) -> bool:
         return bool(self._incoming or self.prefill.waiting or len(self._batch))
