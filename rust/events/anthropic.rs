@@ -52,6 +52,8 @@ struct OpenBlock {
 pub struct AnthropicStream {
     params: AnthropicParams,
     pub(crate) usage: PromptUsage,
+    /// The cached tokens `message_start` reported (`usage` may learn of more later).
+    started_cached: u64,
     open: Option<OpenBlock>,
     next_index: u32,
     tool_calls: u32,
@@ -68,10 +70,21 @@ pub struct AnthropicStream {
 }
 
 impl AnthropicStream {
+    fn delta_usage(&self, output_tokens: u64) -> OutputUsage {
+        let usage = self.usage;
+        let changed = usage.cached_tokens != self.started_cached;
+        OutputUsage {
+            input_tokens: changed.then(|| usage.prompt_tokens - usage.cached_tokens),
+            cache_read_input_tokens: changed.then_some(usage.cached_tokens),
+            output_tokens,
+        }
+    }
+
     pub fn new(params: AnthropicParams, usage: PromptUsage) -> Self {
         Self {
             params,
             usage,
+            started_cached: usage.cached_tokens,
             open: None,
             next_index: 0,
             tool_calls: 0,
@@ -256,7 +269,7 @@ impl AnthropicStream {
                     context_management: self.context_management().map(|edits| AppliedEdits {
                         applied_edits: edits,
                     }),
-                    usage: OutputUsage { output_tokens },
+                    usage: self.delta_usage(output_tokens),
                 },
             );
             write(out, &Event::MessageStop);
@@ -617,8 +630,15 @@ struct StopInfo<'a> {
     stop_sequence: Option<&'a str>,
 }
 
+/// `message_delta`'s usage: the output, and the input again where the prompt turned out to reuse
+/// more than `message_start` said (another prompt's prefill it waited for): the delta's usage is
+/// cumulative, and the SDKs take its input fields over `message_start`'s.
 #[derive(Serialize)]
 struct OutputUsage {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    input_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_read_input_tokens: Option<u64>,
     output_tokens: u64,
 }
 
@@ -682,6 +702,21 @@ mod tests {
                 "event: message_stop\ndata: {\"type\":\"message_stop\"}",
             ]
         );
+    }
+
+    #[test]
+    fn a_prompt_that_reused_more_after_message_start_says_so_in_message_delta() {
+        let mut s = stream(true);
+        let mut out = Vec::new();
+        s.start(&mut out);
+        s.usage.cached_tokens = 6; // Protocol::cached: another prompt's prefill waited for
+        s.text("Hi", &mut out);
+        s.finish(Finish::EndTurn, 1, &mut out);
+        let frames = frames(&out);
+        assert!(frames[0].contains("\"cache_read_input_tokens\":2"));
+        assert!(frames[frames.len() - 2].ends_with(
+            "\"usage\":{\"input_tokens\":1,\"cache_read_input_tokens\":6,\"output_tokens\":1}}"
+        ));
     }
 
     #[test]

@@ -151,7 +151,10 @@ class Tally:
         elif kind == "message_start":
             self._anthropic_usage((data.get("message") or {}).get("usage") or {})
         elif kind == "message_delta":
-            self.record.output_tokens = (data.get("usage") or {}).get("output_tokens")
+            usage = data.get("usage") or {}
+            self.record.output_tokens = usage.get("output_tokens")
+            if "cache_read_input_tokens" in usage:  # more reused than message_start said
+                self._anthropic_usage(usage)
             self.record.finish_reason = (data.get("delta") or {}).get("stop_reason")
         elif kind == "error":
             self.record.fail("error_event", _message(data.get("error")))
