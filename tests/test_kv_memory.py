@@ -95,6 +95,25 @@ def test_a_prefix_being_prefilled_is_computed_once(served: Served, llama: tuple[
     assert engine.metrics.prefill_tokens - before == len(other) - 1 + len(branch) - 1 - 1000
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
+def test_a_window_or_recurrent_state_being_prefilled_is_computed_once(arch: str) -> None:
+    """Such a state cannot be cut: the second prompt waits for the first's whole prefill and
+    starts from its snapshot as it joins the batch."""
+    model, twin = twins(arch)
+    served = serve(model)
+    try:
+        engine = served.engine
+        prompt = prompts(1, 700, 701, seed=13)[0]
+        readers = [served.submit(prompt, steps=6) for _ in range(2)]
+        want = reference(twin, prompt, 6)
+        for reader in readers:
+            assert_same(Served.result(reader)[0], want, arch)
+        assert engine.metrics.prefill_tokens == len(prompt) - 1
+        assert engine.metrics.inflight_hit_tokens == len(prompt) - 1
+    finally:
+        served.engine.stop()
+
+
 @pytest.mark.parametrize("cancelled", [0, 1])
 def test_a_cancel_on_either_side_of_a_shared_prefill_keeps_the_other_exact(
     served: Served, llama: tuple[Any, Any], cancelled: int
