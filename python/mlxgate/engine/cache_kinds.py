@@ -70,13 +70,13 @@ class CacheLayout:
     @classmethod
     def of(cls, caches: Sequence[Any]) -> CacheLayout:
         kinds = tuple(_kind(cache) for cache in caches)
-        leaves = [leaf for cache in caches for leaf in _leaves(cache)]
+        singles = [leaf for cache in caches for leaf in leaves(cache)]
         attention = [i for i, cache in enumerate(caches) if type(cache) in _ATTENTION]
         return cls(
             kinds=kinds,
             attention_layer=attention[0] if attention else None,
-            cuttable=all(type(leaf) in _ATTENTION for leaf in leaves),
-            slots=not any(isinstance(leaf, RotatingKVCache) for leaf in leaves),
+            cuttable=all(type(leaf) in _ATTENTION for leaf in singles),
+            slots=not any(isinstance(leaf, RotatingKVCache) for leaf in singles),
         )
 
     @property
@@ -109,9 +109,10 @@ def _kind(cache: Any) -> str:
     )
 
 
-def _leaves(cache: Any) -> list[Any]:
+def leaves(cache: Any) -> list[Any]:
+    """The single caches a layer's cache is made of (a CacheList's, or itself)."""
     if type(cache) is CacheList:
-        return [leaf for sub in cache.caches for leaf in _leaves(sub)]
+        return [leaf for sub in cache.caches for leaf in leaves(sub)]
     return [cache]
 
 
@@ -274,7 +275,7 @@ def write_slots(
 def keep_rows(cache: Any, index: mx.array) -> None:
     """Keep only the rows `index` of a batch cache (copies them; contiguous buffers)."""
     cache.filter(index)
-    for leaf in _leaves(cache):
+    for leaf in leaves(cache):
         if type(leaf) in _BATCH_ATTENTION:
             own_buffers(leaf)
 
@@ -289,7 +290,7 @@ def own_buffers(cache: Any) -> None:
 
 def drop_columns(cache: Any, unused: int, padding: mx.array) -> None:
     """Drop the leftmost `unused` columns of attention keys/values (no live row uses them)."""
-    for leaf in _leaves(cache):
+    for leaf in leaves(cache):
         if type(leaf) in _BATCH_ATTENTION:
             keys, values, offset, _, columns = leaf.state
             assert keys is not None and values is not None
@@ -308,7 +309,7 @@ def rewind(cache: Any, surplus: int, shift: np.ndarray) -> None:
     row, and `shift[row]` more of a row that kept fewer than the most, by moving its columns
     right over them (its left padding grows by as much). Attention keys/values only."""
     rows = np.flatnonzero(shift).tolist()
-    for leaf in _leaves(cache):
+    for leaf in leaves(cache):
         if type(leaf) not in _BATCH_ATTENTION:
             raise UnsupportedCache(f"a {type(leaf).__name__} cannot take back positions")
         leaf.trim(surplus)

@@ -13,13 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-)
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from mlxgate.engine import cache_kinds
 
 # mlx-lm grows a keys/values buffer by this many columns at a time.
 COLUMNS_STEP = 256
@@ -38,7 +34,7 @@ class KVMemory:
     def of(cls, caches: Sequence[Any], budget: int) -> KVMemory:
         """The costs of a model's caches (`caches`: one sequence's, after a prefill)."""
         token = fixed = 0
-        for leaf in _leaves(caches):
+        for leaf in [leaf for cache in caches for leaf in cache_kinds.leaves(cache)]:
             if type(leaf) is KVCache:
                 assert leaf.keys is not None and leaf.values is not None
                 token += (leaf.keys.nbytes + leaf.values.nbytes) // leaf.keys.shape[2]
@@ -77,13 +73,3 @@ def default_budget(weights_bytes: int, prefix_cache_bytes: int) -> int:
     cache's own budget."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return max(0, int((total - weights_bytes) * DEFAULT_SHARE) - prefix_cache_bytes)
-
-
-def _leaves(caches: Sequence[Any]) -> list[Any]:
-    leaves = []
-    for cache in caches:
-        if type(cache) is CacheList:
-            leaves.extend(_leaves(cache.caches))
-        else:
-            leaves.append(cache)
-    return leaves
