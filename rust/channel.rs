@@ -53,6 +53,8 @@ struct State<W> {
 pub struct Outcome {
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// Where the cached tokens came from: "memory", "disk", "in-flight" ("" for none).
+    pub cached_from: &'static str,
     /// From the stream's opening to its first generated token.
     pub first_token: Option<Duration>,
     /// "running" until it ends: "finished", "cancelled", or the error kind that ended it.
@@ -116,6 +118,7 @@ impl<W> Channel<W> {
             outcome: Outcome {
                 prompt_tokens: 0,
                 cached_tokens: 0,
+                cached_from: "",
                 first_token: None,
                 end: "running",
             },
@@ -221,9 +224,11 @@ impl<W> Channel<W> {
         outcome.cached_tokens = cached_tokens;
     }
 
-    /// Of the prompt, `cached_tokens` came from the prefix cache after all.
-    pub fn cached(&self, cached_tokens: u64) {
-        self.lock().outcome.cached_tokens = cached_tokens;
+    /// Of the prompt, `cached_tokens` came from the prefix cache's tier `cached_from` after all.
+    pub fn cached(&self, cached_tokens: u64, cached_from: &'static str) {
+        let outcome = &mut self.lock().outcome;
+        outcome.cached_tokens = cached_tokens;
+        outcome.cached_from = cached_from;
     }
 
     /// One more token generated (by any choice); the first one's time is kept.

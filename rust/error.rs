@@ -25,6 +25,7 @@ pub enum CoreError {
     UnknownErrorKind(String),
     UnknownCompaction(String),
     UnknownSearchKind(String),
+    UnknownCacheTier(String),
 }
 
 impl fmt::Display for CoreError {
@@ -69,6 +70,12 @@ impl fmt::Display for CoreError {
             }
             Self::EmptyThinkTag => write!(f, "think tags must not be empty"),
             Self::UnknownErrorKind(kind) => write!(f, "unknown error kind {kind:?}"),
+            Self::UnknownCacheTier(tier) => {
+                write!(
+                    f,
+                    "unknown prefix cache tier {tier:?} (expected \"memory\", \"disk\" or \"in-flight\")"
+                )
+            }
             Self::UnknownSearchKind(kind) => {
                 write!(
                     f,

@@ -408,13 +408,26 @@ impl<W> Router<W> {
         stream.channel.append_with(|buf| protocol.ping(buf))
     }
 
-    /// The stream's prompt reused `cached_tokens` from the prefix cache, not what it was opened
-    /// with (usage reported from now on says so). Unknown ids are ignored.
-    pub fn cached(&mut self, stream_id: u64, cached_tokens: u64) {
+    /// The stream's prompt reused `cached_tokens` from the prefix cache's tier `cached_from`
+    /// ("memory", "disk", "in-flight": another prompt's prefill waited for); usage reported from
+    /// now on says so, the request log names the tier. Unknown ids are ignored.
+    pub fn cached(
+        &mut self,
+        stream_id: u64,
+        cached_tokens: u64,
+        cached_from: &str,
+    ) -> Result<(), CoreError> {
+        let tier = match cached_from {
+            "memory" => "memory",
+            "disk" => "disk",
+            "in-flight" => "in-flight",
+            _ => return Err(CoreError::UnknownCacheTier(cached_from.to_owned())),
+        };
         if let Some(stream) = self.streams.get_mut(&stream_id) {
             stream.protocol.cached(cached_tokens);
-            stream.channel.cached(cached_tokens);
+            stream.channel.cached(cached_tokens, tier);
         }
+        Ok(())
     }
 
     /// Ends with an `overloaded` error every response whose reader has lagged past the unread-byte

@@ -32,7 +32,8 @@ class Served:
 
 
 _REQUEST_LINE = re.compile(
-    r"POST \S+ 200 finished: (\d+) prompt tokens \((\d+) cached\), (\d+) generated"
+    r"POST \S+ 200 finished: (\d+) prompt tokens "
+    r"\((\d+) cached(?: from [a-z-]+)?\), (\d+) generated"
 )
 
 

@@ -73,7 +73,9 @@ def test_a_restarted_engine_reuses_what_the_last_one_wrote_exactly(
     again = served(model, tmp_path)
     engine = again.engine
     computed = engine.metrics.prefill_tokens
-    tokens, usage = again.generate(PROMPT)
+    reader = again.submit(PROMPT)
+    tokens, usage = again.result(reader)
+    assert reader.cached_from == "disk"
     prefix = len(PROMPT) - 1  # a snapshot of all but the last token
     if engine.layout.cuttable:
         prefix = prefix // BLOCK_TOKENS * BLOCK_TOKENS  # whole blocks
@@ -162,7 +164,7 @@ def test_a_restarted_server_reports_the_prefix_it_read_from_disk(tmp_path: Path)
     ]
     directory = str(tmp_path / "prefixes")
 
-    def ask() -> tuple[int, int, str]:
+    def ask() -> tuple[int, int, str, str]:
         running = start_server(tmp_path, "--prefix-cache-dir", directory)
         try:
             client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="x", max_retries=0)
@@ -175,13 +177,14 @@ def test_a_restarted_server_reports_the_prefix_it_read_from_disk(tmp_path: Path)
         usage = reply.usage
         assert usage is not None and usage.prompt_tokens_details is not None
         cached = usage.prompt_tokens_details.cached_tokens or 0
-        return usage.prompt_tokens, cached, metrics
+        return usage.prompt_tokens, cached, metrics, running.log()
 
-    prompt_tokens, cached, _ = ask()
+    prompt_tokens, cached, _, _ = ask()
     assert prompt_tokens > 2 * BLOCK_TOKENS and cached == 0
-    _, cached, metrics = ask()
+    _, cached, metrics, log = ask()
     assert cached == (prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS
     assert f'mlxgate_prefix_cache_hit_tokens_total{{tier="disk"}} {cached}.0' in metrics
+    assert f"{prompt_tokens} prompt tokens ({cached} cached from disk)" in log  # request log
 
 
 def test_the_directory_keeps_to_its_size_least_recently_used_first(tmp_path: Path) -> None:

@@ -81,8 +81,9 @@ def test_a_prefix_being_prefilled_is_computed_once(served: Served, llama: tuple[
         assert_same(tokens, want, "identical prompts")
     assert engine.metrics.prefill_tokens - before == len(prompt) - 1
     assert engine.metrics.inflight_hit_tokens == len(prompt) - 1
-    # The second was opened with nothing cached; its usage reports what it reused.
+    # The second was opened with nothing cached; its usage reports what it reused, and from where.
     assert [usage["cache_read_input_tokens"] for _, usage in results] == [0, len(prompt) - 1]
+    assert [reader.cached_from for reader in readers] == ["", "in-flight"]
     # A prompt that shares only a prefix starts from it as soon as the other has computed it.
     wait_until(lambda: engine.metrics.running == 0, engine)
     engine.prefix_cache.max_bytes = 0  # only in-flight sharing can help here

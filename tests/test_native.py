@@ -286,6 +286,16 @@ def test_errors_are_native_value_errors() -> None:
         router.step([1], [1, 2])
     with pytest.raises(TypeError):
         router.step("ab", [1])  # type: ignore[arg-type]
+    with pytest.raises(NativeError, match="unknown prefix cache tier"):
+        router.cached(1, 5, "swap")
+
+
+def test_a_reader_says_where_its_cached_tokens_came_from() -> None:
+    router = Router(text_vocab())
+    reader = open_text(router, 1)
+    assert (reader.prompt_tokens, reader.cached_from) == ((1, 0), "")
+    router.cached(1, 1, "in-flight")
+    assert (reader.prompt_tokens, reader.cached_from) == ((1, 1), "in-flight")
 
 
 def test_error_kinds_and_dialect_replies() -> None:

@@ -362,6 +362,9 @@ class Reader:
     def prompt_tokens(self) -> tuple[int, int]:
         """(prompt tokens, of them from the prefix cache), as opened."""
     @property
+    def cached_from(self) -> str:
+        """Where its cached prompt tokens came from: "memory", "disk", "in-flight", or ""."""
+    @property
     def output_tokens(self) -> int:
         """Tokens generated so far (all of them once the stream ended)."""
     @property
@@ -432,11 +435,12 @@ class Router:
         event, an empty OpenAI chunk, Responses' `response.in_progress`. Only a response's
         first choice pings."""
 
-    def cached(self, stream_id: int, cached_tokens: int) -> None:
-        """The stream's prompt reused `cached_tokens` from the prefix cache after all (more than it
-        was opened with: another prompt's prefill it waited for); the usage reported at its end
-        (a body, OpenAI's usage chunk, Responses' completed response) says so. Unknown ids are
-        ignored."""
+    def cached(self, stream_id: int, cached_tokens: int, cached_from: str) -> None:
+        """The stream's prompt reused `cached_tokens` from the prefix cache's tier `cached_from`
+        ("memory", "disk", or "in-flight": another prompt's prefill it waited for); the usage
+        reported at its end (a body, OpenAI's usage chunk, Responses' completed response,
+        Anthropic's message_delta where it differs from message_start) says so, and the request
+        log names the tier. Raises NativeError for another tier; unknown ids are ignored."""
 
     def fail_stalled(self, timeout_s: float) -> list[int]:
         """End with an `overloaded` error every response whose reader has held more than

@@ -54,11 +54,13 @@ def request_ended(fields: dict[str, Any], readers: Sequence[Reader]) -> None:
     status = fields["status"]
     if readers:
         prompt, cached = readers[0].prompt_tokens
+        tier = readers[0].cached_from
         ttfts = [r.ttft_s for r in readers if r.ttft_s is not None]
         ends = {_ENDS.get(r.end, "error") for r in readers}
         fields |= {
             "prompt_tokens": prompt,
             "cached_tokens": cached,
+            "cached_from": tier or None,
             "output_tokens": sum(r.output_tokens for r in readers),
             "ttft_s": round(min(ttfts), 4) if ttfts else None,
             "end": min(ends, key=["error", "drained", "stalled", "cancelled", "finished"].index),
@@ -68,7 +70,8 @@ def request_ended(fields: dict[str, Any], readers: Sequence[Reader]) -> None:
     text = f"{fields['method']} {fields['route']} {status or '-'} {fields['end']}"
     if readers:
         text += (
-            f": {fields['prompt_tokens']} prompt tokens ({fields['cached_tokens']} cached), "
+            f": {fields['prompt_tokens']} prompt tokens ({fields['cached_tokens']} cached"
+            f"{' from ' + tier if tier else ''}), "
             f"{fields['output_tokens']} generated, first after {fields['ttft_s']} s,"
         )
     text += f" {fields['duration_s']:.3f} s [{fields['id']}]"

@@ -93,6 +93,12 @@ impl PyReader {
         (outcome.prompt_tokens, outcome.cached_tokens)
     }
 
+    /// Where its cached prompt tokens came from: "memory", "disk", "in-flight", or "".
+    #[getter]
+    fn cached_from(&self) -> &'static str {
+        self.channel.outcome().cached_from
+    }
+
     /// Tokens generated so far (all of them once the stream ended).
     #[getter]
     fn output_tokens(&self) -> u64 {
@@ -239,10 +245,10 @@ impl PyRouter {
         wake(py, waker);
     }
 
-    /// The stream's prompt reused `cached_tokens` from the prefix cache after all (more than it
-    /// was opened with); the usage reported at its end says so.
-    fn cached(&self, stream_id: u64, cached_tokens: u64) {
-        self.lock().cached(stream_id, cached_tokens);
+    /// The stream's prompt reused `cached_tokens` from the prefix cache's tier `cached_from`;
+    /// the usage reported at its end says so, and the request log the tier.
+    fn cached(&self, stream_id: u64, cached_tokens: u64, cached_from: &str) -> PyResult<()> {
+        Ok(self.lock().cached(stream_id, cached_tokens, cached_from)?)
     }
 
     /// Ends with an `overloaded` error every response whose reader has held more than

@@ -154,6 +154,13 @@ class DiskMatch:
         self._layers: list[Any] | None = None
         self._settled = False
 
+    @property
+    def tier(self) -> str:
+        """ "disk", or the memory match it fell back to (a file that failed its checks)."""
+        if self._settled and self._layers is None and self._fallback is not None:
+            return self._fallback.tier
+        return "disk"
+
     def caches(self) -> list[Any]:
         if not self._settled:
             self._settle()

@@ -155,7 +155,7 @@ class Engine:
             # Looked up at each call: a router swapped in later (tests wrap it) is the one used.
             ping=lambda stream_id: self.router.ping(stream_id),
             join=self._add_rows,
-            cached=lambda stream_id, tokens: self.router.cached(stream_id, tokens),
+            cached=lambda stream_id, tokens, tier: self.router.cached(stream_id, tokens, tier),
             memory=self.kv_memory,
         )
         self._rows: dict[int, _Row] = {}  # by stream id
@@ -202,6 +202,9 @@ class Engine:
                 cached_tokens=cached,
                 max_tokens=min(request.max_tokens or window, window - prompt_tokens),
             )
+            if match is not None:  # the tier, for the request log
+                for pending in choices:
+                    self.router.cached(pending.stream_id, cached, match.tier)
             if together:
                 choices[0].siblings = choices[1:]
                 self._incoming.append(choices[0])

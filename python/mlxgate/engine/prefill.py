@@ -133,7 +133,7 @@ class Prefill:
         cancelled: Callable[[], set[int]],
         ping: Callable[[int], None],
         join: Join,
-        cached: Callable[[int, int], None] = lambda stream_id, tokens: None,
+        cached: Callable[[int, int, str], None] = lambda stream_id, tokens, tier: None,
         memory: KVMemory | None = None,
     ) -> None:
         """`grouped`: whether several prompts may share a pass. `cancelled`: the stream ids whose
@@ -450,8 +450,9 @@ class Prefill:
             if pending.held and isinstance(pending.match, MemoryMatch):
                 m.inflight_hit_tokens += pending.match.length
             if pending.sampler is None and pending.match.length != pending.reported:
+                tier = "in-flight" if pending.held else pending.match.tier
                 for choice in pending.choices:
-                    self._cached(choice.stream_id, pending.match.length)
+                    self._cached(choice.stream_id, pending.match.length, tier)
             pending.match = None
         else:
             pending.caches = self.adapter.make_cache()

@@ -42,6 +42,11 @@ class PrefixMatch(Protocol):
     @property
     def length(self) -> int: ...
 
+    @property
+    def tier(self) -> str:
+        """Where it comes from: "memory" or "disk"."""
+        ...
+
     def caches(self) -> list[Any]: ...
 
 
@@ -49,6 +54,7 @@ class PrefixMatch(Protocol):
 class MemoryMatch:
     entry: CacheEntry
     length: int  # tokens of the entry reused as the request's prefix
+    tier = "memory"
 
     def caches(self) -> list[Any]:
         """Fresh per-layer caches holding the first `length` tokens (engine thread only)."""
