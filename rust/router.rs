@@ -417,12 +417,7 @@ impl<W> Router<W> {
         cached_tokens: u64,
         cached_from: &str,
     ) -> Result<(), CoreError> {
-        let tier = match cached_from {
-            "memory" => "memory",
-            "disk" => "disk",
-            "in-flight" => "in-flight",
-            _ => return Err(CoreError::UnknownCacheTier(cached_from.to_owned())),
-        };
+        let tier = cache_tier(cached_from)?;
         if let Some(stream) = self.streams.get_mut(&stream_id) {
             stream.protocol.cached(cached_tokens);
             stream.channel.cached(cached_tokens, tier);
@@ -466,6 +461,16 @@ impl<W> Router<W> {
 /// (gpt-oss, Kimi, DeepSeek and Mistral write their tool markup as special tokens).
 /// A token's text as logprobs report it (lossy where it is part of a character) and its bytes;
 /// a special token's own text.
+/// A prefix cache tier's name as the engine gives it: "memory", "disk" or "in-flight".
+pub fn cache_tier(name: &str) -> Result<&'static str, CoreError> {
+    match name {
+        "memory" => Ok("memory"),
+        "disk" => Ok("disk"),
+        "in-flight" => Ok("in-flight"),
+        _ => Err(CoreError::UnknownCacheTier(name.to_owned())),
+    }
+}
+
 fn token_text(vocab: &Vocab, token_id: u32) -> (String, Vec<u8>) {
     let mut bytes = vocab.token_bytes(token_id);
     if bytes.is_empty() {

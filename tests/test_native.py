@@ -296,6 +296,11 @@ def test_a_reader_says_where_its_cached_tokens_came_from() -> None:
     assert (reader.prompt_tokens, reader.cached_from) == ((1, 0), "")
     router.cached(1, 1, "in-flight")
     assert (reader.prompt_tokens, reader.cached_from) == ((1, 1), "in-flight")
+    spec = StreamSpec.anthropic(model="m", message_id="msg_2", stream=False, stop_sequences=[])
+    opened = router.open(
+        2, spec, prompt_tokens=9, cached_tokens=8, cached_from="disk", max_tokens=4
+    )
+    assert (opened.prompt_tokens, opened.cached_from) == ((9, 8), "disk")
 
 
 def test_error_kinds_and_dialect_replies() -> None:

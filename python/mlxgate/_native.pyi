@@ -395,13 +395,15 @@ class Router:
         *,
         prompt_tokens: int,
         cached_tokens: int = 0,
+        cached_from: str = "",
         max_tokens: int,
     ) -> Reader:
         """Open a response as `spec` says for an admitted prompt of `prompt_tokens` (of which
-        `cached_tokens` came from the prefix cache) that may add `max_tokens` tokens per
-        stream: one stream, or one per id for the choices of OpenAI's `n`, all read by the one
-        reader. Frames due at once are queued. Raises NativeError if an id is already open, or
-        for several ids in a dialect without choices."""
+        `cached_tokens` came from the prefix cache's tier `cached_from`: "memory", "disk" or
+        "in-flight") that may add `max_tokens` tokens per stream: one stream, or one per id for
+        the choices of OpenAI's `n`, all read by the one reader. Frames due at once are queued.
+        Raises NativeError if an id is already open, for several ids in a dialect without
+        choices, or for another tier."""
 
     def step(self, stream_ids: _Ints, token_ids: _Ints) -> list[tuple[int, FinishReason]]:
         """One engine step: stream_ids[i] produced token_ids[i]. Returns every stream that ended,

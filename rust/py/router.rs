@@ -12,7 +12,7 @@ use super::vocab::PyVocab;
 use super::{wake, Waker};
 use crate::channel::{Channel, Park};
 use crate::events::PromptUsage;
-use crate::router::{Router, SampledLogprobs, DEFAULT_MAX_UNREAD_BYTES};
+use crate::router::{cache_tier, Router, SampledLogprobs, DEFAULT_MAX_UNREAD_BYTES};
 
 /// `Router.logprobs`'s entries as Python passes them: (stream id, token id, logprob, top).
 type SampledTuple = (u64, u32, f32, Vec<(u32, f32)>);
@@ -162,15 +162,23 @@ impl PyRouter {
 
     /// Opens a response as `spec` says for an admitted prompt: one stream, or one per id for
     /// the choices of OpenAI's `n`, all read by the one reader. Raises if an id is open.
-    #[pyo3(signature = (stream_ids, spec, *, prompt_tokens, cached_tokens = 0, max_tokens))]
+    #[pyo3(signature = (
+        stream_ids, spec, *, prompt_tokens, cached_tokens = 0, cached_from = "", max_tokens
+    ))]
     fn open(
         &self,
         stream_ids: &Bound<'_, PyAny>,
         spec: &Bound<'_, PyStreamSpec>,
         prompt_tokens: u64,
         cached_tokens: u64,
+        cached_from: &str,
         max_tokens: u64,
     ) -> PyResult<PyReader> {
+        let tier = if cached_from.is_empty() {
+            ""
+        } else {
+            cache_tier(cached_from)?
+        };
         let usage = PromptUsage {
             prompt_tokens,
             cached_tokens,
@@ -182,6 +190,9 @@ impl PyRouter {
         let channel = self
             .lock()
             .open(&stream_ids, &spec.get().inner, usage, max_tokens)?;
+        if !tier.is_empty() {
+            channel.cached(cached_tokens, tier);
+        }
         Ok(PyReader { channel })
     }
 

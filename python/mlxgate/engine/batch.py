@@ -154,10 +154,7 @@ class DecodeBatch:
         grown = 0
         for band in self.bands:
             attention = band._attention
-            if attention is None or attention.keys is None:
-                continue
-            keys = attention.keys[0] if isinstance(attention.keys, tuple) else attention.keys
-            if attention._idx + width > keys.shape[2]:
+            if attention is not None and attention._idx + width > cache_kinds.capacity(attention):
                 steps = -(-width // attention.step)
                 grown += len(band.stream_ids) * steps * attention.step * token_bytes
         return grown

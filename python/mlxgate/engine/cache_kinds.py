@@ -174,6 +174,11 @@ def _each(f: Any, kv: Any) -> Any:
     return tuple(f(a) for a in kv) if isinstance(kv, tuple) else f(kv)
 
 
+def capacity(cache: Any) -> int:
+    """The columns a batch attention cache's buffers have room for (0 before any)."""
+    return 0 if cache.keys is None else int(_parts(cache)[0].shape[2])
+
+
 def _parts(cache: Any) -> list[mx.array]:
     """The arrays of an attention cache's keys then values (two, or two triples)."""
     return [a for kv in (cache.keys, cache.values) for a in (kv if isinstance(kv, tuple) else [kv])]

@@ -200,11 +200,9 @@ class Engine:
                 request.stream,
                 prompt_tokens=prompt_tokens,
                 cached_tokens=cached,
+                cached_from=match.tier if match is not None else "",
                 max_tokens=min(request.max_tokens or window, window - prompt_tokens),
             )
-            if match is not None:  # the tier, for the request log
-                for pending in choices:
-                    self.router.cached(pending.stream_id, cached, match.tier)
             if together:
                 choices[0].siblings = choices[1:]
                 self._incoming.append(choices[0])
@@ -321,6 +319,7 @@ class Engine:
             if decoding:
                 m.step_s.append(elapsed)
         self._update_gauges()
+        m.kv_bytes = self._batch.kv_bytes() + prefill.held_bytes()  # once a step: not cheap
 
     def _cancel_stalled(self) -> None:
         """The engine never waits for a reader: a stream unread past the stall timeout is ended."""
@@ -335,7 +334,6 @@ class Engine:
     def _update_gauges(self) -> None:
         self.metrics.queue_depth = len(self.prefill.waiting)
         self.metrics.running = len(self._batch)
-        self.metrics.kv_bytes = self._batch.kv_bytes() + self.prefill.held_bytes()
 
     def _keep_budget(self) -> None:
         """Preempt the youngest decoding sequences while the batch's caches, their growth in the
