@@ -32,6 +32,7 @@ from mlxgate._native import ErrorKind, Reader, Router
 from mlxgate.app import App
 from mlxgate.config import Config
 from mlxgate.engine import EngineStopped, GenerationRequest, PromptTooLong
+from mlxgate.registry import ModelRegistry, ServedModel
 
 ROUTER_ENV = "STREAM_BENCH_ROUTER"
 GATE_ENV = "STREAM_BENCH_GATE"
@@ -83,6 +84,9 @@ class FakeEngine:
         self._running.set()
         self._thread = threading.Thread(target=self._run, name="fake-engine", daemon=True)
         self._thread.start()
+
+    def busy(self) -> bool:
+        return len(self.router) > 0
 
     def stop(self) -> None:
         self._running.clear()
@@ -151,8 +155,9 @@ def create_app() -> App:
     engine = FakeEngine(workload, router, gate=int(os.environ.get(GATE_ENV, "1")))
     engine.start()
     renderer = chat.Renderer(workload.loaded.tokenizer)
-    # App takes a Generator: mypy checks FakeEngine against the protocol here.
-    return App(engine, renderer, workload.loaded.name, Config.from_env())
+    # ServedModel takes a Generator: mypy checks FakeEngine against the protocol here.
+    served = ServedModel(workload.loaded.name, engine, renderer, workload.loaded.context_length)
+    return App(ModelRegistry.serving(served), Config.from_env())
 
 
 def serve(router: str, port: int, gate: int) -> None:

@@ -53,6 +53,21 @@ def stop_server(server: RunningServer) -> None:
     server.stop(grace_s=15.0)
 
 
+def metric(
+    server: RunningServer, name: str, headers: dict[str, str] | None = None, **labels: str
+) -> float:
+    """The value of the /metrics sample `name` that has `labels` (besides any others, such as
+    its model's); 0 before it is counted."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx2.get(f"{server.url}/metrics", headers=headers).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return float(sample.value)
+    return 0.0
+
+
 def pytest_sessionfinish() -> None:
     for server in STARTED:
         server.stop(grace_s=5.0)  # a server a failed test left running

@@ -15,11 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
-import httpx
 import pytest
 
 from agents import run_claude_code, run_codex
-from conftest import RunningServer, start_server, stop_server
+from conftest import RunningServer, metric, start_server, stop_server
 
 REPLY_LIMIT = 64
 
@@ -58,12 +57,7 @@ def test_codex_default_first_request_is_answered(
     assert run.message().strip(), json.dumps(run.events)[-2000:]
     if run.returncode != 0:
         assert run.failure() == "Incomplete response returned, reason: max_output_tokens"
-    metrics = httpx.get(f"{embedded_server.url}/metrics").text
-    prefilled = next(
-        float(line.split()[1])
-        for line in metrics.splitlines()
-        if line.startswith("mlxgate_engine_prefill_tokens_total ")
-    )
+    prefilled = metric(embedded_server, "mlxgate_engine_prefill_tokens_total")
     assert prefilled > 8192  # more than the model's own context
 
 

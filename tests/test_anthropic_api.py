@@ -256,7 +256,7 @@ def test_model_alias_must_name_the_served_model(tmp_path: Path) -> None:
         cli.parse_config(["--model-alias", "a=SmolLM2-135M-Instruct", "--model-alias", "a=b"])
     with pytest.raises(RuntimeError) as caught:
         start_server(tmp_path, "--model-alias", "claude-local=Qwen3-4B")
-    assert "this server serves one model, 'SmolLM2-135M-Instruct'" in str(caught.value)
+    assert "no model is served as 'Qwen3-4B' (served: 'SmolLM2-135M-Instruct')" in str(caught.value)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from conftest import RunningServer
+from conftest import RunningServer, metric
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -204,13 +204,6 @@ def test_models_and_health(server: RunningServer) -> None:
     assert httpx.get(f"{server.url}/health").json()["model"] == "SmolLM2-135M-Instruct"
 
 
-def _metric(server: RunningServer, name: str) -> float:
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
-
-
 def test_disconnect_mid_stream_cancels_generation(
     client: anthropic.Anthropic, server: RunningServer
 ) -> None:
@@ -220,7 +213,7 @@ def test_disconnect_mid_stream_cancels_generation(
         "stream": True,
         "messages": [{"role": "user", "content": "Write a very long essay about the sea."}],
     }
-    cancelled = _metric(server, "mlxgate_engine_requests_cancelled_total")
+    cancelled = metric(server, "mlxgate_engine_requests_cancelled_total")
     with (
         httpx.Client(timeout=60) as http,
         http.stream("POST", f"{server.url}/v1/messages", json=body) as response,
@@ -230,13 +223,13 @@ def test_disconnect_mid_stream_cancels_generation(
                 break
     # The abandoned 2000-token generation leaves the batch (no wall-clock bound: shared machine).
     deadline = time.monotonic() + 60
-    while _metric(server, "mlxgate_engine_running") > 0:
+    while metric(server, "mlxgate_engine_running") > 0:
         assert time.monotonic() < deadline, "the cancelled stream kept generating"
         time.sleep(0.05)
-    assert _metric(server, "mlxgate_engine_requests_cancelled_total") == cancelled + 1
-    decoded = _metric(server, "mlxgate_engine_decode_tokens_total")
+    assert metric(server, "mlxgate_engine_requests_cancelled_total") == cancelled + 1
+    decoded = metric(server, "mlxgate_engine_decode_tokens_total")
     time.sleep(0.5)
-    assert _metric(server, "mlxgate_engine_decode_tokens_total") == decoded
+    assert metric(server, "mlxgate_engine_decode_tokens_total") == decoded
     message = client.messages.create(model="claude-test", max_tokens=8, messages=QUESTION)  # type: ignore[arg-type]
     assert message.usage.output_tokens >= 1
 
@@ -251,8 +244,8 @@ def test_a_prompt_dropped_mid_prefill_is_resumed_by_its_retry(server: RunningSer
         "max_tokens": 1,
         "messages": [{"role": "user", "content": f"{nonce}: count these: {words}"}],
     }
-    prefilled = _metric(server, "mlxgate_engine_prefill_tokens_total")
-    cancelled = _metric(server, "mlxgate_engine_requests_cancelled_total")
+    prefilled = metric(server, "mlxgate_engine_prefill_tokens_total")
+    cancelled = metric(server, "mlxgate_engine_requests_cancelled_total")
     with (
         httpx.Client(timeout=60) as http,
         http.stream("POST", f"{server.url}/v1/messages", json={**body, "stream": True}) as first,
@@ -263,14 +256,14 @@ def test_a_prompt_dropped_mid_prefill_is_resumed_by_its_retry(server: RunningSer
         opening = next(line for line in lines if line.startswith("data:"))
         reused = orjson.loads(opening[5:])["message"]["usage"]["cache_read_input_tokens"]
         deadline = time.monotonic() + 60
-        while _metric(server, "mlxgate_engine_prefill_tokens_total") < prefilled + 512:
+        while metric(server, "mlxgate_engine_prefill_tokens_total") < prefilled + 512:
             assert time.monotonic() < deadline
             time.sleep(0.02)
     deadline = time.monotonic() + 60
-    while _metric(server, "mlxgate_engine_requests_cancelled_total") == cancelled:
+    while metric(server, "mlxgate_engine_requests_cancelled_total") == cancelled:
         assert time.monotonic() < deadline, "the dropped prompt was not cancelled"
         time.sleep(0.05)
-    before_retry = _metric(server, "mlxgate_engine_prefill_tokens_total")
+    before_retry = metric(server, "mlxgate_engine_prefill_tokens_total")
     dropped_after = before_retry - prefilled
 
     retry = httpx.post(f"{server.url}/v1/messages", json=body, timeout=120).json()
@@ -278,5 +271,5 @@ def test_a_prompt_dropped_mid_prefill_is_resumed_by_its_retry(server: RunningSer
     prompt_tokens = usage["input_tokens"] + usage["cache_read_input_tokens"]
     assert reused + 512 <= usage["cache_read_input_tokens"] <= reused + dropped_after
     assert usage["cache_read_input_tokens"] < prompt_tokens - 256  # dropped mid-prefill
-    computed = _metric(server, "mlxgate_engine_prefill_tokens_total") - before_retry
+    computed = metric(server, "mlxgate_engine_prefill_tokens_total") - before_retry
     assert computed == prompt_tokens - 1 - usage["cache_read_input_tokens"]

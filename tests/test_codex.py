@@ -14,30 +14,23 @@ import httpx
 import pytest
 
 from agents import run_codex
-from conftest import RunningServer, start_server, stop_server
+from conftest import RunningServer, metric, start_server, stop_server
 from forced import TOOL_RESULT, Script, answer, forced_model_dir, serve_args, tool_call
 from sessions import INSTRUCTION_TRIGGER, PATCH, SUMMARY_TRIGGER
 
-
-def metric(server: RunningServer, sample: str) -> float:
-    """A sample of /metrics (a name, with its labels if it has any); 0 before it is counted."""
-    metrics = httpx.get(f"{server.url}/metrics").text
-    lines = [line for line in metrics.splitlines() if line.startswith(f"{sample} ")]
-    return float(lines[0].split()[1]) if lines else 0.0
-
-
 # What the server counts of a Codex run: the prompt tokens it computed and reused, and the
 # responses it answered over HTTP and over WebSockets.
-COUNTED = {
-    "computed": "mlxgate_engine_prefill_tokens_total",
-    "reused": "mlxgate_engine_cache_hit_tokens_total",
-    "http": 'mlxgate_http_requests_total{route="/v1/responses",status="200"}',
-    "websocket": 'mlxgate_websocket_responses_total{route="/v1/responses",status="200"}',
+RESPONSES_200 = {"route": "/v1/responses", "status": "200"}
+COUNTED: dict[str, tuple[str, dict[str, str]]] = {
+    "computed": ("mlxgate_engine_prefill_tokens_total", {}),
+    "reused": ("mlxgate_engine_cache_hit_tokens_total", {}),
+    "http": ("mlxgate_http_requests_total", RESPONSES_200),
+    "websocket": ("mlxgate_websocket_responses_total", RESPONSES_200),
 }
 
 
 def counted(server: RunningServer) -> dict[str, float]:
-    return {what: metric(server, sample) for what, sample in COUNTED.items()}
+    return {what: metric(server, name, **labels) for what, (name, labels) in COUNTED.items()}
 
 
 @dataclass

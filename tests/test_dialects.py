@@ -22,6 +22,7 @@ from conftest import (
     broken_after_first_frames,
     broken_render,
     last_frames,
+    metric,
 )
 from mlxgate import chat
 from mlxgate.api import delivery
@@ -223,8 +224,9 @@ def test_a_full_queue_is_overloaded_with_retry_after(
     long_prompt = [{"role": "user", "content": f"{dialect.name}: " + "word " * 3000}]
     # The previous dialect's held request may still be in the one-request queue.
     for _ in range(240):
-        metrics = httpx.get(f"{strict_server.url}/metrics", headers=dialect.auth("sk-right")).text
-        if "mlxgate_engine_queue_depth 0.0" in metrics and "mlxgate_engine_running 0.0" in metrics:
+        auth = dialect.auth("sk-right")
+        queued = metric(strict_server, "mlxgate_engine_queue_depth", auth)
+        if queued == 0 and metric(strict_server, "mlxgate_engine_running", auth) == 0:
             break
         time.sleep(0.5)
     body = dialect.body(long_prompt, 4, stream=True)

@@ -183,7 +183,8 @@ def test_a_restarted_server_reports_the_prefix_it_read_from_disk(tmp_path: Path)
     assert prompt_tokens > 2 * BLOCK_TOKENS and cached == 0
     _, cached, metrics, log = ask()
     assert cached == (prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS
-    assert f'mlxgate_prefix_cache_hit_tokens_total{{tier="disk"}} {cached}.0' in metrics
+    model = 'model="SmolLM2-135M-Instruct"'
+    assert f'mlxgate_prefix_cache_hit_tokens_total{{{model},tier="disk"}} {cached}.0' in metrics
     assert f"{prompt_tokens} prompt tokens ({cached} cached from disk)" in log  # request log
 
 

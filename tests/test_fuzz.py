@@ -86,9 +86,8 @@ def app(in_process: InProcessServer) -> App:
     """The in-process app's engine, behind an app whose replies are capped at 2 tokens."""
     from mlxgate.config import Config
 
-    served = in_process.app
     config = Config(max_output_tokens=2, allowed_hosts=("mlxgate.test",))
-    return App(served.engine, served.renderer, served.models.served, config)
+    return App(in_process.app.models, config)
 
 
 @pytest.fixture(scope="module")

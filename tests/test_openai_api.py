@@ -10,9 +10,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import (
-    RunningServer,
-)
+from conftest import RunningServer, metric
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 BASH = {
@@ -205,12 +203,7 @@ def test_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
 
 
 def prefilled_tokens(server: RunningServer) -> float:
-    metrics = httpx.get(f"{server.url}/metrics").text
-    return next(
-        float(line.split()[1])
-        for line in metrics.splitlines()
-        if line.startswith("mlxgate_engine_prefill_tokens_total ")
-    )
+    return metric(server, "mlxgate_engine_prefill_tokens_total")
 
 
 def test_n_choices_share_one_prefill(client: openai.OpenAI, server: RunningServer) -> None:

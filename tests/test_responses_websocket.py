@@ -18,7 +18,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 from websockets.typing import Origin
 
-from conftest import RunningServer, start_server, stop_server
+from conftest import RunningServer, metric, start_server, stop_server
 from mlxgate._native import Dialect, ErrorKind
 from mlxgate.api.errors import ApiError
 from mlxgate.api.http import Message, refuse_websocket
@@ -48,13 +48,6 @@ def next_answer(ws: ClientConnection) -> list[dict[str, Any]]:
     while not events or events[-1]["type"] not in ENDS:
         events.append(json.loads(ws.recv(timeout=120)))
     return events
-
-
-def metric(server: RunningServer, name: str, headers: dict[str, str] | None = None) -> float:
-    for line in httpx.get(f"{server.url}/metrics", headers=headers).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def sse_data(body: str) -> list[dict[str, Any]]:

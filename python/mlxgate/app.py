@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -9,7 +10,6 @@ import time
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.registry import Collector
 
 from mlxgate import chat, logs, trace
 from mlxgate._native import Dialect, ErrorKind, Router, Vocab
@@ -27,17 +27,25 @@ from mlxgate.api.http import (
     send_error,
     send_json,
 )
-from mlxgate.api.models import ModelNames
 from mlxgate.api.openai import OpenAIAPI
 from mlxgate.api.pipeline import Services
 from mlxgate.api.responses import ResponsesAPI
 from mlxgate.api.responses.websocket import ResponsesWebSocket
 from mlxgate.api.resumable import Resumable
-from mlxgate.api.routing import Route
+from mlxgate.api.routing import Route, path_tail
 from mlxgate.config import Config
 from mlxgate.engine import Engine, Generator, SamplingParams
 from mlxgate.engine.drafter import check_vocabularies
-from mlxgate.metrics import EngineCollector
+from mlxgate.metrics import EngineCollector, ModelsCollector
+from mlxgate.registry import (
+    Configured,
+    ModelRegistry,
+    ModelSpec,
+    ServedModel,
+    Turns,
+    default_memory_budget,
+    read_specs,
+)
 
 log = logging.getLogger("mlxgate")
 
@@ -52,27 +60,12 @@ class App:
     request goes through the wrappers of api/middleware.py, stacked here.
     """
 
-    def __init__(
-        self,
-        engine: Generator,
-        renderer: chat.Renderer,
-        served: str,
-        config: Config,
-        drain: Drain | None = None,
-        metrics: Collector | None = None,
-    ) -> None:
-        """`metrics`: what /metrics shows of the engine, besides the app's own counters."""
-        self.engine = engine
-        self.renderer = renderer
+    def __init__(self, models: ModelRegistry, config: Config, drain: Drain | None = None) -> None:
+        self.models = models
         self.config = config
-        self.models = ModelNames(
-            served, config.model_aliases, strict=config.strict_models, model_arg=config.model
-        )
         self.resumable = Resumable(config.resume_window) if config.resume_window > 0 else None
         services = Services(
-            engine=engine,
-            renderer=renderer,
-            models=self.models,
+            models=models,
             default_sampling=SamplingParams(config.temperature, config.top_p, config.top_k),
             config=config,
             max_output_tokens=config.max_output_tokens,
@@ -85,6 +78,7 @@ class App:
             Route("GET", "/health", Dialect.OPENAI, self._health),
             Route("HEAD", "/health", Dialect.OPENAI, self._health),
             Route("GET", "/metrics", Dialect.OPENAI, self._metrics),
+            Route("POST", "/v1/models/", Dialect.OPENAI, self._load_or_unload, prefix=True),
         ]
         self.guard = Guard(
             api_key=config.api_key,
@@ -97,8 +91,7 @@ class App:
         self.recorder = trace.Recorder(Path(config.record_trace)) if config.record_trace else None
         self._engine_stopped = threading.Lock()
         self.registry = CollectorRegistry()  # an app's own: a process may hold several apps
-        if metrics is not None:
-            self.registry.register(metrics)
+        self.registry.register(ModelsCollector(models))
         self.websocket = ResponsesWebSocket(
             next(api for api in apis if isinstance(api, ResponsesAPI)),
             self.guard,
@@ -127,7 +120,7 @@ class App:
         app = mw.HostGuard(app, guard)
         app = mw.Envelopes(app)
         app = mw.Counters(app, self.registry)
-        app = mw.RequestLog(app, self.models.served)
+        app = mw.RequestLog(app, self.models.default.name)
         app = mw.RequestId(app)
         app = mw.Cors(app, guard)
         app = mw.Routing(app, self.routes)
@@ -137,16 +130,51 @@ class App:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.asgi(scope, receive, send)
 
+    @property
+    def engine(self) -> Generator:
+        """The default model's engine."""
+        return self._default().engine
+
+    @property
+    def renderer(self) -> chat.Renderer:
+        return self._default().renderer
+
+    def _default(self) -> ServedModel:
+        served = self.models.default.served
+        assert served is not None, "the default model is loaded at start-up and kept"
+        return served
+
     async def _health(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        models = {entry.name: str(entry.state) for entry in self.models.entries.values()}
+        answer = {"model": self.models.default.name, "models": models}
         if self.drain.draining:
-            await send_json(send, 503, {"status": "draining", "model": self.models.served})
+            await send_json(send, 503, {"status": "draining", **answer})
             return
-        await send_json(send, 200, {"status": "ok", "model": self.models.served})
+        await send_json(send, 200, {"status": "ok", **answer})
+
+    async def _load_or_unload(
+        self, scope: Scope, receive: Receive, send: Send, body: bytes
+    ) -> None:
+        """`POST /v1/models/{name}/load` (answers once it is loaded) and `.../unload` (once its
+        memory is back; a model with running streams is unloaded when they end: 202)."""
+        name, _, action = path_tail(scope, "/v1/models/").rstrip("/").rpartition("/")
+        if action not in ("load", "unload") or not name:
+            raise ApiError(ErrorKind.NOT_FOUND, f"no route for POST {scope['path']}")
+        entry = self.models.listed(name)
+        if action == "load":
+            await self.models.ready(entry)
+        elif entry.busy():
+            entry.keep_alive_s = 0.0  # once idle
+            await send_json(send, 202, {"id": name, **self.models.status(name), "unloading": True})
+            return
+        else:
+            await self.models.unload(entry, "request")
+        await send_json(send, 200, {"id": name, **self.models.status(name)})
 
     def stop_engine(self) -> None:
-        """Stop the engine once (the drain and the lifespan's shutdown both ask)."""
+        """Stop the engines once (the drain and the lifespan's shutdown both ask)."""
         if self._engine_stopped.acquire(blocking=False):
-            self.engine.stop()
+            self.models.stop()
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         body = generate_latest(self.registry)
@@ -199,15 +227,76 @@ class Loading:
             self.app.stop_engine()
 
 
+def configured(config: Config) -> Configured:
+    """The models `config` serves (--model, --models-config, --model-alias)."""
+    base = ModelSpec(
+        name="",
+        source=None,
+        context_length=config.context_length,
+        rope_scaling=config.rope_scaling,
+        tool_format=config.tool_format,
+        reasoning_format=config.reasoning_format,
+        draft_model=config.draft_model,
+    )
+    return read_specs(
+        config.model,
+        config.models_config,
+        base,
+        model_ttl_s=config.model_ttl,
+        aliases=config.model_aliases,
+    )
+
+
 def build_app(config: Config, drain: Drain | None = None) -> App:
+    """The app with its default model (and any pinned ones) loaded."""
     from mlxgate import blas, models
 
     started = time.monotonic()
+    chosen = configured(config)
+    # On a CPU every step uses every core: several models' engines take turns.
+    turns = Turns() if len(chosen.specs) > 1 else None
+    registry = ModelRegistry(
+        chosen.specs,
+        chosen.default,
+        lambda spec: serve_model(spec, config, turns),
+        answers_any_name=chosen.answers_any_name and not config.strict_models,
+        memory_budget=int(config.max_model_memory * 2**30) or default_memory_budget(),
+        estimate=lambda spec: models.stored_bytes(spec.source),
+    )
+    registry.load_pinned()
+    served = registry.default.served
+    assert served is not None
+    import mlx.core as mx
+
+    others = [entry.name for entry in registry.entries.values() if entry.served is None]
+    log.info(
+        "mlxgate ready: model %s (context %s), %sdevice %s, BLAS %s, loaded in %.1fs. "
+        "Point clients at http://%s:%d (ANTHROPIC_BASE_URL, or OPENAI_BASE_URL=.../v1)",
+        served.name,
+        served.context_length,
+        f"also {', '.join(others)} (loaded when named), " if others else "",
+        mx.default_device(),
+        blas.blas_in_use(),
+        time.monotonic() - started,
+        config.host,
+        config.port,
+    )
+    return App(registry, config, drain)
+
+
+def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> ServedModel:
+    """Load `spec`'s model (and its draft model) and start its engine."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlxgate import models
+
+    started = time.monotonic()
     loaded = models.load(
-        config.model,
+        spec.source,
         trust_remote_code=config.trust_remote_code,
-        context_length=config.context_length,
-        rope_scaling=config.rope_scaling,
+        context_length=spec.context_length,
+        rope_scaling=spec.rope_scaling,
         weights=config.weights,
         cpu_kernels=not config.no_cpu_kernels,
     )
@@ -217,16 +306,16 @@ def build_app(config: Config, drain: Drain | None = None) -> App:
     )
     renderer = chat.Renderer(
         tokenizer,
-        tool_format=None if config.tool_format == "auto" else config.tool_format,
-        reasoning_format=None if config.reasoning_format == "auto" else config.reasoning_format,
+        tool_format=None if spec.tool_format == "auto" else spec.tool_format,
+        reasoning_format=None if spec.reasoning_format == "auto" else spec.reasoning_format,
     )
     draft = None
-    if config.draft_model is not None:
+    if spec.draft_model is not None:
         draft = models.load(
-            config.draft_model,
+            spec.draft_model,
             trust_remote_code=config.trust_remote_code,
             context_length=loaded.context_length,
-            rope_scaling=config.rope_scaling,
+            rope_scaling=spec.rope_scaling,
             weights=config.weights,
             cpu_kernels=not config.no_cpu_kernels,
         )
@@ -237,43 +326,48 @@ def build_app(config: Config, drain: Drain | None = None) -> App:
             models.architecture(draft.model),
             models.precision(draft.model),
         )
-    engine = Engine(
-        loaded,
-        Router(vocab),
-        config.engine,
-        end_ids=renderer.eos_ids,
-        draft_model=draft.model if draft else None,
-    )
+    # Its start-up checks run the model: between the other engines' steps.
+    with turns or contextlib.nullcontext():
+        engine = Engine(
+            loaded,
+            Router(vocab),
+            config.engine,
+            end_ids=renderer.eos_ids,
+            draft_model=draft.model if draft else None,
+            turns=turns,
+        )
     layout = engine.layout
+    weights: list[tuple[str, mx.array]] = [
+        named  # type: ignore[misc]
+        for model in (loaded.model, draft.model if draft else None)
+        if model is not None
+        for named in tree_flatten(model.parameters())
+    ]
+    engine.start()
     log.info(
-        "model %s: %s, %s, %s, context %s; the prefix cache reuses %s",
-        loaded.name,
+        "model %s: %s, %s, %s, context %s, tool calls %s, reasoning %s, kernels: %s (%s); the "
+        "prefix cache reuses %s; loaded in %.1fs",
+        spec.name,
         models.architecture(loaded.model),
         layout.describe(),
         models.precision(loaded.model),
         loaded.describe_context(),
-        layout.reuse(),
-    )
-    engine.start()
-    import mlx.core as mx
-
-    log.info(
-        "mlxgate ready: model %s (context %s, %s), tool calls %s, reasoning %s, device %s, "
-        "BLAS %s, kernels: %s, loaded in %.1fs. "
-        "Point clients at http://%s:%d (ANTHROPIC_BASE_URL, or OPENAI_BASE_URL=.../v1)",
-        loaded.name,
-        loaded.describe_context(),
-        loaded.source,
-        _chosen(renderer.format.tool_format.NAME, config.tool_format),
-        _chosen(renderer.format.reasoning.name, config.reasoning_format),
-        mx.default_device(),
-        blas.blas_in_use(),
+        _chosen(renderer.format.tool_format.NAME, spec.tool_format),
+        _chosen(renderer.format.reasoning.name, spec.reasoning_format),
         loaded.kernels,
+        loaded.source,
+        layout.reuse(),
         time.monotonic() - started,
-        config.host,
-        config.port,
     )
-    return App(engine, renderer, loaded.name, config, drain, EngineCollector(engine))
+    return ServedModel(
+        spec.name,
+        engine,
+        renderer,
+        loaded.context_length,
+        weights_bytes=sum(array.nbytes for _, array in weights),
+        cache_bytes=lambda: engine.metrics.kv_bytes + engine.prefix_cache.nbytes,
+        metrics=EngineCollector(engine),
+    )
 
 
 def _chosen(name: str, setting: str) -> str:

@@ -18,11 +18,40 @@ CONFIG_ENV = "MLXGATE_CONFIG"
 class Config:
     host: str = setting("127.0.0.1", "address to bind")
     port: int = setting(8080, "port")
-    model: str | None = setting(
-        None,
-        "a .gguf file (llama architecture), an mlx-lm model directory or a Hugging Face "
-        "org/repo id (downloaded by mlx-lm)",
+    model: tuple[str, ...] = setting(
+        (),
+        "a model to serve: a .gguf file, an mlx-lm model directory, a Hugging Face org/repo id "
+        "(downloaded by mlx-lm) or `embedded`; NAME=SOURCE serves it as NAME (else its file or "
+        "directory name, or the id). Repeatable: each is loaded when a request names it, the "
+        "first at start-up (the default model, kept loaded)",
+        metavar="[NAME=]SOURCE",
         default_text="the embedded SmolLM2-135M-Instruct",
+    )
+    models_config: str | None = setting(
+        None,
+        "a TOML file of models to serve besides --model's, a [models.NAME] table each: source, "
+        "and any of aliases, context_length, rope_scaling, tool_format, reasoning_format, "
+        "draft_model, pinned (loaded at start-up, never unloaded), ttl (seconds), default "
+        "(this one answers requests naming no served model)",
+        metavar="FILE",
+        default_text="none",
+    )
+    max_model_memory: float = setting(
+        0.0,
+        "GB the loaded models may hold together (weights, KV caches and prefix caches, as MLX "
+        "counts them): loading one that does not fit first unloads the least recently used "
+        "idle ones (never a pinned one, never one with running streams); a model larger than "
+        "this alone is refused with a clear error",
+        metavar="GB",
+        default_text="three quarters of the machine's memory",
+    )
+    model_ttl: float = setting(
+        0.0,
+        "seconds a loaded model may sit idle before it is unloaded (not the default model nor a "
+        "pinned one); a request's keep_alive (seconds or a duration such as 5m; negative: "
+        "forever) overrides it for its model",
+        metavar="S",
+        default_text="0: loaded models stay loaded",
     )
     draft_model: str | None = setting(
         None,
@@ -67,16 +96,17 @@ class Config:
     model_aliases: dict[str, str] = setting(  # noqa: RUF009 (a default_factory: see setting)
         {},
         "also answer to NAME: it is listed in /v1/models and found at /v1/models/NAME. MODEL "
-        "must name the served model (its name as /v1/models lists it, or the --model value); "
+        "must name a served model (its name as /v1/models lists it, or its --model value); "
         "anything else stops the server at start-up. Repeatable",
         name="--model-alias",
         metavar="NAME=MODEL",
     )
     strict_models: bool = setting(
         False,
-        "answer only the served model's name and its aliases; a request naming any other "
+        "answer only the served models' names and their aliases; a request naming any other "
         "model gets 404 (not_found_error; OpenAI: model_not_found)",
-        default_text="any model name is answered by the served model",
+        default_text="with one model (or a default in --models-config), any model name is "
+        "answered by it",
     )
     tool_format: str = setting(
         "auto",

@@ -49,9 +49,13 @@ def configure(level: str, form: str) -> None:
 
 
 def request_ended(fields: dict[str, Any], readers: Sequence[Reader]) -> None:
-    """Log one request: `fields` (id, method, route, dialect, model, status, duration_s) and
-    what its streams came to."""
+    """Log one request: `fields` (id, method, route, dialect, model, model_wait_s: the seconds
+    it waited for its model to load or None, status, duration_s) and what its streams came to.
+    The time to the first token counts the wait for the model."""
     status = fields["status"]
+    waited = fields.pop("model_wait_s", None)
+    if waited is not None:
+        fields["model_wait_s"] = round(waited, 4)
     if readers:
         prompt, cached = readers[0].prompt_tokens
         tier = readers[0].cached_from
@@ -62,7 +66,7 @@ def request_ended(fields: dict[str, Any], readers: Sequence[Reader]) -> None:
             "cached_tokens": cached,
             "cached_from": tier or None,
             "output_tokens": sum(r.output_tokens for r in readers),
-            "ttft_s": round(min(ttfts), 4) if ttfts else None,
+            "ttft_s": round(min(ttfts) + (waited or 0.0), 4) if ttfts else None,
             "end": min(ends, key=["error", "drained", "stalled", "cancelled", "finished"].index),
         }
     else:
@@ -72,7 +76,8 @@ def request_ended(fields: dict[str, Any], readers: Sequence[Reader]) -> None:
         text += (
             f": {fields['prompt_tokens']} prompt tokens ({fields['cached_tokens']} cached"
             f"{' from ' + tier if tier else ''}), "
-            f"{fields['output_tokens']} generated, first after {fields['ttft_s']} s,"
+            f"{fields['output_tokens']} generated, first after {fields['ttft_s']} s"
+            + (f" ({fields['model_wait_s']} s loading the model)," if waited is not None else ",")
         )
     text += f" {fields['duration_s']:.3f} s [{fields['id']}]"
     probe = fields["route"] in ("/health", "/metrics")  # polled: only at debug

@@ -81,6 +81,10 @@ class Summarizing:
         return self.request.model
 
     @property
+    def keep_alive(self) -> float | str | None:
+        return self.request.keep_alive
+
+    @property
     def speculative_decoding(self) -> bool:
         return self.request.speculative_decoding
 

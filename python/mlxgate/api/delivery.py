@@ -47,7 +47,7 @@ async def respond(
     if resumable is not None:
         await resumable.stream(scope, send, receive, reader, dialect)
         return
-    await start_event_stream(send)
+    await start_event_stream(send, scope)
 
     async def relay() -> None:
         async for data, _ in frames(reader, dialect):

@@ -26,6 +26,10 @@ ROUTE = "mlxgate.route"  # the request's Route, None when no route has it
 DIALECT = "mlxgate.dialect"  # the Dialect its errors are worded in
 REQUEST_ID = "mlxgate.request_id"
 BODY = "mlxgate.body"  # the whole request body, once read (POST)
+# True once the SSE response's headers are out (errors after it are a stream's last frames).
+EVENT_STREAM = "mlxgate.event_stream"
+MODEL = "mlxgate.model"  # the name of the model answering it, once found
+MODEL_WAIT = "mlxgate.model_wait"  # seconds it waited for its model to load (counted in TTFT)
 READER = "mlxgate.reader"  # the reader of the generation answering it, once admitted
 
 # The last message of a streamed response.
@@ -143,7 +147,13 @@ async def unless_gone(gone: Awaitable[Any], readers: Sequence[Reader], work: Awa
     return task.result() if not task.cancelled() else None
 
 
-async def start_event_stream(send: Send) -> None:
+async def start_event_stream(send: Send, scope: Scope | None = None) -> None:
+    """The SSE response's headers; once per response with its `scope` (a stream that started
+    while its model loaded is not started again)."""
+    if scope is not None:
+        if scope.get(EVENT_STREAM):
+            return
+        scope[EVENT_STREAM] = True
     await send(
         {
             "type": "http.response.start",

@@ -26,6 +26,10 @@ from mlxgate.api.guard import Guard
 from mlxgate.api.http import (
     BODY,
     DIALECT,
+    END,
+    EVENT_STREAM,
+    MODEL,
+    MODEL_WAIT,
     READER,
     REQUEST_ID,
     ROUTE,
@@ -192,7 +196,8 @@ class RequestLog:
                 "method": scope["method"],
                 "route": route.path if route else scope["path"].rstrip("/") or "/",
                 "dialect": repr(scope[DIALECT]).removeprefix("Dialect.").lower(),
-                "model": self.model,
+                "model": scope.get(MODEL, self.model),
+                "model_wait_s": scope.get(MODEL_WAIT),
                 "status": status,
                 "duration_s": round(time.monotonic() - started, 4),
             }
@@ -245,6 +250,11 @@ class Envelopes:
         try:
             await self.app(scope, receive, send)
         except ApiError as exc:
+            if scope.get(EVENT_STREAM):  # (a stream that started while its model loaded)
+                body = exc.body(dialect, stream=True)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+                await send(END)
+                return
             await send_error(send, exc, dialect)
         except BodyTooLarge as exc:
             await send_error(send, ApiError(ErrorKind.REQUEST_TOO_LARGE, str(exc)), dialect)

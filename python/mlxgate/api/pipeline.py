@@ -1,10 +1,13 @@
-"""One request's way through the server, whatever its dialect: parse, check the model, render,
-hold to a grammar, admit, respond. A dialect supplies only what differs: its request model and
-conversion, its stream's parameters (`StreamSpec`) and its admission table."""
+"""One request's way through the server, whatever its dialect: parse, find the model (loading
+it if it must), render, hold to a grammar, admit, respond. A dialect supplies only what differs:
+its request model and conversion, its stream's parameters (`StreamSpec`) and its admission
+table."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -12,23 +15,37 @@ from mlxgate import chat
 from mlxgate._native import Dialect, ErrorKind, Reader, Reply, StreamSpec
 from mlxgate.api.delivery import respond
 from mlxgate.api.errors import ApiError, invalid
-from mlxgate.api.http import READER, Receive, Scope, Send
-from mlxgate.api.models import ModelNames
+from mlxgate.api.http import (
+    MODEL,
+    MODEL_WAIT,
+    READER,
+    Receive,
+    Scope,
+    Send,
+    start_event_stream,
+)
 from mlxgate.config import Config
 from mlxgate.engine import (
     AdmissionError,
     EngineStopped,
     GenerationRequest,
-    Generator,
     Grammar,
     GrammarError,
     PromptTooLong,
     QueueFull,
     SamplingParams,
 )
+from mlxgate.registry import ModelRegistry, ServedModel, keep_alive_seconds
 
 if TYPE_CHECKING:
     from mlxgate.api.resumable import Resumable
+
+# What a streamed response gets while its model loads: an SSE comment, before any event (a
+# comment after one would make the openai SDK's decoder dispatch an empty event).
+PING = b": loading the model\n\n"
+
+# A dialect's StreamSpec for a rendered prompt's reply and the name of the model answering.
+SpecFor = Callable[[Reply, str], StreamSpec]
 
 # How a dialect words each admission error (one table per dialect).
 AdmissionErrors = Mapping[type[AdmissionError], Callable[[Any], ApiError]]
@@ -62,11 +79,9 @@ def prompt_too_long(
 
 @dataclass(frozen=True)
 class Services:
-    """What a dialect is built with: the engine, the model's rendering, names and settings."""
+    """What a dialect is built with: the served models and the settings."""
 
-    engine: Generator
-    renderer: chat.Renderer
-    models: ModelNames
+    models: ModelRegistry
     default_sampling: SamplingParams
     # The server's settings, for the ones only one dialect reads.
     config: Config
@@ -96,11 +111,20 @@ def constraint(prompt: chat.Prompt, reply: Grammar | None) -> Grammar | None:
         raise invalid(f"tools: the forced tool's schema cannot be enforced: {exc}") from None
 
 
-class Asked(Protocol):
-    """What every dialect's generation request says besides its prompt."""
+class Named(Protocol):
+    """What every dialect's request says of its model."""
 
     @property
     def model(self) -> str | None: ...
+    @property
+    def keep_alive(self) -> float | str | None:
+        """How long its model stays loaded once idle (Ollama's keep_alive); None: its TTL."""
+        ...
+
+
+class Asked(Named, Protocol):
+    """What every dialect's generation request says besides its prompt."""
+
     @property
     def stream(self) -> bool: ...
     @property
@@ -125,20 +149,55 @@ class Pipeline:
         self.dialect = dialect
         self.errors = errors
 
+    async def model(self, scope: Scope, send: Send, request: Asked) -> ServedModel:
+        """The model `request` names, loaded: a 404 for a name no model has (unless the default
+        model answers any), and one not loaded is loaded first. A streamed response starts
+        meanwhile and gets an SSE comment every ping interval, so that nothing between the
+        client and the server gives up on it."""
+        if self.services.models.find(request.model).served is not None:
+            served = await self.loaded(request)
+        else:
+            started = time.monotonic()
+            loading = self.loaded(request)
+            served = await (self._pinging(scope, send, loading) if request.stream else loading)
+            scope[MODEL_WAIT] = time.monotonic() - started
+        scope[MODEL] = served.name  # for the request log
+        return served
+
+    async def loaded(self, request: Named) -> ServedModel:
+        """The model `request` names, loaded (this waits while it loads)."""
+        registry = self.services.models
+        keep_alive = keep_alive_seconds(request.keep_alive)
+        return await registry.ready(registry.find(request.model), keep_alive)
+
+    async def _pinging(
+        self, scope: Scope, send: Send, ready: Awaitable[ServedModel]
+    ) -> ServedModel:
+        loading = asyncio.ensure_future(ready)
+        try:
+            await start_event_stream(send, scope)
+            interval = self.services.config.engine.ping_interval_s
+            while not (await asyncio.wait([loading], timeout=interval))[0]:
+                await send({"type": "http.response.body", "body": PING, "more_body": True})
+            return loading.result()
+        finally:
+            loading.cancel()  # (the load itself goes on: `ready` shields it)
+
     async def answer(
         self,
         scope: Scope,
         receive: Receive,
         send: Send,
+        served: ServedModel,
         request: Asked,
         prompt: chat.Conversation | str,
-        spec: Callable[[Reply], StreamSpec],
+        spec: SpecFor,
         *,
         choices: int = 1,
     ) -> Reader:
-        """Generate the answer to `request` and respond with it (see `admit`). Returns the
-        reader (the response has been sent when this returns)."""
-        reader = self.admit(request, prompt, spec, choices=choices)
+        """Generate the answer to `request` with `served` and respond with it (see `admit`).
+        Returns the reader (the response has been sent when this returns)."""
+        reader = self.admit(served, request, prompt, spec, choices=choices)
         scope[READER] = reader  # for the request log
         await respond(
             scope,
@@ -153,22 +212,22 @@ class Pipeline:
 
     def admit(
         self,
+        served: ServedModel,
         request: Asked,
         prompt: chat.Conversation | str,
-        spec: Callable[[Reply], StreamSpec],
+        spec: SpecFor,
         *,
         choices: int = 1,
     ) -> Reader:
-        """Start generating the answer to `request`: `prompt` rendered (a conversation through
-        the chat template, text as it is), `spec` made from the prompt's `Reply`. Returns its
-        reader at once."""
+        """Start generating the answer to `request` with `served`: `prompt` rendered (a
+        conversation through the chat template, text as it is), `spec` made from the prompt's
+        `Reply`. Returns its reader at once."""
         services = self.services
-        services.models.check(request.model)
         grammar = request.grammar()
-        rendered = self.render(prompt)
+        rendered = self.render(served, prompt)
         generation = GenerationRequest(
             rendered.ids,
-            spec(rendered.reply),
+            spec(rendered.reply, served.name),
             max_tokens=output_limit(services, request.output_tokens()),
             sampling=request.sampling(services.default_sampling),
             grammar=constraint(rendered, grammar),
@@ -176,12 +235,12 @@ class Pipeline:
             choices=choices,
         )
         try:
-            return services.engine.admit(generation)
+            return served.engine.admit(generation)
         except AdmissionError as exc:
             raise self.errors[type(exc)](exc) from None
 
-    def render(self, prompt: chat.Conversation | str) -> chat.Prompt:
-        renderer = self.services.renderer
+    def render(self, served: ServedModel, prompt: chat.Conversation | str) -> chat.Prompt:
+        renderer = served.renderer
         if isinstance(prompt, str):
             rendered = renderer.plain(prompt)
             if len(rendered.ids) < 2:  # the engine decodes from the last token after the rest

@@ -80,7 +80,7 @@ class Resumable:
 
         producer = asyncio.ensure_future(run())
         try:
-            await log.follow(send, receive, 0)
+            await log.follow(send, receive, 0, scope=scope)
             await producer
         finally:
             if not producer.done():  # this handler itself was cancelled (the server stops)
@@ -173,14 +173,22 @@ class EventLog:
                 return chunk.seq
         return self._next_seq
 
-    async def follow(self, send: Send, receive: Receive, seq: int, skip_to: int = 0) -> None:
+    async def follow(
+        self,
+        send: Send,
+        receive: Receive,
+        seq: int,
+        skip_to: int = 0,
+        scope: Scope | None = None,
+    ) -> None:
         """Answer with the chunks from `seq` on (the first from the event with id `skip_to`),
         then each as it comes, until the stream ends, the client leaves or another connection
-        takes the stream over. A connection that leaves starts the window."""
+        takes the stream over. A connection that leaves starts the window. `scope`: the
+        request that started the stream (its headers may be out already)."""
         token = self._attach(seq)
         left = asyncio.ensure_future(wait_disconnect(receive))
         try:
-            await start_event_stream(send)
+            await start_event_stream(send, scope)
             while self._follower is token and not left.done():
                 fresh = self._since(seq)
                 if fresh:

@@ -84,6 +84,10 @@ class Generator(Protocol):
 
     def start(self) -> None: ...
 
+    def busy(self) -> bool:
+        """Whether it holds streams (generating, or waiting to be read)."""
+        ...
+
     def stop(self) -> None:
         """Stop generating; open streams end with an error."""
         ...

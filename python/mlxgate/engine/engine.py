@@ -17,12 +17,14 @@ next turn starts with them. The KV caches the engine holds stay within a memory 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import threading
 import time
 from collections import deque
+from contextlib import AbstractContextManager
 from typing import Any
 
 import mlx.core as mx
@@ -82,11 +84,15 @@ class Engine:
         settings: EngineSettings | None = None,
         end_ids: list[int] | None = None,
         draft_model: nn.Module | None = None,
+        turns: AbstractContextManager[Any] | None = None,
     ) -> None:
         """`end_ids`: the tokens that end a reply (the tokenizer's end-of-sequence ids unless
         given): where a grammar lets a constrained reply end. `draft_model`: a smaller model
-        with the same tokenizer that guesses tokens ahead (else prompt lookup guesses)."""
+        with the same tokenizer that guesses tokens ahead (else prompt lookup guesses).
+        `turns`: held for each step, where several engines share the machine (one computes
+        at a time)."""
         self.loaded = loaded
+        self._turns = turns or contextlib.nullcontext()
         self.model = loaded.model
         self.router = router
         self.settings = settings or EngineSettings()
@@ -211,6 +217,9 @@ class Engine:
             self._wakeup.notify()
         return reader
 
+    def busy(self) -> bool:
+        return len(self.router) > 0
+
     def _kv_memory(self) -> KVMemory:
         """What a sequence's caches cost (measured on a one-token prefill), and the budget."""
         caches = self._adapter.make_cache()
@@ -252,7 +261,8 @@ class Engine:
             self._take_incoming()
             worked = self._has_work()
             try:
-                self._step()
+                with self._turns:
+                    self._step()
             except Exception as exc:
                 log.exception("engine step failed; failing the affected streams")
                 self._fail_all(f"generation failed: {exc}")

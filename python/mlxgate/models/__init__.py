@@ -98,6 +98,24 @@ def _load_directory(
     return model, ChatTokenizer.from_pretrained_dir(path), served
 
 
+def stored_bytes(spec: str | None) -> int:
+    """What the weights of the model `--model` names take where they are stored (a GGUF file,
+    a directory's safetensors, a downloaded repository's), before it is loaded: what loading it
+    will hold, about. 0 where that is not known without downloading."""
+    path = default_model_path() if spec is None else Path(spec).expanduser()
+    if spec is not None and not path.exists() and spec.count("/") == 1:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            path = Path(snapshot_download(spec, local_files_only=True))
+        except LocalEntryNotFoundError:
+            return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else 0
+
+
 def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 

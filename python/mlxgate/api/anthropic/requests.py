@@ -94,6 +94,9 @@ class ContextManagement(_Lenient):
 
 class CountTokensRequest(_Lenient):
     model: str
+    # How long the model stays loaded once idle (Ollama's keep_alive): seconds, or a duration
+    # such as "5m"; negative: until something else unloads it.
+    keep_alive: float | str | None = None
     messages: list[InputMessage]
     system: str | list[SystemBlock] | None = None
     tools: list[ToolSpec] | None = None

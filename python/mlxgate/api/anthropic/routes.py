@@ -25,6 +25,7 @@ from mlxgate.api.pipeline import (
 from mlxgate.api.requests import parse
 from mlxgate.api.routing import Route, path_tail
 from mlxgate.engine import PromptTooLong
+from mlxgate.registry import ServedModel
 
 ANTHROPIC = Dialect.ANTHROPIC
 
@@ -57,7 +58,8 @@ class AnthropicAPI:
 
     async def messages(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(MessagesRequest, body)
-        managed = self.managed(request)
+        served = await self.pipeline.model(scope, send, request)
+        managed = self.managed(served, request)
         prompt = managed.conversation
         compacting = managed.compaction is not None and managed.compaction.pause
         summary: str | None = None
@@ -65,16 +67,16 @@ class AnthropicAPI:
             asked = managed.compaction
             prompt = compaction.asking(prompt, asked.instructions, replace=asked.replace)
             if not managed.compaction.pause:
-                summary = await self.summarize(request, receive, send, prompt)
+                summary = await self.summarize(served, request, receive, send, prompt)
                 if summary is None:
                     return  # answered already: the client left, or the summary failed
                 prompt = compaction.resumed(managed.conversation, summary)
         applied = orjson.dumps(managed.applied).decode() if managed.applied else None
         search = Toolset.of(request.tools or []).search
 
-        def spec(reply: Reply) -> StreamSpec:
+        def spec(reply: Reply, model: str) -> StreamSpec:
             return StreamSpec.anthropic(
-                model=self.services.models.served,
+                model=model,
                 message_id=f"msg_{uuid.uuid4().hex[:24]}",
                 stream=request.stream,
                 compaction=compacting,
@@ -85,34 +87,39 @@ class AnthropicAPI:
                 tool_search=search.stream_params() if search else None,
             )
 
-        await self.pipeline.answer(scope, receive, send, request, prompt, spec)
+        await self.pipeline.answer(scope, receive, send, served, request, prompt, spec)
 
-    def managed(self, request: CountTokensRequest) -> context.Managed:
+    def managed(self, served: ServedModel, request: CountTokensRequest) -> context.Managed:
         """The request's conversation after its context-management edits."""
         edits = request.context_management.edits if request.context_management else []
 
         def count(conversation: chat.Conversation) -> int:
-            return len(self.pipeline.render(conversation).ids)
+            return len(self.pipeline.render(served, conversation).ids)
 
         return context.manage(conversation(request), edits, request.compaction, count)
 
     async def summarize(
-        self, request: MessagesRequest, receive: Receive, send: Send, prompt: chat.Conversation
+        self,
+        served: ServedModel,
+        request: MessagesRequest,
+        receive: Receive,
+        send: Send,
+        prompt: chat.Conversation,
     ) -> str | None:
         """The model's summary of the conversation (`prompt` asks for it), generated before the
         answer (a compaction that does not pause); None if the client left meanwhile or the
         generation failed (its error is the answer)."""
 
-        def spec(reply: Reply) -> StreamSpec:
+        def spec(reply: Reply, model: str) -> StreamSpec:
             return StreamSpec.anthropic(
-                model=self.services.models.served,
+                model=model,
                 message_id=f"msg_{uuid.uuid4().hex[:24]}",
                 stream=False,
                 compaction=True,
                 reply=reply,
             )
 
-        reader = self.pipeline.admit(compaction.Summarizing(request), prompt, spec)
+        reader = self.pipeline.admit(served, compaction.Summarizing(request), prompt, spec)
         body = await collect(receive, reader)
         if body is None:
             return None
@@ -123,14 +130,15 @@ class AnthropicAPI:
 
     async def count_tokens(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(CountTokensRequest, body)
-        self.services.models.check(request.model)
-        prompt = self.pipeline.render(self.managed(request).conversation)
+        served = await self.pipeline.loaded(request)
+        prompt = self.pipeline.render(served, self.managed(served, request).conversation)
         await send_json(send, 200, {"input_tokens": len(prompt.ids)})
 
     def _entry(self, name: str) -> dict[str, Any]:
         created = time.gmtime(self.services.models.created)
         created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", created)
-        return {"type": "model", "id": name, "display_name": name, "created_at": created_at}
+        entry = {"type": "model", "id": name, "display_name": name, "created_at": created_at}
+        return entry | self.services.models.status(name)
 
     async def list_models(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         names = self.services.models.names
@@ -144,4 +152,5 @@ class AnthropicAPI:
 
     async def retrieve_model(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         model_id = path_tail(scope, "/v1/models/")
-        await send_json(send, 200, self._entry(self.services.models.listed(model_id)))
+        self.services.models.listed(model_id)
+        await send_json(send, 200, self._entry(model_id))

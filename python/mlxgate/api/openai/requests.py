@@ -102,6 +102,9 @@ class ResponseFormat(_Lenient):
 
 class _Sampling(_Lenient):
     model: str | None = None  # the served model when absent, as llama-server and vLLM answer
+    # How long the model stays loaded once idle (Ollama's keep_alive): seconds, or a duration
+    # such as "5m"; negative: until something else unloads it.
+    keep_alive: float | str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

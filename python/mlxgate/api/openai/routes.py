@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any, Literal
 
 from mlxgate._native import Dialect, ErrorKind, Reply, StreamSpec
@@ -16,6 +15,7 @@ from mlxgate.api.pipeline import (
     AdmissionErrors,
     Pipeline,
     Services,
+    SpecFor,
     prompt_too_long,
 )
 from mlxgate.api.requests import parse
@@ -49,7 +49,10 @@ class OpenAIAPI:
         request = parse(ChatCompletionRequest, body)
         prompt = conversation(request)
         spec = self._spec(request, "chat", custom_tools=list(prompt.custom_tools))
-        await self.pipeline.answer(scope, receive, send, request, prompt, spec, choices=request.n)
+        served = await self.pipeline.model(scope, send, request)
+        await self.pipeline.answer(
+            scope, receive, send, served, request, prompt, spec, choices=request.n
+        )
 
     async def completions(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(CompletionRequest, body)
@@ -59,8 +62,9 @@ class OpenAIAPI:
                 ErrorKind.INVALID_REQUEST, "prompt: exactly one prompt is supported", param="prompt"
             )
         spec = self._spec(request, "completion")
+        served = await self.pipeline.model(scope, send, request)
         await self.pipeline.answer(
-            scope, receive, send, request, prompts[0], spec, choices=request.n
+            scope, receive, send, served, request, prompts[0], spec, choices=request.n
         )
 
     def _spec(
@@ -68,15 +72,15 @@ class OpenAIAPI:
         request: ChatCompletionRequest | CompletionRequest,
         kind: Literal["chat", "completion"],
         custom_tools: list[str] | None = None,
-    ) -> Callable[[Reply], StreamSpec]:
+    ) -> SpecFor:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         completion_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
-        def spec(reply: Reply) -> StreamSpec:
+        def spec(reply: Reply, model: str) -> StreamSpec:
             return StreamSpec.openai(
-                model=self.services.models.served,
+                model=model,
                 completion_id=completion_id,
                 created=created,
                 stream=request.stream,
@@ -91,7 +95,8 @@ class OpenAIAPI:
 
     def _entry(self, name: str) -> dict[str, Any]:
         created = self.services.models.created
-        return {"id": name, "object": "model", "created": created, "owned_by": "mlxgate"}
+        entry = {"id": name, "object": "model", "created": created, "owned_by": "mlxgate"}
+        return entry | self.services.models.status(name)
 
     async def list_models(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         entries = [self._entry(name) for name in self.services.models.names]
@@ -99,4 +104,5 @@ class OpenAIAPI:
 
     async def retrieve_model(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         model_id = path_tail(scope, "/v1/models/")
-        await send_json(send, 200, self._entry(self.services.models.listed(model_id)))
+        self.services.models.listed(model_id)
+        await send_json(send, 200, self._entry(model_id))

@@ -64,6 +64,9 @@ class TextSettings(_Lenient):
 
 class ResponsesRequest(_Lenient):
     model: str | None = None  # the served model when absent
+    # How long the model stays loaded once idle (Ollama's keep_alive): seconds, or a duration
+    # such as "5m"; negative: until something else unloads it.
+    keep_alive: float | str | None = None
     input: str | list[Item]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None

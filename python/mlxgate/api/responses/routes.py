@@ -41,7 +41,7 @@ class Prepared:
 
     response_id: str
     conversation: chat.Conversation
-    spec: Callable[[Reply | None], StreamSpec]
+    spec: Callable[[Reply | None, str], StreamSpec]
 
 
 class ResponsesAPI:
@@ -61,8 +61,9 @@ class ResponsesAPI:
     async def create(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(ResponsesRequest, body)
         prepared = self.prepare(request, self.history(request.previous_response_id))
+        served = await self.pipeline.model(scope, send, request)
         reader = await self.pipeline.answer(
-            scope, receive, send, request, prepared.conversation, prepared.spec
+            scope, receive, send, served, request, prepared.conversation, prepared.spec
         )
         self.keep(request, prepared.response_id, reader.result)
 
@@ -84,9 +85,9 @@ class ResponsesAPI:
         )
         echo = orjson.dumps(request.echo(given.served)).decode() if kept is None else "{}"
 
-        def spec(reply: Reply | None) -> StreamSpec:
+        def spec(reply: Reply | None, model: str) -> StreamSpec:
             return StreamSpec.responses(
-                model=self.services.models.served,
+                model=model,
                 response_id=response_id,
                 created_at=int(time.time()),
                 echo=echo,
@@ -128,8 +129,9 @@ class ResponsesAPI:
         ]
         request.input = [*request.items, Item(type="compaction_trigger")]
         prepared = self.prepare(request, history, kept=orjson.dumps(kept).decode())
+        served = await self.pipeline.model(scope, send, request)
         await self.pipeline.answer(
-            scope, receive, send, request, prepared.conversation, prepared.spec
+            scope, receive, send, served, request, prepared.conversation, prepared.spec
         )
 
     def _response_id(self, scope: Scope) -> str:

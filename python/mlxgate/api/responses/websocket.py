@@ -121,6 +121,7 @@ class Connection:
         self.gone = asyncio.Event()
         self.overrun = False
         self.last: Answered | None = None
+        self.model = server.api.services.models.default.name  # the last message's, for the log
 
     async def serve(self) -> None:
         listening = asyncio.ensure_future(self.listen())
@@ -177,7 +178,7 @@ class Connection:
             "method": "WS",
             "route": ROUTE,
             "dialect": "responses",
-            "model": self.api.services.models.served,
+            "model": self.model,
             "status": status,
             "duration_s": round(time.monotonic() - started, 4),
         }
@@ -191,9 +192,10 @@ class Connection:
         guard.take_token(self.client)
         history = self.history(request.previous_response_id)
         prepared = self.api.prepare(request, history)
+        served = await self.api.pipeline.loaded(request)
+        self.model = served.name
         if not generate:
-            self.api.services.models.check(request.model)
-            frames, response = prepared.spec(None).empty_response()
+            frames, response = prepared.spec(None, served.name).empty_response()
             await self.send_events(frames)
             self.remember(request, history, prepared.response_id, response)
             return None
@@ -201,7 +203,7 @@ class Connection:
         if drain.draining:
             raise shutting_down(drain)
         with guard.slot(self.client), drain.running():
-            reader = self.api.pipeline.admit(request, prepared.conversation, prepared.spec)
+            reader = self.api.pipeline.admit(served, request, prepared.conversation, prepared.spec)
             await unless_gone(self.gone.wait(), [reader], self.relay(reader))
         self.remember(request, history, prepared.response_id, reader.result)
         return reader
