@@ -84,7 +84,9 @@ def test_a_request_is_answered_by_the_model_it_names_loaded_when_named(
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == SCRIPT
     assert states(two_models) == {DEFAULT_MODEL: "loaded", "scripted": "loaded"}
     assert "s loading the model)" in two_models.log()  # the request log counts the wait
-    # Interleaved and at once: each gets its own model's answer, the embedded one's as alone.
+    # Interleaved and at once, the scripted model loading while the embedded one generates:
+    # each gets its own model's answer, the embedded one's as alone.
+    httpx.post(f"{two_models.url}/v1/models/scripted/unload").raise_for_status()
     names = [DEFAULT_MODEL, "scripted"] * 3
     with ThreadPoolExecutor(len(names)) as pool:
         answers = list(pool.map(lambda name: ask(two_models, name), names))
