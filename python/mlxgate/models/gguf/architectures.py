@@ -1,0 +1,162 @@
+"""What each GGUF architecture is in mlx-lm: its config.json from the file's metadata, its
+tensors under mlx-lm's names, and the changes llama.cpp's converter made undone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# GGUF block tensor -> mlx-lm parameter (then per architecture, what differs).
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    block: dict[str, str] = field(default_factory=dict)  # beyond _BLOCK
+    # The config's keys beyond the common ones, from the metadata reader `hp`.
+    extra: Callable[[Callable[..., Any], dict[str, Any]], dict[str, Any]] = lambda hp, c: {}
+    # llama.cpp's converter adds 1 to Gemma's norm weights (its RMSNorm multiplies by w, Gemma's
+    # by 1 + w, as mlx-lm's does): taken off again.
+    norm_shift: float = 0.0
+    # Interleaved rotary pairs: llama.cpp's converter permutes llama's q/k rows for them.
+    rope_traditional: bool = False
+
+    def parameter(self, gguf_name: str) -> str:
+        parts = gguf_name.split(".")
+        if parts[0] == "blk":
+            layer, base, suffix = parts[1], parts[2], parts[3]
+            name = self.block.get(base) or _BLOCK.get(base)
+            if name is None:
+                raise ValueError(f"GGUF tensor {gguf_name!r} is not known for {self.model_type}")
+            return f"model.layers.{layer}.{name}.{suffix}"
+        base, suffix = parts[0], parts[1]
+        if base not in _GLOBAL:
+            raise ValueError(f"GGUF tensor {gguf_name!r} is not known for {self.model_type}")
+        return f"{_GLOBAL[base]}.{suffix}"
+
+
+def _gemma3(hp: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp's constants for Gemma 3 where the file has none: every 6th layer global, the
+    # sliding ones at rope base 10,000, queries scaled by the head size (hidden / heads for 27B).
+    pattern = hp("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # per layer: sliding or not
+        pattern = pattern.index(False) + 1 if False in pattern else len(pattern) + 1
+    head_dim = config["head_dim"]
+    if hp("@size_label") == "27B":
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "sliding_window": hp("attention.sliding_window", 512),
+        "sliding_window_pattern": int(pattern),
+        "rope_local_base_freq": hp("rope.freq_base_swa", 10000.0),
+        "query_pre_attn_scalar": head_dim,
+    }
+
+
+def _phi3(hp: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
+    rotary = hp("rope.dimension_count", config["head_dim"])
+    return {
+        "partial_rotary_factor": rotary / config["head_dim"],
+        "original_max_position_embeddings": int(
+            hp("rope.scaling.original_context_length") or config["max_position_embeddings"]
+        ),
+    }
+
+
+ARCHITECTURES = {
+    "llama": Architecture("llama", rope_traditional=True),
+    "qwen2": Architecture("qwen2"),
+    "qwen3": Architecture("qwen3"),
+    "gemma3": Architecture(
+        "gemma3_text",
+        block={
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_attention_norm": "post_attention_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },
+        extra=_gemma3,
+        norm_shift=1.0,
+    ),
+    "phi3": Architecture(
+        "phi3",
+        block={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+        extra=_phi3,
+    ),
+}
+
+
+def config(
+    path: Path, meta: dict[str, Any], arch: Architecture, weights: dict[str, Any]
+) -> dict[str, Any]:
+    """The config.json of the model in `path`, from its metadata."""
+    prefix = meta["general.architecture"]
+
+    def hp(key: str, default: Any = None) -> Any:
+        if key.startswith("@"):
+            return meta.get(f"general.{key[1:]}", default)
+        return meta.get(f"{prefix}.{key}", default)
+
+    heads = hp("attention.head_count")
+    hidden = hp("embedding_length")
+    common: dict[str, Any] = {
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": hp("block_count"),
+        "intermediate_size": hp("feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": hp("attention.head_count_kv", heads),
+        "head_dim": hp("attention.key_length", hidden // heads),
+        "rms_norm_eps": hp("attention.layer_norm_rms_epsilon", 1e-5),
+        # The embedding's rows (a vocabulary may list more tokens than the model has rows).
+        "vocab_size": int(weights["model.embed_tokens.weight"].shape[0]),
+        "rope_theta": hp("rope.freq_base", 10000.0),
+        "rope_traditional": arch.rope_traditional,
+        "tie_word_embeddings": "lm_head.weight" not in weights,
+        "max_position_embeddings": int(hp("context_length", 2048)),
+    }
+    common.update(arch.extra(hp, common))
+    if scaling := _their_rope_scaling(path, hp):
+        common["rope_scaling"] = scaling
+    if any(name.endswith(".scales") for name in weights):
+        # The default; mlx-lm reads each tensor's own bits and group from its shapes.
+        common["quantization"] = {"group_size": 32, "bits": 4}
+    return common
+
+
+def _their_rope_scaling(path: Path, hp: Callable[..., Any]) -> dict[str, Any] | None:
+    """The rope scaling a GGUF file declares (llama.cpp's `rope.scaling.*` keys)."""
+    kind = hp("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"{path.name}: rope scaling {kind!r} is not supported (linear, yarn)")
+    original = hp("rope.scaling.original_context_length") or hp("context_length")
+    return {
+        "type": kind,
+        "factor": float(hp("rope.scaling.factor")),
+        "original_max_position_embeddings": int(original),
+    }
+
+
+def unshift(arch: Architecture, name: str, values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A norm weight as mlx-lm's architecture applies it."""
+    if arch.norm_shift and name.endswith("norm.weight"):
+        return values - np.float32(arch.norm_shift)
+    return values
