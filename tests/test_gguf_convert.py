@@ -5,6 +5,7 @@ names, permutes and offsets their tensors)."""
 
 from __future__ import annotations
 
+import math
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ def blocks(kind: Q, rows: int, columns: int, rng: np.random.Generator) -> np.nda
         return quantize(values, kind)
     block_size, type_size = GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, size=(rows * columns // block_size, type_size), dtype=np.uint8)
-    scales = (rng.uniform(1e-4, 2e-3, size=(len(raw), 2)) * rng.choice([-1, 1], (len(raw), 2)))
+    scales = rng.uniform(1e-4, 2e-3, size=(len(raw), 2)) * rng.choice([-1, 1], (len(raw), 2))
     scales[rng.random(len(raw)) < 0.05] = 0
     at = slice(type_size - 2, type_size) if kind == Q.Q6_K else slice(0, 4)
     raw[:, at] = scales.astype(np.float16)[:, : 1 if kind == Q.Q6_K else 2].view(np.uint8)
@@ -198,9 +199,18 @@ GEMMA3_NAMES = {
 }
 PHI3_NAMES = {**LLAMA_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 # GGUF architecture -> (mlx-lm model type, its config beyond tiny_models', tensor names).
 FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
     "llama": ("llama", {}, LLAMA_NAMES),
+    # Llama 3.1-3.3: the rope scaling stored as per-frequency factors (rope_freqs).
+    "llama-llama3": ("llama", {"rope_theta": 500000.0, "rope_scaling": LLAMA3}, LLAMA_NAMES),
     # Mistral and Ministral (MistralForCausalLM) are llama to llama.cpp's converter.
     "llama-mistral": ("mistral", {}, LLAMA_NAMES),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}, LLAMA_NAMES),
@@ -211,6 +221,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
         GEMMA3_NAMES,
     ),
     "phi3": ("phi3", {"partial_rotary_factor": 0.5}, PHI3_NAMES),
+    # Phi-3.5 / Phi-4 mini: LongRoPE, its factors stored as tensors.
+    "phi3-longrope": (
+        "phi3",
+        {
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rope_scaling": {
+                "type": "longrope",
+                "long_factor": [1.0, 1.5, 3.0, 7.0],
+                "short_factor": [1.0, 1.1, 1.2, 1.5],
+            },
+            "partial_rotary_factor": 0.5,
+        },
+        PHI3_NAMES,
+    ),
 }
 
 
@@ -221,6 +246,26 @@ def llama_permute(weights: np.ndarray[Any, Any], heads: int) -> np.ndarray[Any, 
         .swapaxes(1, 2)
         .reshape(weights.shape)
     )
+
+
+def llama3_rope_factors(cfg: dict[str, Any]) -> np.ndarray[Any, Any]:
+    """llama.cpp's `LlamaModel.generate_extra_tensors`, as written there."""
+    scaling, dim = cfg["rope_scaling"], cfg["head_dim"]
+    freqs = 1.0 / (cfg["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / low, old / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, np.float32)
 
 
 def write_as_llama_cpp(model: Any, cfg: dict[str, Any], arch: str, path: Path) -> None:
@@ -238,6 +283,14 @@ def write_as_llama_cpp(model: Any, cfg: dict[str, Any], arch: str, path: Path) -
         writer.add_sliding_window_pattern([(i + 1) % pattern != 0 for i in layers])
     if arch == "phi3":
         writer.add_rope_dimension_count(int(cfg["head_dim"] * cfg["partial_rotary_factor"]))
+    scaling = cfg.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
+    if scaling.get("type") == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        for kind in ("long", "short"):
+            factors = np.array(scaling[f"{kind}_factor"], np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     parameters: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     for name, array in parameters:
         values = np.array(array.astype(mx.float32))
@@ -282,7 +335,8 @@ def test_each_architecture_loads_as_the_model_it_was_written_from(
 
     loaded = models.load(str(path), cpu_kernels=False)
     assert loaded.model.model_type == family
-    tokens = mx.array([[2, 71, 5, 200, 33, 9, 140, 17, 64, 250, 3, 99]])
+    # Long enough for the slower rope pairs to turn.
+    tokens = mx.array(np.random.default_rng(0).integers(0, cfg["vocab_size"], (1, 256)))
     want = np.array(original(tokens))
     got = np.array(loaded.model(tokens))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
@@ -296,5 +350,5 @@ def test_another_architecture_is_refused(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'mamba' is not supported .llama, qwen2, qwen3, gemma3"):
+    with pytest.raises(ValueError, match=r"'mamba' is not supported \(llama, qwen2, qwen3, gemma3"):
         gguf.convert(path, tmp_path)

@@ -2,9 +2,9 @@
 
 The directory is what mlx-lm loads: `config.json` from the file's metadata (architectures.py),
 the tensors under mlx-lm's names (tensors.py: blocks as MLX's affine quantization where that is
-exact, else float32), and the tokenizer transformers builds from the file's metadata (`tokenizer.json`, its config and chat
-template). It is keyed by the file's path, size and modification time (and the transformers
-version), so a changed file is converted again.
+exact, else float32), and the tokenizer transformers builds from the file's metadata
+(`tokenizer.json`, its config and chat template). It is keyed by the file's path, size and
+modification time (and the transformers version), so a changed file is converted again.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ log = logging.getLogger("mlxgate")
 
 # Part of the cache key: a change to what convert() writes converts every file again.
 CONVERSION_VERSION = 2
+
 
 def cache_dir() -> Path:
     """Where mlxgate keeps what it makes once: `$MLXGATE_CACHE`, else `$XDG_CACHE_HOME/mlxgate`,
@@ -72,7 +73,7 @@ def convert(path: Path, out: Path) -> None:
     from gguf import GGUFReader
 
     from mlxgate.models.gguf import tensors
-    from mlxgate.models.gguf.architectures import ARCHITECTURES, config, unshift
+    from mlxgate.models.gguf.architectures import ARCHITECTURES, ROPE_TENSORS, config, unshift
 
     reader = GGUFReader(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
@@ -82,7 +83,11 @@ def convert(path: Path, out: Path) -> None:
         known = ", ".join(ARCHITECTURES)
         raise ValueError(f"{path.name}: GGUF architecture {name!r} is not supported ({known})")
     weights: dict[str, mx.array] = {}
+    ropes = {}  # llama.cpp's per-frequency rope factors: a scaling in mlx-lm's config
     for tensor in reader.tensors:
+        if tensor.name.startswith(ROPE_TENSORS):
+            ropes[tensor.name] = tensors.values(tensor.tensor_type, tensor.data).reshape(-1)
+            continue
         parameter = arch.parameter(tensor.name)
         arrays = tensors.read(tensor.tensor_type, tensor.data)
         if "scales" not in arrays:
@@ -93,7 +98,7 @@ def convert(path: Path, out: Path) -> None:
             weights[parameter] = mx.array(arrays["weight"])
         else:
             weights.update({f"{stem}.{key}": mx.array(array) for key, array in arrays.items()})
-    settings = config(path, meta, arch, weights)
+    settings = config(path, meta, arch, weights, ropes)
     write_tokenizer(meta, out)
     (out / "config.json").write_text(json.dumps(settings, indent=2))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})

@@ -102,10 +102,17 @@ ARCHITECTURES = {
 }
 
 
+ROPE_TENSORS = ("rope_freqs.", "rope_factors_long.", "rope_factors_short.")
+
+
 def config(
-    path: Path, meta: dict[str, Any], arch: Architecture, weights: dict[str, Any]
+    path: Path,
+    meta: dict[str, Any],
+    arch: Architecture,
+    weights: dict[str, Any],
+    ropes: dict[str, np.ndarray[Any, Any]],
 ) -> dict[str, Any]:
-    """The config.json of the model in `path`, from its metadata."""
+    """The config.json of the model in `path`, from its metadata (and its rope factors)."""
     prefix = meta["general.architecture"]
 
     def hp(key: str, default: Any = None) -> Any:
@@ -134,6 +141,21 @@ def config(
     common.update(arch.extra(hp, common))
     if scaling := _their_rope_scaling(path, hp):
         common["rope_scaling"] = scaling
+    if "rope_freqs.weight" in ropes:
+        dims = hp("rope.dimension_count", common["head_dim"])
+        found = _llama3_scaling(ropes["rope_freqs.weight"], common["rope_theta"], dims)
+        if found is None:
+            raise ValueError(
+                f"{path.name}: its rope frequency factors (rope_freqs) are not Llama 3's scaling"
+            )
+        if found["factor"] != 1.0:
+            common["rope_scaling"] = found
+    if "rope_factors_long.weight" in ropes:
+        common["rope_scaling"] = {
+            "type": "longrope",
+            "long_factor": ropes["rope_factors_long.weight"].tolist(),
+            "short_factor": ropes["rope_factors_short.weight"].tolist(),
+        }
     if any(name.endswith(".scales") for name in weights):
         # The default; mlx-lm reads each tensor's own bits and group from its shapes.
         common["quantization"] = {"group_size": 32, "bits": 4}
@@ -153,6 +175,29 @@ def _their_rope_scaling(path: Path, hp: Callable[..., Any]) -> dict[str, Any] | 
         "factor": float(hp("rope.scaling.factor")),
         "original_max_position_embeddings": int(original),
     }
+
+
+def _llama3_scaling(factors: np.ndarray[Any, Any], base: float, dims: int) -> dict[str, Any] | None:
+    """The Llama 3 rope scaling whose per-frequency factors llama.cpp's converter stored as
+    `rope_freqs` (LlamaModel.generate_extra_tensors), among the settings Llama 3.1-3.3 ship."""
+    factor = float(factors.max())
+    for low, high, original in ((1.0, 4.0, 8192),):
+        wavelengths = 2 * np.pi * base ** (np.arange(0, dims, 2) / dims)
+        smooth = (original / wavelengths - low) / (high - low)
+        want = np.where(
+            wavelengths < original / high,
+            1.0,
+            np.where(wavelengths > original / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+        )
+        if want.shape == factors.shape and np.allclose(want, factors, rtol=1e-5):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": original,
+            }
+    return None
 
 
 def unshift(arch: Architecture, name: str, values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

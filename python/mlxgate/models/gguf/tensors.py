@@ -73,4 +73,3 @@ def _affine(kind: Q, data: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], 
     shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
     packed = np.bitwise_or.reduce(words << shifts, axis=-1)
     return packed, scale, bias
-
