@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader, GGUFWriter, RopeScalingType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten, tree_unflatten
@@ -206,6 +206,17 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,  # (the temperature grows every 64 positions)
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
 # GGUF architecture -> (mlx-lm model type, its config beyond tiny_models', tensor names).
 FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
     "llama": ("llama", {}, LLAMA_NAMES),
@@ -213,6 +224,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
     "llama-llama3": ("llama", {"rope_theta": 500000.0, "rope_scaling": LLAMA3}, LLAMA_NAMES),
     # Mistral and Ministral (MistralForCausalLM) are llama to llama.cpp's converter.
     "llama-mistral": ("mistral", {}, LLAMA_NAMES),
+    # Ministral 3: llama's tensors (permuted), YaRN and Llama 4's attention temperature.
+    "mistral3": (
+        "ministral3",
+        {"rope_parameters": MINISTRAL3_ROPE, "layer_types": None},
+        LLAMA_NAMES,
+    ),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}, LLAMA_NAMES),
     "qwen3": ("qwen3", {}, LLAMA_NAMES),
     "gemma3": (
@@ -283,6 +300,15 @@ def write_as_llama_cpp(model: Any, cfg: dict[str, Any], arch: str, path: Path) -
         writer.add_sliding_window_pattern([(i + 1) % pattern != 0 for i in layers])
     if arch == "phi3":
         writer.add_rope_dimension_count(int(cfg["head_dim"] * cfg["partial_rotary_factor"]))
+    if arch == "mistral3":  # Mistral3Model.Ministral3Model.set_gguf_parameters
+        rope = cfg["rope_parameters"]
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     scaling = cfg.get("rope_scaling") or {}
     if scaling.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
@@ -298,7 +324,7 @@ def write_as_llama_cpp(model: Any, cfg: dict[str, Any], arch: str, path: Path) -
         if stem.startswith("model.layers."):
             _, _, layer, rest = stem.split(".", 3)
             base = reverse[rest]
-            if arch == "llama" and base in ("attn_q", "attn_k"):
+            if arch in ("llama", "mistral3") and base in ("attn_q", "attn_k"):
                 heads = cfg["num_attention_heads" if base == "attn_q" else "num_key_value_heads"]
                 values = llama_permute(values, heads)
             gguf_name = f"blk.{layer}.{base}.{suffix}"
@@ -322,6 +348,8 @@ def test_each_architecture_loads_as_the_model_it_was_written_from(
     model_type, extra, _ = FAMILIES[arch]
     family = "llama" if model_type == "mistral" else model_type
     cfg = {**tiny_config(family), **extra, "model_type": model_type}
+    if family == "ministral3":
+        cfg.pop("sliding_window")
     model_class, args_class = _get_classes(cfg)
     mx.random.seed(7)
     original = model_class(args_class.from_dict(cfg))

@@ -73,7 +73,13 @@ def convert(path: Path, out: Path) -> None:
     from gguf import GGUFReader
 
     from mlxgate.models.gguf import tensors
-    from mlxgate.models.gguf.architectures import ARCHITECTURES, ROPE_TENSORS, config, unshift
+    from mlxgate.models.gguf.architectures import (
+        ARCHITECTURES,
+        ROPE_TENSORS,
+        config,
+        unpermute,
+        unshift,
+    )
 
     reader = GGUFReader(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
@@ -94,6 +100,7 @@ def convert(path: Path, out: Path) -> None:
             arrays["weight"] = unshift(arch, parameter, arrays["weight"])
         stem = parameter.removesuffix(".weight").removesuffix(".bias")
         suffix = parameter[len(stem) + 1 :]
+        arrays = {key: unpermute(arch, stem, rows, meta) for key, rows in arrays.items()}
         if suffix == "bias":
             weights[parameter] = mx.array(arrays["weight"])
         else:

@@ -38,6 +38,8 @@ class Architecture:
     norm_shift: float = 0.0
     # Interleaved rotary pairs: llama.cpp's converter permutes llama's q/k rows for them.
     rope_traditional: bool = False
+    # The same permutation undone, for an mlx-lm model whose rope is always half-split.
+    unpermute: bool = False
 
     def parameter(self, gguf_name: str) -> str:
         parts = gguf_name.split(".")
@@ -80,6 +82,28 @@ def _phi3(hp: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _mistral3(hp: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
+    # Ministral 3: YaRN and Llama 4's attention temperature, as mlx-lm's `rope_parameters`.
+    # llama.cpp keeps one YaRN log multiplier (the config's mscale_all_dim; Ministral 3 ships
+    # mscale = mscale_all_dim = 1).
+    log_multiplier = hp("rope.scaling.yarn_log_multiplier", 1.0)
+    return {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": config["rope_theta"],
+            "factor": float(hp("rope.scaling.factor", 1.0)),
+            "original_max_position_embeddings": int(
+                hp("rope.scaling.original_context_length") or config["max_position_embeddings"]
+            ),
+            "beta_fast": hp("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": hp("rope.scaling.yarn_beta_slow", 1.0),
+            "mscale": log_multiplier,
+            "mscale_all_dim": log_multiplier,
+            "llama_4_scaling_beta": hp("attention.temperature_scale", 0.0),
+        },
+    }
+
+
 ARCHITECTURES = {
     "llama": Architecture("llama", rope_traditional=True),
     "qwen2": Architecture("qwen2"),
@@ -94,6 +118,7 @@ ARCHITECTURES = {
         extra=_gemma3,
         norm_shift=1.0,
     ),
+    "mistral3": Architecture("ministral3", extra=_mistral3, unpermute=True),
     "phi3": Architecture(
         "phi3",
         block={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
@@ -138,9 +163,10 @@ def config(
         "tie_word_embeddings": "lm_head.weight" not in weights,
         "max_position_embeddings": int(hp("context_length", 2048)),
     }
-    common.update(arch.extra(hp, common))
-    if scaling := _their_rope_scaling(path, hp):
+    extra = arch.extra(hp, common)
+    if "rope_parameters" not in extra and (scaling := _their_rope_scaling(path, hp)):
         common["rope_scaling"] = scaling
+    common.update(extra)
     if "rope_freqs.weight" in ropes:
         dims = hp("rope.dimension_count", common["head_dim"])
         found = _llama3_scaling(ropes["rope_freqs.weight"], common["rope_theta"], dims)
@@ -205,3 +231,18 @@ def unshift(arch: Architecture, name: str, values: np.ndarray[Any, Any]) -> np.n
     if arch.norm_shift and name.endswith("norm.weight"):
         return values - np.float32(arch.norm_shift)
     return values
+
+
+def unpermute(
+    arch: Architecture, name: str, rows: np.ndarray[Any, Any], meta: dict[str, Any]
+) -> np.ndarray[Any, Any]:
+    """q/k rows (of a weight, or of its scales and biases) in the order they had before
+    llama.cpp's `LlamaModel.permute`: per head, the halves of the rotary pairs apart again."""
+    if not arch.unpermute or not name.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+        return rows
+    prefix = meta["general.architecture"]
+    heads = meta[f"{prefix}.attention.head_count"]
+    if name.endswith("k_proj"):
+        heads = meta.get(f"{prefix}.attention.head_count_kv", heads)
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
