@@ -95,7 +95,8 @@ def convert(path: Path, out: Path) -> None:
             ropes[tensor.name] = tensors.values(tensor.tensor_type, tensor.data).reshape(-1)
             continue
         parameter = arch.parameter(tensor.name)
-        arrays = tensors.read(tensor.tensor_type, tensor.data)
+        lookup = parameter.startswith("model.embed_tokens.")
+        arrays = tensors.read(tensor.tensor_type, tensor.data, lookup)
         if "scales" not in arrays:
             arrays["weight"] = unshift(arch, parameter, arrays["weight"])
         stem = parameter.removesuffix(".weight").removesuffix(".bias")

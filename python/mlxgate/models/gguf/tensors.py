@@ -19,18 +19,29 @@ AFFINE_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 8, Q.Q5_1: 8, Q.Q5_K: 8,
 _ROWS = 8192
 
 
-def read(kind: Q, data: np.ndarray[Any, Any]) -> dict[str, np.ndarray[Any, Any]]:
+def read(
+    kind: Q, data: np.ndarray[Any, Any], lookup: bool = False
+) -> dict[str, np.ndarray[Any, Any]]:
     """The arrays of one tensor: `weight` and, when quantized, `scales` and `biases`.
 
-    `data` is the tensor as `GGUFReader` holds it (rows of blocks for a block type)."""
+    `data` is the tensor as `GGUFReader` holds it (rows of blocks for a block type). Scales and
+    biases are float16 where that holds them exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: llama.cpp's
+    own float16 d and m), else float32 (Q4_K and Q5_K's d * sc needs up to 17 bits); always
+    float32 for an embedding (`lookup`), whose rows MLX returns in the scales' dtype."""
     if kind in AFFINE_BITS and data.ndim == 2:
         parts = [_affine(kind, data[row : row + _ROWS]) for row in range(0, len(data), _ROWS)]
         if all(part is not None for part in parts):
-            return {
-                name: np.concatenate([part[i] for part in parts if part is not None])
-                for i, name in enumerate(("weight", "scales", "biases"))
-            }
+            weight, scales, biases = (
+                np.concatenate([part[i] for part in parts if part is not None]) for i in range(3)
+            )
+            if not lookup and _half_exact(scales) and _half_exact(biases):
+                scales, biases = scales.astype(np.float16), biases.astype(np.float16)
+            return {"weight": weight, "scales": scales, "biases": biases}
     return {"weight": values(kind, data)}
+
+
+def _half_exact(array: np.ndarray[Any, Any]) -> bool:
+    return bool(np.array_equal(array.astype(np.float16).astype(np.float32), array))
 
 
 def values(kind: Q, data: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
