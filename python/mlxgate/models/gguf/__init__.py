@@ -22,7 +22,7 @@ from typing import Any
 log = logging.getLogger("mlxgate")
 
 # Part of the cache key: a change to what convert() writes converts every file again.
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3
 
 
 def cache_dir() -> Path:
