@@ -99,13 +99,11 @@ def convert(path: Path, out: Path) -> None:
         arrays = tensors.read(tensor.tensor_type, tensor.data, lookup)
         if "scales" not in arrays:
             arrays["weight"] = unshift(arch, parameter, arrays["weight"])
-        stem = parameter.removesuffix(".weight").removesuffix(".bias")
-        suffix = parameter[len(stem) + 1 :]
-        arrays = {key: unpermute(arch, stem, rows, meta) for key, rows in arrays.items()}
-        if suffix == "bias":
-            weights[parameter] = mx.array(arrays["weight"])
-        else:
-            weights.update({f"{stem}.{key}": mx.array(array) for key, array in arrays.items()})
+        stem = parameter.rsplit(".", 1)[0]
+        for key, array in arrays.items():
+            # (a bias is read as a "weight": only a weight has scales and biases)
+            name = parameter if key == "weight" else f"{stem}.{key}"
+            weights[name] = mx.array(unpermute(arch, stem, array, meta))
     settings = config(path, meta, arch, weights, ropes)
     write_tokenizer(meta, out)
     (out / "config.json").write_text(json.dumps(settings, indent=2))

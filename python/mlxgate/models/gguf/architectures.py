@@ -61,6 +61,8 @@ def _gemma3(hp: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
     pattern = hp("attention.sliding_window_pattern", 6)
     if isinstance(pattern, list):  # per layer: sliding or not
         pattern = pattern.index(False) + 1 if False in pattern else len(pattern) + 1
+    if hp("attention.sliding_window") is None:  # written only for a model that slides
+        pattern = 1
     head_dim = config["head_dim"]
     if hp("@size_label") == "27B":
         head_dim = config["hidden_size"] // config["num_attention_heads"]
