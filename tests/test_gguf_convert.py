@@ -215,6 +215,7 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+GEMMA3 = {"tie_word_embeddings": True, "query_pre_attn_scalar": 16, "rope_local_base_freq": 10000.0}
 MINISTRAL3_ROPE = {
     "rope_type": "yarn",
     "rope_theta": 10000.0,
@@ -241,11 +242,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
     ),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}, LLAMA_NAMES),
     "qwen3": ("qwen3", {}, LLAMA_NAMES),
+    # As Gemma 3 ships: every 6th layer global, which llama.cpp's converter does not write.
     "gemma3": (
         "gemma3_text",
-        {"tie_word_embeddings": True, "query_pre_attn_scalar": 16, "rope_local_base_freq": 10000.0},
+        {**GEMMA3, "num_hidden_layers": 6, "sliding_window_pattern": 6},
         GEMMA3_NAMES,
     ),
+    # A file that states its layers' pattern (`attention.sliding_window_pattern`, per layer).
+    "gemma3-swa-pattern": ("gemma3_text", GEMMA3, GEMMA3_NAMES),
     "phi3": ("phi3", {"partial_rotary_factor": 0.5}, PHI3_NAMES),
     # Phi-3.5 / Phi-4 mini: LongRoPE, its factors stored as tensors.
     "phi3-longrope": (
@@ -302,13 +306,13 @@ def write_as_llama_cpp(model: Any, cfg: dict[str, Any], arch: str, path: Path) -
     write_hparams(writer, cfg)
     write_tokenizer(writer)
     if arch == "gemma3":
-        # Every other layer sliding, as tiny_models builds it: per layer, as llama.cpp writes it.
-        pattern = cfg["sliding_window_pattern"]
-        layers = range(cfg["num_hidden_layers"])
         writer.add_sliding_window(cfg["sliding_window"])
-        writer.add_sliding_window_pattern([(i + 1) % pattern != 0 for i in layers])
-    if arch == "phi3":
+        if (pattern := cfg["sliding_window_pattern"]) != 6:  # per layer: sliding or not
+            layers = range(cfg["num_hidden_layers"])
+            writer.add_sliding_window_pattern([(i + 1) % pattern != 0 for i in layers])
+    if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters
         writer.add_rope_dimension_count(int(cfg["head_dim"] * cfg["partial_rotary_factor"]))
+        writer.add_sliding_window(0)
     if arch == "mistral3":  # Mistral3Model.Ministral3Model.set_gguf_parameters
         rope = cfg["rope_parameters"]
         writer.add_rope_scaling_type(RopeScalingType.YARN)
@@ -321,8 +325,11 @@ def write_as_llama_cpp(model: Any, cfg: dict[str, Any], arch: str, path: Path) -
     scaling = cfg.get("rope_scaling") or {}
     if scaling.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
-    if scaling.get("type") == "longrope":
-        writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+    if scaling.get("type") == "longrope":  # Phi3MiniModel.generate_extra_tensors
+        original = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
         for kind in ("long", "short"):
             factors = np.array(scaling[f"{kind}_factor"], np.float32)
             writer.add_tensor(f"rope_factors_{kind}.weight", factors)
