@@ -57,14 +57,15 @@ class Architecture:
 
 def _gemma3(hp: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
     # llama.cpp's constants for Gemma 3 where the file has none: every 6th layer global, the
-    # sliding ones at rope base 10,000, queries scaled by the head size (hidden / heads for 27B).
+    # sliding ones at rope base 10,000, queries scaled by the head size (hidden / heads for 27B,
+    # which llama.cpp knows by its 62 layers).
     pattern = hp("attention.sliding_window_pattern", 6)
     if isinstance(pattern, list):  # per layer: sliding or not
         pattern = pattern.index(False) + 1 if False in pattern else len(pattern) + 1
     if hp("attention.sliding_window") is None:  # written only for a model that slides
         pattern = 1
     head_dim = config["head_dim"]
-    if hp("@size_label") == "27B":
+    if config["num_hidden_layers"] == 62:
         head_dim = config["hidden_size"] // config["num_attention_heads"]
     return {
         "sliding_window": hp("attention.sliding_window", 512),
@@ -143,8 +144,6 @@ def config(
     prefix = meta["general.architecture"]
 
     def hp(key: str, default: Any = None) -> Any:
-        if key.startswith("@"):
-            return meta.get(f"general.{key[1:]}", default)
         return meta.get(f"{prefix}.{key}", default)
 
     heads = hp("attention.head_count")
