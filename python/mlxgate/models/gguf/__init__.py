@@ -1,10 +1,10 @@
-"""Converts a llama-family GGUF file, once, into an mlx-lm model directory in the cache.
+"""Converts a GGUF file, once, into an mlx-lm model directory in the cache.
 
-The directory is what mlx-lm loads: `config.json`, the GGUF's tensors as MLX reads them (its
-4- and 8-bit blocks as MLX's affine quantization, groups of 32) under mlx-lm's names, and the
-tokenizer transformers builds from the file's metadata (`tokenizer.json`, its config and chat
-template). It is keyed by the file's path, size and modification time (and the transformers
-version), so a changed file is converted again.
+The directory is what mlx-lm loads: `config.json` from the file's metadata (architectures.py),
+the tensors under mlx-lm's names (tensors.py: blocks as MLX's affine quantization where that is
+exact, else float32), and the tokenizer transformers builds from the file's metadata
+(`tokenizer.json`, its config and chat template). It is keyed by the file's path, size and
+modification time (and the transformers version), so a changed file is converted again.
 """
 
 from __future__ import annotations
@@ -22,25 +22,7 @@ from typing import Any
 log = logging.getLogger("mlxgate")
 
 # Part of the cache key: a change to what convert() writes converts every file again.
-CONVERSION_VERSION = 1
-
-# GGUF tensor name -> mlx-lm llama parameter name (per block, then global).
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
+CONVERSION_VERSION = 3
 
 
 def cache_dir() -> Path:
@@ -86,72 +68,46 @@ def read_metadata(path: Path) -> dict[str, Any]:
 
 
 def convert(path: Path, out: Path) -> None:
-    """Write the mlx-lm model directory of the llama-architecture GGUF file `path` into `out`."""
+    """Write the mlx-lm model directory of the GGUF file `path` into `out`."""
     import mlx.core as mx
+    from gguf import GGUFReader
 
-    meta = read_metadata(path)
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported (llama only)")
-    tensors: dict[str, mx.array] = mx.load(str(path))  # type: ignore[assignment]
-    weights = {_parameter_name(name): tensor for name, tensor in tensors.items()}
-    config = _config(path, meta, weights)
+    from mlxgate.models.gguf import tensors
+    from mlxgate.models.gguf.architectures import (
+        ARCHITECTURES,
+        ROPE_TENSORS,
+        config,
+        unpermute,
+        unshift,
+    )
+
+    reader = GGUFReader(path)
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    name = meta.get("general.architecture")
+    arch = ARCHITECTURES.get(name)  # type: ignore[arg-type]
+    if arch is None:
+        known = ", ".join(ARCHITECTURES)
+        raise ValueError(f"{path.name}: GGUF architecture {name!r} is not supported ({known})")
+    weights: dict[str, mx.array] = {}
+    ropes = {}  # llama.cpp's per-frequency rope factors: a scaling in mlx-lm's config
+    for tensor in reader.tensors:
+        if tensor.name.startswith(ROPE_TENSORS):
+            ropes[tensor.name] = tensors.values(tensor.tensor_type, tensor.data).reshape(-1)
+            continue
+        parameter = arch.parameter(tensor.name)
+        lookup = parameter.startswith("model.embed_tokens.")
+        arrays = tensors.read(tensor.tensor_type, tensor.data, lookup)
+        if "scales" not in arrays:
+            arrays["weight"] = unshift(arch, parameter, arrays["weight"])
+        stem = parameter.rsplit(".", 1)[0]
+        for key, array in arrays.items():
+            # (a bias is read as a "weight": only a weight has scales and biases)
+            name = parameter if key == "weight" else f"{stem}.{key}"
+            weights[name] = mx.array(unpermute(arch, stem, array, meta))
+    settings = config(path, meta, arch, weights, ropes)
     write_tokenizer(meta, out)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "config.json").write_text(json.dumps(settings, indent=2))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-
-
-def _config(path: Path, meta: dict[str, Any], weights: dict[str, Any]) -> dict[str, Any]:
-    def hp(key: str, default: Any = None) -> Any:
-        return meta.get(f"llama.{key}", default)
-
-    heads = hp("attention.head_count")
-    config: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hp("embedding_length"),
-        "num_hidden_layers": hp("block_count"),
-        "intermediate_size": hp("feed_forward_length"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": hp("attention.head_count_kv", heads),
-        "rms_norm_eps": hp("attention.layer_norm_rms_epsilon", 1e-5),
-        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
-        "rope_theta": hp("rope.freq_base", 10000.0),
-        # llama.cpp's converter permutes q/k rows for interleaved (GPT-J style) rotary.
-        "rope_traditional": True,
-        "tie_word_embeddings": "lm_head.weight" not in weights,
-        "max_position_embeddings": int(hp("context_length", 2048)),
-    }
-    if scaling := _their_rope_scaling(path, hp):
-        config["rope_scaling"] = scaling
-    if any(name.endswith(".scales") for name in weights):
-        # The default; mlx-lm reads each tensor's own bits from its shapes.
-        config["quantization"] = {"group_size": 32, "bits": 4}
-    return config
-
-
-def _parameter_name(gguf_name: str) -> str:
-    parts = gguf_name.split(".")
-    if parts[0] == "blk":
-        layer, base, suffix = parts[1], parts[2], parts[3]
-        return f"model.layers.{layer}.{_BLOCK_NAMES[base]}.{suffix}"
-    base, suffix = parts[0], parts[1]
-    return f"{_GLOBAL_NAMES[base]}.{suffix}"
-
-
-def _their_rope_scaling(path: Path, hp: Any) -> dict[str, Any] | None:
-    """The rope scaling a GGUF file declares (llama.cpp's `rope.scaling.*` keys)."""
-    kind = hp("rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    if kind not in ("linear", "yarn"):
-        raise ValueError(f"{path.name}: rope scaling {kind!r} is not supported (linear, yarn)")
-    original = hp("rope.scaling.original_context_length") or hp("context_length")
-    return {
-        "type": kind,
-        "factor": float(hp("rope.scaling.factor")),
-        "original_max_position_embeddings": int(original),
-    }
 
 
 def write_tokenizer(meta: dict[str, Any], out: Path) -> None:
