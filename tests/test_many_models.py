@@ -21,7 +21,7 @@ import pytest
 from agents import run_claude_code
 from conftest import RunningServer, metric, start_server, stop_server
 from forced import answer, forced_model_dir
-from mlxgate.models import DEFAULT_MODEL, embedded
+from mlxgate.models import DEFAULT_MODEL, stored_bytes
 from mlxgate.registry import ModelSpec, keep_alive_seconds, read_specs
 
 SCRIPT = "I am the scripted model."
@@ -173,7 +173,7 @@ def budgeted(
         '[models.c]\nsource = "embedded"\naliases = ["c-too"]\n'
         f'[models.huge]\nsource = "{huge}"\n'
     )
-    budget_gb = 2.6 * embedded.path().stat().st_size / 2**30
+    budget_gb = 2.6 * stored_bytes(None) / 2**30
     args = ["--models-config", str(config), "--max-model-memory", f"{budget_gb:.3f}"]
     running = start_server(tmp, *args, "--trust-remote-code")
     yield running
@@ -250,7 +250,7 @@ def test_an_idle_model_is_unloaded_after_its_ttl_and_its_memory_freed(tmp_path: 
             == 200
         )
         weights = metric(running, "mlxgate_model_memory_bytes", auth, model="copy")
-        assert weights > 0.8 * embedded.path().stat().st_size
+        assert weights > 0.8 * stored_bytes(None)
         assert metric(running, "mlxgate_mlx_active_bytes", auth) >= before + weights * 0.9
         wait_for(lambda: states(running, auth)["copy"] == "unloaded", timeout_s=20)
         assert states(running, auth)[DEFAULT_MODEL] == "loaded"  # the default stays

@@ -99,10 +99,15 @@ def _load_directory(
 
 
 def stored_bytes(spec: str | None) -> int:
-    """What the weights of the model `--model` names take where they are stored (a GGUF file,
-    a directory's safetensors, a downloaded repository's), before it is loaded: what loading it
-    will hold, about. 0 where that is not known without downloading."""
+    """What the weights of the model `--model` names take where they are stored (a directory's
+    safetensors, a downloaded repository's, a GGUF file's once converted: converting it if it
+    was not), before it is loaded: about what loading it will hold. 0 where that is not known
+    without downloading."""
     path = default_model_path() if spec is None else Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        from mlxgate.models.gguf import converted
+
+        path = converted(path)  # (its K-quants may take more once converted than in the file)
     if spec is not None and not path.exists() and spec.count("/") == 1:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
