@@ -23,31 +23,29 @@ import httpx
 from report import publish
 
 from mlxgate.bench.load import Load, run
-from mlxgate.bench.records import Record
 from mlxgate.bench.spawn import Server, free_port, mlxgate_command, stop_all
 from mlxgate.models import DEFAULT_MODEL
 
 BENCHES = Path(__file__).resolve().parent
 
 
-def tokens_per_s(records: list[Record], seconds: float) -> float:
-    return sum(r.output_tokens or 0 for r in records) / seconds
-
-
 async def closed_loop(
     url: str, models: list[str], clients: int, requests: int, tokens: int
 ) -> tuple[dict[str, float], float]:
-    """`clients` clients per model at once; each model's output tokens a second, and the wall
-    time."""
+    """`clients` clients per model at once; each model's output tokens a second until its last
+    request ended, and the wall time of the whole."""
     loads = [Load(url, "openai", requests, clients, tokens, model=model) for model in models]
-    started = time.perf_counter()
+    started = time.monotonic()
     results = await asyncio.gather(*(run(load) for load in loads))
-    wall = time.perf_counter() - started
-    for records in results:
+    wall = time.monotonic() - started
+    rates = {}
+    for model, records in zip(models, results, strict=True):
         failed = [r.error for r in records if r.error]
         if failed:
             raise RuntimeError(f"requests failed: {failed[:3]}")
-    return {m: tokens_per_s(r, wall) for m, r in zip(models, results, strict=True)}, wall
+        ended = max(r.ended_at for r in records) - started
+        rates[model] = sum(r.output_tokens or 0 for r in records) / ended
+    return rates, wall
 
 
 def first_token(url: str, model: str) -> float:
@@ -84,6 +82,7 @@ def main() -> None:
             runs = []
             for name, models in (
                 ("embedded alone", [DEFAULT_MODEL]),
+                ("second alone", ["second"]),
                 ("both at once", [DEFAULT_MODEL, "second"]),
                 ("embedded alone, again", [DEFAULT_MODEL]),
             ):
@@ -95,7 +94,10 @@ def main() -> None:
             server.stop()
     finally:
         stop_all()
-    alone = statistics.mean(rates[DEFAULT_MODEL] for name, rates, _ in runs if "alone" in name)
+    alone = {
+        model: statistics.mean(r[model] for _, r, _ in runs if len(r) == 1 and model in r)
+        for model in (DEFAULT_MODEL, "second")
+    }
     lines = [
         f"# Two models in one server ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
@@ -116,16 +118,18 @@ def main() -> None:
         f"## Throughput: {args.clients} clients per model, {args.requests} requests each, "
         f"{args.max_tokens} tokens",
         "",
-        "| run | embedded tok/s | second tok/s | together | embedded x alone (mean) | wall |",
+        "Each model's rate: its output tokens over the time until its own last request ended; "
+        "x alone: against its runs alone (mean).",
+        "",
+        "| run | embedded tok/s | x alone | second tok/s | x alone | wall |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, rates, wall in runs:
-        second = rates.get("second")
-        lines.append(
-            f"| {name} | {rates[DEFAULT_MODEL]:.1f} | "
-            f"{f'{second:.1f}' if second is not None else '-'} | {sum(rates.values()):.1f} | "
-            f"{rates[DEFAULT_MODEL] / alone:.2f} | {wall:.1f} s |"
-        )
+        cells = [
+            f"{rates[m]:.1f} | {rates[m] / alone[m]:.2f}" if m in rates else "- | -"
+            for m in (DEFAULT_MODEL, "second")
+        ]
+        lines.append(f"| {name} | {' | '.join(cells)} | {wall:.1f} s |")
     publish(lines, args.out, "many-models")
 
 

@@ -7,6 +7,7 @@ and /metrics per model; and the real Claude Code CLI pointed at the second model
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,7 @@ from agents import run_claude_code
 from conftest import RunningServer, metric, start_server, stop_server
 from forced import answer, forced_model_dir
 from mlxgate.models import DEFAULT_MODEL, stored_bytes
-from mlxgate.registry import ModelSpec, keep_alive_seconds, read_specs
+from mlxgate.registry import ModelSpec, Turns, keep_alive_seconds, read_specs
 
 SCRIPT = "I am the scripted model."
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -310,3 +311,32 @@ def test_keep_alive_takes_seconds_and_durations() -> None:
     for bad in ("soon", "5", "5 m", ""):
         with pytest.raises(ApiError):
             keep_alive_seconds(bad)
+
+
+def test_engines_take_equal_shares_of_the_time_not_of_the_steps() -> None:
+    """A model whose steps take 4x as long as another's still gets half the time, not 4/5 of it
+    (taking turns step by step), and one that was idle is not owed the time it did not use."""
+    turns = Turns()
+    computed = {"fast": 0.0, "slow": 0.0}
+    stop = threading.Event()
+
+    def engine(name: str, step_s: float) -> None:
+        while not stop.is_set():
+            with turns.turn(name):
+                time.sleep(step_s)  # (a step: the turn is held for its length)
+                computed[name] += step_s
+
+    fast = threading.Thread(target=engine, args=("fast", 0.004))
+    fast.start()
+    time.sleep(0.5)  # the fast one alone for a while
+    before = dict(computed)
+    slow = threading.Thread(target=engine, args=("slow", 0.016))
+    slow.start()
+    time.sleep(1.0)
+    stop.set()
+    fast.join()
+    slow.join()
+    fast_share = (computed["fast"] - before["fast"]) / (
+        computed["fast"] - before["fast"] + computed["slow"]
+    )
+    assert 0.35 < fast_share < 0.65, computed

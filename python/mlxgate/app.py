@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -326,15 +327,15 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
             models.architecture(draft.model),
             models.precision(draft.model),
         )
-    # Its start-up checks run the model: between the other engines' steps.
-    with turns or contextlib.nullcontext():
+    turn = functools.partial(turns.turn, spec.name) if turns else contextlib.nullcontext
+    with turn():  # its start-up checks run the model: between the other engines' steps
         engine = Engine(
             loaded,
             Router(vocab),
             config.engine,
             end_ids=renderer.eos_ids,
             draft_model=draft.model if draft else None,
-            turns=turns,
+            turn=turn,
         )
     layout = engine.layout
     weights: list[tuple[str, mx.array]] = [

@@ -10,6 +10,7 @@ anything can unload it; loading runs on a thread of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import gc
 import logging
@@ -266,25 +267,36 @@ class ModelEntry:
 
 
 class Turns:
-    """Engines' steps one at a time, in the order they asked (a ticket lock: a fast engine does
-    not starve a slow one, as a plain lock may)."""
+    """Engines' steps one at a time, each engine getting an equal share of the time: of those
+    waiting, the one that has computed least goes next (a slow model's long steps do not hold
+    a fast one to its pace, as taking turns step by step would). An engine that was idle starts
+    level with the least of the others, not owed the time it did not use."""
 
     def __init__(self) -> None:
-        self._turn = threading.Condition()
-        self._next = 0
-        self._serving = 0
+        self._changed = threading.Condition()
+        self._computing = False
+        self._used: dict[str, float] = {}  # seconds each engine has computed
+        self._waiting: dict[str, float] = {}  # the engines waiting, by their seconds
+        self._level = 0.0  # the least computed by an engine that was waiting or computing
 
-    def __enter__(self) -> None:
-        with self._turn:
-            ticket = self._next
-            self._next += 1
-            while ticket != self._serving:
-                self._turn.wait()
-
-    def __exit__(self, *exc: object) -> None:
-        with self._turn:
-            self._serving += 1
-            self._turn.notify_all()
+    @contextlib.contextmanager
+    def turn(self, engine: str) -> Iterator[None]:
+        with self._changed:
+            used = self._waiting[engine] = max(self._used.get(engine, 0.0), self._level)
+            self._used[engine] = used
+            while self._computing or min(self._waiting, key=self._waiting.__getitem__) != engine:
+                self._changed.wait()
+            del self._waiting[engine]
+            self._computing = True
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._used[engine] += time.perf_counter() - started
+                self._level = min([*self._waiting.values(), self._used[engine]])
+                self._computing = False
+                self._changed.notify_all()
 
 
 class ModelRegistry:

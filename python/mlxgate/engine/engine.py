@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -84,15 +85,15 @@ class Engine:
         settings: EngineSettings | None = None,
         end_ids: list[int] | None = None,
         draft_model: nn.Module | None = None,
-        turns: AbstractContextManager[Any] | None = None,
+        turn: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         """`end_ids`: the tokens that end a reply (the tokenizer's end-of-sequence ids unless
         given): where a grammar lets a constrained reply end. `draft_model`: a smaller model
         with the same tokenizer that guesses tokens ahead (else prompt lookup guesses).
-        `turns`: held for each step, where several engines share the machine (one computes
+        `turn`: entered for each step, where several engines share the machine (one computes
         at a time)."""
         self.loaded = loaded
-        self._turns = turns or contextlib.nullcontext()
+        self._turn = turn
         self.model = loaded.model
         self.router = router
         self.settings = settings or EngineSettings()
@@ -261,7 +262,7 @@ class Engine:
             self._take_incoming()
             worked = self._has_work()
             try:
-                with self._turns:
+                with self._turn():
                     self._step()
             except Exception as exc:
                 log.exception("engine step failed; failing the affected streams")
