@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
+from record_llama_greedy import greedy
 
 FIXTURE = (
     Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "llama_cpp" / "gemma3_greedy.json"
@@ -34,20 +34,6 @@ PROMPTS = [
     "In 1969, the first humans",
 ]
 TOKENS = 64
-
-
-def greedy(url: str, prompt_ids: list[int]) -> list[int]:
-    body = {
-        "prompt": prompt_ids,
-        "n_predict": TOKENS,
-        "temperature": 0,
-        "top_k": 1,
-        "cache_prompt": False,
-        "return_tokens": True,
-    }
-    reply = httpx.post(f"{url}/completion", json=body, timeout=300)
-    reply.raise_for_status()
-    return [int(t) for t in reply.json()["tokens"]]
 
 
 def main() -> None:
@@ -74,7 +60,7 @@ def main() -> None:
     server = spawn.Server("llama-server-gemma3", command, port, work / "llama-server.log")
     server.start()
     try:
-        answers = [greedy(server.url, ids) for ids in prompts]
+        answers = [greedy(server.url, ids, TOKENS) for ids in prompts]
     finally:
         server.stop()
     shown = ["llama-server", *command[1:]]

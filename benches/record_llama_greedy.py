@@ -38,10 +38,11 @@ QUESTIONS = [
 TOKENS = 32
 
 
-def greedy(url: str, prompt_ids: list[int]) -> list[int]:
+def greedy(url: str, prompt_ids: list[int], tokens: int = TOKENS) -> list[int]:
+    """llama-server's first `tokens` greedy tokens after `prompt_ids`."""
     body = {
         "prompt": prompt_ids,
-        "n_predict": TOKENS,
+        "n_predict": tokens,
         "temperature": 0,
         "top_k": 1,
         "cache_prompt": False,

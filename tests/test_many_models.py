@@ -206,13 +206,16 @@ def test_a_model_with_running_streams_is_not_unloaded_under_them(budgeted: Runni
     long = [{"role": "user", "content": f"Repeat these words: {words}"}]
     body = {"model": "c", "messages": long, "max_tokens": 2000, "stream": True}
     with httpx.stream("POST", f"{budgeted.url}/v1/chat/completions", json=body, timeout=60) as held:
-        next(held.iter_raw())  # admitted (its first chunk); the rest stays unread
+        chunks = held.iter_raw()  # (held: a dropped iterator closes the response)
+        next(chunks)  # admitted (its first chunk); the rest stays unread
         client = openai.OpenAI(base_url=f"{budgeted.url}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as caught:  # 503: retry later
             client.chat.completions.create(model="b", messages=QUESTION, max_tokens=4)
         assert caught.value.status_code == 503
         assert "are busy or pinned: retry later" in str(caught.value)
         assert states(budgeted)["c"] == "loaded"
+        assert metric(budgeted, "mlxgate_engine_open_streams", model="c") == 1
+        del chunks
     wait_for(lambda: metric(budgeted, "mlxgate_engine_open_streams", model="c") == 0)
     ask(budgeted, "b")  # now c is idle: it goes
     assert states(budgeted)["c"] == "unloaded" and states(budgeted)["a"] == "loaded"
