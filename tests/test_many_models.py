@@ -124,8 +124,13 @@ def test_the_endpoints_and_keep_alive_unload_and_load(two_models: RunningServer)
     # A request's keep_alive of 0: unloaded once it is idle.
     assert ask(two_models, "scripted", extra_body={"keep_alive": 0}) == SCRIPT
     wait_for(lambda: states(two_models)["scripted"] == "unloaded")
-    with pytest.raises(openai.BadRequestError):
-        ask(two_models, "scripted", extra_body={"keep_alive": "soon"})
+    client = openai.OpenAI(base_url=f"{two_models.url}/v1", api_key="x", max_retries=0)
+    for stream in (False, True):  # refused before a streamed answer starts, too
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(
+                model="scripted", messages=QUESTION, stream=stream, extra_body={"keep_alive": "x"}
+            )
+    assert states(two_models)["scripted"] == "unloaded"
     assert metric(two_models, "mlxgate_model_unloads_total", model="scripted", reason="idle") == 1
 
 

@@ -154,12 +154,14 @@ class Pipeline:
         model answers any), and one not loaded is loaded first. A streamed response starts
         meanwhile and gets an SSE comment every ping interval, so that nothing between the
         client and the server gives up on it."""
-        if self.services.models.find(request.model).served is not None:
-            served = await self.loaded(request)
+        registry = self.services.models
+        entry = registry.find(request.model)  # (both checked before any answer starts)
+        ready = registry.ready(entry, keep_alive_seconds(request.keep_alive))
+        if entry.served is not None:
+            served = await ready
         else:
             started = time.monotonic()
-            loading = self.loaded(request)
-            served = await (self._pinging(scope, send, loading) if request.stream else loading)
+            served = await (self._pinging(scope, send, ready) if request.stream else ready)
             scope[MODEL_WAIT] = time.monotonic() - started
         scope[MODEL] = served.name  # for the request log
         return served
