@@ -114,8 +114,9 @@ class ChatTokenizer:
         template = hf.chat_template or ""
         if isinstance(template, dict):  # named templates: {"default": ..., "tool_use": ...}
             template = template.get("default", "")
-        model_type = json.loads(tokenizer.to_str()).get("model", {})
-        kind: VocabKind = "sentencepiece" if model_type.get("byte_fallback") else "byte_level"
+        # (Read off the model: its tokenizer.json can be tens of megabytes to parse.)
+        byte_fallback = getattr(tokenizer.model, "byte_fallback", False)
+        kind: VocabKind = "sentencepiece" if byte_fallback else "byte_level"
         special = {i for i, t in hf.added_tokens_decoder.items() if t.special}
         return cls(
             tokenizer=tokenizer,
