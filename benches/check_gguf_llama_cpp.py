@@ -76,7 +76,7 @@ def main() -> int:
         return [int(token) for (token, _), _ in steps]
 
     failed = 0
-    for arch, (model_type, extra, _) in written.FAMILIES.items():
+    for arch, (model_type, extra) in written.FAMILIES.items():
         family = "llama" if model_type == "mistral" else model_type
         cfg = {**tiny_config(family), **extra, "model_type": model_type, "vocab_size": 512}
         if family == "ministral3":

@@ -13,8 +13,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from gguf import (
+    MODEL_ARCH,
+    MODEL_ARCH_NAMES,
+    GGUFReader,
+    GGUFWriter,
+    RopeScalingType,
+    get_tensor_name_map,
+)
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFWriter, RopeScalingType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten, tree_unflatten
@@ -152,14 +159,16 @@ def test_each_block_type_loads_as_llama_cpp_decodes_it(
     writer.close()
 
     loaded = models.load(str(path), cpu_kernels=False)
-    modules = dict(loaded.model.named_modules())
+    # Each module under the name llama.cpp's own map gives its weight.
+    names = get_tensor_name_map(MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
+    modules = {names.get_name(n): m for n, m in loaded.model.named_modules() if names.get_name(n)}
     reader = {t.name: t for t in GGUFReader(path).tensors}
     bits = BLOCK_TYPES[kind]
     for name in shapes:
         tensor = reader[f"{name}.weight"]
         assert tensor.tensor_type == kind
         want = dequantize(tensor.data, kind).astype(np.float32)
-        module = modules[loaded_name(name)]
+        module = modules[name]
         if bits is None:
             assert module.weight.dtype == mx.float32
             got = np.array(module.weight)
@@ -177,36 +186,8 @@ def test_each_block_type_loads_as_llama_cpp_decodes_it(
     assert AFFINE_BITS.get(kind) == bits
 
 
-def loaded_name(gguf_name: str) -> str:
-    names = {"token_embd": "model.embed_tokens", "output": "lm_head"}
-    if gguf_name in names:
-        return names[gguf_name]
-    _, layer, base = gguf_name.split(".")
-    return f"model.layers.{layer}.{LLAMA_NAMES[base]}"
-
-
-# (b) Architectures: the tensor names of llama.cpp's gguf-py/gguf/tensor_mapping.py, reversed.
-
-LLAMA_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-GEMMA3_NAMES = {
-    **LLAMA_NAMES,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-PHI3_NAMES = {**LLAMA_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# (b) Architectures, written under the tensor names of llama.cpp's own map (gguf-py's
+# TensorNameMap: the Hugging Face names, as mlx-lm's, to the GGUF ones).
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -227,30 +208,28 @@ MINISTRAL3_ROPE = {
     "mscale_all_dim": 1.0,
     "llama_4_scaling_beta": 0.1,
 }
-# GGUF architecture -> (mlx-lm model type, its config beyond tiny_models', tensor names).
-FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
-    "llama": ("llama", {}, LLAMA_NAMES),
+# GGUF architecture -> (mlx-lm model type, its config beyond tiny_models').
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
     # Llama 3.1-3.3: the rope scaling stored as per-frequency factors (rope_freqs).
-    "llama-llama3": ("llama", {"rope_theta": 500000.0, "rope_scaling": LLAMA3}, LLAMA_NAMES),
+    "llama-llama3": ("llama", {"rope_theta": 500000.0, "rope_scaling": LLAMA3}),
     # Mistral and Ministral (MistralForCausalLM) are llama to llama.cpp's converter.
-    "llama-mistral": ("mistral", {}, LLAMA_NAMES),
+    "llama-mistral": ("mistral", {}),
     # Ministral 3: llama's tensors (permuted), YaRN and Llama 4's attention temperature.
     "mistral3": (
         "ministral3",
         {"rope_parameters": MINISTRAL3_ROPE, "layer_types": None},
-        LLAMA_NAMES,
     ),
-    "qwen2": ("qwen2", {"tie_word_embeddings": True}, LLAMA_NAMES),
-    "qwen3": ("qwen3", {}, LLAMA_NAMES),
+    "qwen2": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {}),
     # As Gemma 3 ships: every 6th layer global, which llama.cpp's converter does not write.
     "gemma3": (
         "gemma3_text",
         {**GEMMA3, "num_hidden_layers": 6, "sliding_window_pattern": 6},
-        GEMMA3_NAMES,
     ),
     # A file that states its layers' pattern (`attention.sliding_window_pattern`, per layer).
-    "gemma3-swa-pattern": ("gemma3_text", GEMMA3, GEMMA3_NAMES),
-    "phi3": ("phi3", {"partial_rotary_factor": 0.5}, PHI3_NAMES),
+    "gemma3-swa-pattern": ("gemma3_text", GEMMA3),
+    "phi3": ("phi3", {"partial_rotary_factor": 0.5}),
     # Phi-3.5 / Phi-4 mini: LongRoPE, its factors stored as tensors.
     "phi3-longrope": (
         "phi3",
@@ -264,7 +243,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
             },
             "partial_rotary_factor": 0.5,
         },
-        PHI3_NAMES,
     ),
 }
 
@@ -299,9 +277,10 @@ def llama3_rope_factors(cfg: dict[str, Any]) -> np.ndarray[Any, Any]:
 
 
 def write_as_llama_cpp(model: Any, cfg: dict[str, Any], arch: str, path: Path) -> None:
-    names = FAMILIES[arch][2]
     arch = arch.split("-")[0]
-    reverse = {mlx: gguf for gguf, mlx in names.items()}
+    names = get_tensor_name_map(
+        next(a for a, name in MODEL_ARCH_NAMES.items() if name == arch), cfg["num_hidden_layers"]
+    )
     writer = GGUFWriter(path, arch)
     write_hparams(writer, cfg)
     write_tokenizer(writer)
@@ -337,16 +316,13 @@ def write_as_llama_cpp(model: Any, cfg: dict[str, Any], arch: str, path: Path) -
     for name, array in parameters:
         values = np.array(array.astype(mx.float32))
         stem, suffix = name.rsplit(".", 1)
-        if stem.startswith("model.layers."):
-            _, _, layer, rest = stem.split(".", 3)
-            base = reverse[rest]
-            if arch in ("llama", "mistral3") and base in ("attn_q", "attn_k"):
-                heads = cfg["num_attention_heads" if base == "attn_q" else "num_key_value_heads"]
-                values = llama_permute(values, heads)
-            gguf_name = f"blk.{layer}.{base}.{suffix}"
-        else:
-            gguf_name = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-                         "lm_head": "output"}[stem] + f".{suffix}"  # fmt: skip
+        gguf_stem = names.get_name(stem)
+        assert gguf_stem is not None, f"llama.cpp has no name for {stem}"
+        base = gguf_stem.rsplit(".", 1)[-1]
+        if arch in ("llama", "mistral3") and base in ("attn_q", "attn_k"):
+            heads = cfg["num_attention_heads" if base == "attn_q" else "num_key_value_heads"]
+            values = llama_permute(values, heads)
+        gguf_name = f"{gguf_stem}.{suffix}"
         if arch == "gemma3" and stem.endswith("norm"):
             values = values + np.float32(1)  # Gemma3Model.modify_tensors: norm_shift
         writer.add_tensor(gguf_name, values)
@@ -361,7 +337,7 @@ def test_each_architecture_loads_as_the_model_it_was_written_from(
     arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MLXGATE_CACHE", str(tmp_path / "cache"))
-    model_type, extra, _ = FAMILIES[arch]
+    model_type, extra = FAMILIES[arch]
     family = "llama" if model_type == "mistral" else model_type
     cfg = {**tiny_config(family), **extra, "model_type": model_type}
     if family == "ministral3":
