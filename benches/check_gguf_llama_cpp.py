@@ -62,8 +62,6 @@ def main() -> int:
     import test_gguf_convert as written
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.generate import generate_step
-    from mlx_lm.utils import _get_classes
-    from tiny_models import config as tiny_config
 
     from mlxgate import models
 
@@ -76,14 +74,8 @@ def main() -> int:
         return [int(token) for (token, _), _ in steps]
 
     failed = 0
-    for arch, (model_type, extra) in written.FAMILIES.items():
-        family = "llama" if model_type == "mistral" else model_type
-        cfg = {**tiny_config(family), **extra, "model_type": model_type, "vocab_size": 512}
-        if family == "ministral3":
-            cfg.pop("sliding_window")
-        model_class, args_class = _get_classes(cfg)
-        mx.random.seed(7)
-        original = model_class(args_class.from_dict(cfg))
+    for arch in written.FAMILIES:
+        original, cfg = written.tiny_original(arch, vocab_size=512)
         parameters: list[tuple[str, mx.array]] = tree_flatten(original.parameters())  # type: ignore[assignment]
         changed = [
             (name, mx.random.uniform(0.5, 1.5, p.shape) if "norm." in name else p * 3)
