@@ -520,9 +520,11 @@ class ModelRegistry:
                     await self.unload(entry, "idle")
 
     def stop(self) -> None:
-        """Stop every engine (the server is going away)."""
-        if self._idle_task is not None:
-            self._idle_task.cancel()
+        """Stop every engine (the server is going away). Any thread: the drain calls it from
+        an executor's."""
+        if (task := self._idle_task) is not None:
+            with contextlib.suppress(RuntimeError):  # (its loop has closed: nothing to cancel)
+                task.get_loop().call_soon_threadsafe(task.cancel)
         for entry in self.entries.values():
             if entry.served is not None:
                 entry.served.engine.stop()
