@@ -235,6 +235,25 @@ def test_a_model_larger_than_the_budget_is_a_clear_error(budgeted: RunningServer
     assert ask(budgeted, "a")  # and the server goes on
 
 
+def test_the_unload_endpoint_waits_for_running_streams_even_of_a_pinned_model(
+    budgeted: RunningServer,
+) -> None:
+    words = " ".join(f"word{i}" for i in range(3000))
+    long = [{"role": "user", "content": f"Repeat these words: {words}"}]
+    body = {"model": "a", "messages": long, "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{budgeted.url}/v1/chat/completions", json=body, timeout=60) as held:
+        chunks = held.iter_raw()  # (held: a dropped iterator closes the response)
+        next(chunks)
+        asked = httpx.post(f"{budgeted.url}/v1/models/a/unload")
+        assert asked.status_code == 202 and asked.json()["unloading"]
+        assert states(budgeted)["a"] == "loaded"
+        del chunks
+    wait_for(lambda: states(budgeted)["a"] == "unloaded")
+    assert metric(budgeted, "mlxgate_model_unloads_total", model="a", reason="request") == 1
+    assert ask(budgeted, "a")  # loaded again when named
+    assert states(budgeted)["a"] == "loaded"
+
+
 # --- the TTL: an idle model's memory comes back ---------------------------------------------
 
 

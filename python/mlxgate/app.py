@@ -164,12 +164,11 @@ class App:
         entry = self.models.listed(name)
         if action == "load":
             await self.models.ready(entry)
-        elif entry.busy():
-            entry.keep_alive_s = 0.0  # once idle
+        elif (unloading := self.models.unload_when_idle(entry)) is not None:
+            await unloading
+        else:
             await send_json(send, 202, {"id": name, **self.models.status(name), "unloading": True})
             return
-        else:
-            await self.models.unload(entry, "request")
         await send_json(send, 200, {"id": name, **self.models.status(name)})
 
     def stop_engine(self) -> None:

@@ -49,13 +49,11 @@ def configure(level: str, form: str) -> None:
 
 
 def request_ended(fields: dict[str, Any], readers: Sequence[Reader]) -> None:
-    """Log one request: `fields` (id, method, route, dialect, model, model_wait_s: the seconds
-    it waited for its model to load or None, status, duration_s) and what its streams came to.
-    The time to the first token counts the wait for the model."""
+    """Log one request: `fields` (id, method, route, dialect, model, status, duration_s, and
+    model_wait_s: the seconds it waited for its model to load, if it did) and what its streams
+    came to. The time to the first token counts the wait for the model."""
     status = fields["status"]
-    waited = fields.pop("model_wait_s", None)
-    if waited is not None:
-        fields["model_wait_s"] = round(waited, 4)
+    waited = fields.get("model_wait_s")
     if readers:
         prompt, cached = readers[0].prompt_tokens
         tier = readers[0].cached_from

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import gc
 import logging
@@ -154,8 +155,6 @@ def _default_name(source: str | None) -> str:
 
 
 def _spec(base: ModelSpec, **changes: Any) -> ModelSpec:
-    import dataclasses
-
     return dataclasses.replace(base, **changes)
 
 
@@ -242,6 +241,9 @@ class ModelEntry:
     last_used: float = field(default_factory=time.monotonic)
     # A request's keep_alive: unloaded this long after it goes idle (overrides the TTL).
     keep_alive_s: float | None = None
+    unload_asked: bool = False  # the unload endpoint asked while it had streams: once idle
+    # While loading: what it will hold, as estimated before its load (the budget counts it).
+    need: int = 0
     loads: int = 0
     unloads: dict[str, int] = field(default_factory=dict)  # by reason
     load_s: float = 0.0  # the last load's seconds
@@ -255,6 +257,8 @@ class ModelEntry:
 
     def idle_ttl(self) -> float | None:
         """Idle seconds after which it is unloaded; None: it stays."""
+        if self.unload_asked:
+            return 0.0
         if self.forever():
             return None
         if self.keep_alive_s is not None:
@@ -400,8 +404,9 @@ class ModelRegistry:
                 raise ApiError(ErrorKind.UNAVAILABLE, f"model {entry.name!r} is not loaded")
             entry.state = State.LOADING
             started = time.monotonic()
-            need = await loop.run_in_executor(None, self._estimate, entry.spec)
-            freed = self._make_room(entry, need)
+            # (On a thread: estimating a GGUF's size converts it first.)
+            entry.need = await loop.run_in_executor(None, self._estimate, entry.spec)
+            freed = self._make_room(entry, entry.need)
             for unloading in freed:
                 await unloading
             served = await loop.run_in_executor(None, self._load_logged, entry.spec)
@@ -461,9 +466,7 @@ class ModelRegistry:
             )
             freed.append(self.unload(entry, "memory"))
         if held + need > budget:
-            busy = [
-                e.name for e in self.entries.values() if e.served is not None and e is not loading
-            ]
+            busy = [e.name for e in self.loaded() if e is not loading]
             raise ApiError(
                 ErrorKind.OVERLOADED,
                 f"model {loading.name!r} needs {_gb(need)} GB; the loaded models "
@@ -484,13 +487,13 @@ class ModelRegistry:
     def _holds(self, entry: ModelEntry) -> int:
         if entry.served is not None:
             return entry.served.footprint()
-        return self._estimate(entry.spec) if entry.state is State.LOADING else 0
+        return entry.need if entry.state is State.LOADING else 0
 
     def unload(self, entry: ModelEntry, reason: str) -> asyncio.Future[None]:
         """Take `entry` out of service now and stop its engine on a thread; the future is done
         when its memory is back."""
         served, entry.served, entry.state = entry.served, None, State.UNLOADED
-        entry.keep_alive_s = None
+        entry.keep_alive_s, entry.unload_asked = None, False
         entry.unloads[reason] = entry.unloads.get(reason, 0) + 1
         loop = asyncio.get_running_loop()
         if served is None:
@@ -500,9 +503,19 @@ class ModelRegistry:
         log.info("model %s unloaded (%s)", entry.name, reason)
         return loop.run_in_executor(None, _release, [served])
 
+    def unload_when_idle(self, entry: ModelEntry) -> asyncio.Future[None] | None:
+        """What the unload endpoint asks: unload `entry` now (the future: its memory is back),
+        or, while it has streams (None), as soon as they end, pinned or not."""
+        if not entry.busy():
+            return self.unload(entry, "request")
+        entry.unload_asked = True
+        self._watch_idle()
+        return None
+
     def _watch_idle(self) -> None:
         watching = self._idle_task is not None and not self._idle_task.done()
-        if not watching and any(not entry.forever() for entry in self.entries.values()):
+        unloadable = (e for e in self.entries.values() if not e.forever() or e.unload_asked)
+        if not watching and any(unloadable):
             self._idle_task = asyncio.ensure_future(self._unload_idle())
 
     async def _unload_idle(self) -> None:
@@ -517,7 +530,7 @@ class ModelRegistry:
                     continue
                 ttl = entry.idle_ttl()
                 if ttl is not None and now - entry.last_used >= ttl:
-                    await self.unload(entry, "idle")
+                    await self.unload(entry, "request" if entry.unload_asked else "idle")
 
     def stop(self) -> None:
         """Stop every engine (the server is going away). Any thread: the drain calls it from

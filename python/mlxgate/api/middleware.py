@@ -197,10 +197,11 @@ class RequestLog:
                 "route": route.path if route else scope["path"].rstrip("/") or "/",
                 "dialect": repr(scope[DIALECT]).removeprefix("Dialect.").lower(),
                 "model": scope.get(MODEL, self.model),
-                "model_wait_s": scope.get(MODEL_WAIT),
                 "status": status,
                 "duration_s": round(time.monotonic() - started, 4),
             }
+            if (waited := scope.get(MODEL_WAIT)) is not None:
+                fields["model_wait_s"] = round(waited, 4)
             reader = scope.get(READER)
             logs.request_ended(fields, [reader] if reader is not None else [])
 
