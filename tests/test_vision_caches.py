@@ -1,0 +1,122 @@
+"""mlx-lm's cache classes, the ones the engine batches, in mlx-vlm's language models (issue 36).
+
+mlx-vlm's models make their own copies of mlx-lm's caches (`mlx_vlm.models.cache`); these
+tests hold that mlx-lm's `KVCache` / `RotatingKVCache` and their batched forms give the same
+logits in their place, and that rows prefilled alone (each with its own image and, for the
+Qwen families, its own rope offset) decode together as they would alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny_vlms
+from mlx_lm.models import cache as lm_cache
+
+FAMILIES = sorted(tiny_vlms.FAMILIES)
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _language_model(family: str) -> Any:
+    return tiny_vlms.load(family)[0].language_model
+
+
+def _own_cache(family: str) -> list[Any]:
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(_language_model(family))
+
+
+def _mlx_lm_cache(own: list[Any]) -> list[Any]:
+    """The mlx-lm cache of each kind mlx-vlm's model made."""
+    out: list[Any] = []
+    for layer in own:
+        name = type(layer).__name__
+        if name == "KVCache":
+            out.append(lm_cache.KVCache())
+        elif name == "RotatingKVCache":
+            out.append(lm_cache.RotatingKVCache(max_size=layer.max_size, keep=layer.keep))
+        else:
+            raise TypeError(f"no mlx-lm cache for {name}")
+    return out
+
+
+def _prefill(family: str, cache: list[Any], kind: int, text: str) -> tuple[mx.array, Any]:
+    """The prompt with one image prefilled into `cache`: the last position's logits and the
+    row's rope offset (Qwen's M-RoPE: positions after an image run behind token indices)."""
+    from mlx_vlm.utils import prepare_inputs
+
+    model, processor = tiny_vlms.load(family)
+    lm = model.language_model
+    size = (80, 64) if kind == 0 else (120, 100)
+    prompt = tiny_vlms.PROMPTS[family].format(text=text)
+    inputs = prepare_inputs(processor, images=[tiny_vlms.image(kind, *size)], prompts=[prompt])
+    ids = inputs.pop("input_ids")
+    pixels = inputs.pop("pixel_values")
+    mask = inputs.pop("attention_mask")
+    features = model.get_input_embeddings(ids, pixels, mask=mask, **inputs)
+    extra = {
+        k: v
+        for k, v in features.to_dict().items()
+        if v is not None and k not in ("inputs_embeds", "attention_mask_4d")
+    }
+    for state in ("_position_ids", "_rope_deltas"):  # Qwen keeps the last prompt's positions
+        if hasattr(lm, state):
+            setattr(lm, state, None)
+    out = lm(ids, inputs_embeds=features.inputs_embeds, cache=cache, **inputs, **extra)
+    return out.logits[:, -1], features.rope_deltas
+
+
+def _decode(family: str, cache: list[Any], tokens: mx.array, rope_deltas: Any) -> np.ndarray:
+    lm = _language_model(family)
+    kwargs = {}
+    if rope_deltas is not None:
+        kwargs["rope_deltas"] = rope_deltas
+    logits = lm(tokens, cache=cache, **kwargs).logits[:, -1]
+    return np.array(logits.astype(mx.float32))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mlx_lm_caches_give_mlx_vlm_logits(family: str) -> None:
+    own = _own_cache(family)
+    theirs = _mlx_lm_cache(own)
+    first_own, deltas = _prefill(family, own, 0, "Describe the image.")
+    first_theirs, _ = _prefill(family, theirs, 0, "Describe the image.")
+    assert np.array_equal(np.array(first_own), np.array(first_theirs))
+    token = mx.argmax(first_own, axis=-1)[:, None]
+    assert np.array_equal(
+        _decode(family, own, token, deltas), _decode(family, theirs, token, deltas)
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_with_different_images_decode_together_as_alone(family: str) -> None:
+    rows = []
+    for kind, text in ((0, "Hi"), (1, "Describe the picture in detail, please.")):
+        cache = _mlx_lm_cache(_own_cache(family))
+        logits, deltas = _prefill(family, cache, kind, text)
+        rows.append((cache, mx.argmax(logits, axis=-1)[:, None], deltas))
+    alone = [_decode(family, copy.deepcopy(c), t, d) for c, t, d in rows]
+    batch = [
+        (
+            lm_cache.BatchKVCache
+            if isinstance(layers[0], lm_cache.KVCache)
+            else lm_cache.BatchRotatingKVCache
+        ).merge(list(layers))
+        for layers in zip(*(c for c, _, _ in rows), strict=True)
+    ]
+    tokens = mx.concatenate([t for _, t, _ in rows])
+    deltas = None
+    if rows[0][2] is not None:
+        deltas = mx.concatenate([d.reshape(1, 1) for _, _, d in rows])
+    together = _decode(family, batch, tokens, deltas)
+    for i, row in enumerate(alone):
+        assert np.array_equal(together[i], row[0])
