@@ -120,3 +120,52 @@ def test_rows_with_different_images_decode_together_as_alone(family: str) -> Non
     together = _decode(family, batch, tokens, deltas)
     for i, row in enumerate(alone):
         assert np.array_equal(together[i], row[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_through_the_image_matches_mlx_vlm(family: str) -> None:
+    """The engine's way: the image's features computed once, then the prompt prefilled a few
+    tokens at a time into mlx-lm caches (chunk boundaries inside the image's span), each chunk
+    fed its slice of the embeddings and of Qwen's 3-D positions. The last position's
+    log-probabilities are mlx-vlm's own generation's first step."""
+    from mlx_vlm import stream_generate
+    from mlx_vlm.utils import prepare_inputs
+
+    model, processor = tiny_vlms.load(family)
+    lm = model.language_model
+    prompt = tiny_vlms.PROMPTS[family].format(text="Describe the image.")
+    image = tiny_vlms.image(0)
+    first = next(
+        iter(stream_generate(model, processor, prompt, image=[image], max_tokens=1, temperature=0))
+    )
+    inputs = prepare_inputs(processor, images=[image], prompts=[prompt])
+    ids = inputs.pop("input_ids")
+    pixels = inputs.pop("pixel_values")
+    mask = inputs.pop("attention_mask")
+    features = model.get_input_embeddings(ids, pixels, mask=mask, **inputs)
+    extra = {
+        k: v
+        for k, v in features.to_dict().items()
+        if v is not None and k not in ("inputs_embeds", "attention_mask_4d", "position_ids")
+    }
+    positions = features.position_ids
+    cache = _mlx_lm_cache(_own_cache(family))
+    n = ids.shape[1]
+    span = np.flatnonzero(np.array(ids[0]) == tiny_vlms.image_token_id(family))
+    assert span[0] % 3 != 0 and len(span) > 3  # a chunk starts inside the image
+    for start in range(0, n, 3):
+        end = min(start + 3, n)
+        chunk: dict[str, Any] = dict(extra)
+        if positions is not None:
+            chunk["position_ids"] = positions[..., start:end]
+        out = lm(
+            ids[:, start:end],
+            inputs_embeds=features.inputs_embeds[:, start:end],
+            cache=cache,
+            **chunk,
+        )
+    logits = out.logits[0, -1].astype(mx.float32)
+    ours = np.array(logits - mx.logsumexp(logits))
+    theirs = np.array(first.logprobs.astype(mx.float32)).ravel()
+    assert int(ours.argmax()) == first.token
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
