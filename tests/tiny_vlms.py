@@ -4,8 +4,8 @@ Each family is written as a model directory (config.json, model.safetensors, tok
 preprocessor_config.json) and read back by `mlx_vlm.load`, the loader a served model goes
 through, so the processor (image preprocessing, placeholder expansion) is mlx-vlm's own. The
 Qwen families use Qwen3's real tokenizer (tests/fixtures/tokenizers/qwen3, which has the
-vision tokens); Gemma 3 and Mistral 3 use a byte-level tokenizer built here with the families'
-image tokens as specials (their real vocabularies are not among the fixtures).
+vision tokens); Gemma 3, Mistral 3 and Pixtral use a byte-level tokenizer built here with the
+families' image tokens as specials (their real vocabularies are not among the fixtures).
 """
 
 from __future__ import annotations
@@ -60,6 +60,17 @@ _BYTE_SPECIALS = {
         "<image_soft_token>",
         "<start_of_turn>",
         "<end_of_turn>",
+    ],
+    "pixtral": [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<pad>",
+        "[IMG]",
+        "[IMG_BREAK]",
+        "[IMG_END]",
+        "[INST]",
+        "[/INST]",
     ],
     "mistral3": [
         "<unk>",
@@ -172,6 +183,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "patch_size": 14,
         },
     },
+    "pixtral": {
+        "model_type": "pixtral",
+        "image_token_index": _specials_id("pixtral", "[IMG]"),
+        "vision_feature_layer": -1,
+        "text_config": {
+            "model_type": "mistral",
+            **_TEXT,
+            "vocab_size": _byte_vocab_size("pixtral"),
+        },
+        "vision_config": {
+            "model_type": "pixtral",
+            "num_hidden_layers": 2,
+            "hidden_size": 32,
+            "head_dim": 16,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "image_size": 112,
+            "patch_size": 14,
+        },
+    },
 }
 
 # Each family's prompt with one image, as its chat template writes a user turn.
@@ -183,6 +214,7 @@ PROMPTS = {
     "mistral3": "<s>[INST][IMG]{text}[/INST]",
 }
 PROMPTS["qwen3_vl"] = PROMPTS["qwen2_5_vl"]
+PROMPTS["pixtral"] = PROMPTS["mistral3"]
 
 _PREPROCESSORS: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": {**_QWEN_PREPROCESSOR, "patch_size": 14, "temporal_patch_size": 2},
@@ -200,6 +232,12 @@ _PREPROCESSORS: dict[str, dict[str, Any]] = {
         "size": {"longest_edge": 112},
         "patch_size": {"height": 14, "width": 14},
         "processor_class": "Mistral3Processor",
+    },
+    "pixtral": {
+        "image_processor_type": "PixtralImageProcessor",
+        "size": {"longest_edge": 112},
+        "patch_size": {"height": 14, "width": 14},
+        "processor_class": "PixtralProcessor",
     },
 }
 
