@@ -169,3 +169,90 @@ def test_chunked_prefill_through_the_image_matches_mlx_vlm(family: str) -> None:
     theirs = np.array(first.logprobs.astype(mx.float32)).ravel()
     assert int(ours.argmax()) == first.token
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+def _features(family: str, kind: int, text: str) -> tuple[mx.array, Any]:
+    from mlx_vlm.utils import prepare_inputs
+
+    model, processor = tiny_vlms.load(family)
+    size = (80, 64) if kind == 0 else (120, 100)
+    prompt = tiny_vlms.PROMPTS[family].format(text=text)
+    inputs = prepare_inputs(processor, images=[tiny_vlms.image(kind, *size)], prompts=[prompt])
+    ids = inputs.pop("input_ids")
+    pixels = inputs.pop("pixel_values")
+    mask = inputs.pop("attention_mask")
+    return ids, model.get_input_embeddings(ids, pixels, mask=mask, **inputs)
+
+
+def _deepstack(features: Any, n: int) -> dict[str, Any]:
+    """Qwen3-VL's deepstack inputs for the first `n` positions (all of the image is in them)."""
+    if features.deepstack_visual_embeds is None:
+        return {}
+    return {
+        "visual_pos_masks": features.visual_pos_masks[:, :n],
+        "deepstack_visual_embeds": features.deepstack_visual_embeds,
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_with_different_images_prefill_together_as_alone(family: str) -> None:
+    """The engine's grouped prefill (engine/prefill.py `_whole_prompts`): rows right-padded to
+    the longest, each its own image's embeddings (Qwen: its own 3-D positions, Qwen3-VL: its
+    deepstack features in row order), mlx-lm batch caches prepared and finalized by
+    `cache_kinds`; then one decode step together. Every row's logits are its logits alone."""
+    from mlxgate.engine import cache_kinds
+
+    lm = _language_model(family)
+    rows = [_features(family, 0, "Hi"), _features(family, 1, "Describe the picture, please.")]
+    lengths = [ids.shape[1] - 1 for ids, _ in rows]  # the last token is decoded
+    width = max(lengths)
+    alone = []
+    for (ids, features), n in zip(rows, lengths, strict=True):
+        cache = _mlx_lm_cache(_own_cache(family))
+        extra = _deepstack(features, n)
+        if features.position_ids is not None:
+            extra["position_ids"] = features.position_ids[..., :n]
+        lm(ids[:, :n], inputs_embeds=features.inputs_embeds[:, :n], cache=cache, **extra)
+        alone.append(_decode(family, cache, ids[:, -1:], features.rope_deltas)[0])
+
+    hidden = rows[0][1].inputs_embeds.shape[-1]
+    dtype = rows[0][1].inputs_embeds.dtype
+    tokens, embeds, positions, masks = [], [], [], []
+    for (ids, features), n in zip(rows, lengths, strict=True):
+        pad = width - n
+        tokens.append(mx.pad(ids[:, :n], [(0, 0), (0, pad)]))
+        embeds.append(
+            mx.concatenate(
+                [features.inputs_embeds[:, :n], mx.zeros((1, pad, hidden), dtype=dtype)], axis=1
+            )
+        )
+        if features.position_ids is not None:
+            own = features.position_ids[..., :n]
+            after = own[..., -1:] + mx.arange(1, pad + 1)[None, None, :]
+            positions.append(mx.concatenate([own, after], axis=-1))
+        if features.visual_pos_masks is not None:
+            masks.append(mx.pad(features.visual_pos_masks[:, :n], [(0, 0), (0, pad)]))
+    extra = {}
+    if positions:
+        extra["position_ids"] = mx.concatenate(positions, axis=1)
+    if rows[0][1].deepstack_visual_embeds is not None:
+        extra["visual_pos_masks"] = mx.concatenate(masks)
+        extra["deepstack_visual_embeds"] = [
+            mx.concatenate(layer)
+            for layer in zip(*(f.deepstack_visual_embeds for _, f in rows), strict=True)
+        ]
+    caches = []
+    for layer in zip(*(_mlx_lm_cache(_own_cache(family)) for _ in rows), strict=True):
+        cache = cache_kinds.merge(list(layer))
+        cache.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
+        caches.append(cache)
+    lm(mx.concatenate(tokens), inputs_embeds=mx.concatenate(embeds), cache=caches, **extra)
+    for cache in caches:
+        cache.finalize()
+    last = mx.concatenate([ids[:, -1:] for ids, _ in rows])
+    deltas = None
+    if rows[0][1].rope_deltas is not None:
+        deltas = mx.concatenate([f.rope_deltas.reshape(1, 1) for _, f in rows])
+    together = _decode(family, caches, last, deltas)
+    for i, row in enumerate(alone):
+        np.testing.assert_allclose(together[i], row, rtol=1e-5, atol=1e-5)
