@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mlxgate import formats
 from mlxgate._native import Markup, Reply
@@ -19,12 +20,46 @@ from mlxgate.formats.call_grammar import AddedTokens, forced_call, optional_call
 from mlxgate.formats.reasoning import FIELD as REASONING
 from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
 
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
+
+    from mlxgate.engine.contract import PromptImages
+
 Message = dict[str, Any]
 Tool = dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
 
 
 class ConversationError(ValueError):
     """The conversation cannot be rendered (the API layer answers 400)."""
+
+
+# An image's place in a conversation's text: its index in `Conversation.images` between two
+# private-use characters. Templates, turn merging and tool results all handle it as text; once
+# rendered, a vision model's own placeholder replaces it (models/vision.py).
+IMAGE_MARK = re.compile("\ue000image (\\d+)\ue001")
+
+
+def image_mark(index: int) -> str:
+    return f"\ue000image {index}\ue001"
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image as a request gave it: the file's bytes, or a URL the server fetches (only with
+    --allow-image-urls)."""
+
+    where: str  # the request field it came in (for errors)
+    data: bytes | None = None
+    url: str | None = None
+    media_type: str | None = None  # as the request declared it
+
+
+@dataclass(frozen=True)
+class LoadedImage:
+    """An image decoded (api/images.py)."""
+
+    image: PILImage  # RGB
+    digest: bytes  # sha256 of the file as sent
 
 
 @dataclass(frozen=True)
@@ -54,6 +89,8 @@ class Conversation:
     # it inside the conversation (a tool search's result). Listing them would change the
     # prompt's opening each time a tool is found, and with it every cached prefix.
     loaded_tools: list[Tool] = field(default_factory=list)
+    # The images the messages' text marks (`image_mark(i)` stands for images[i]).
+    images: list[ImageInput] = field(default_factory=list)
 
 
 def markup(tool_call: str | None, think: tuple[str, str] | None) -> Markup | None:
@@ -118,6 +155,8 @@ class Prompt:
     # What the reply may be after a forced call's opening (llguidance Lark): the rest of one call
     # whose arguments validate against the tool's schema. None: unconstrained.
     call_grammar: str | None = None
+    # Where the model's image tokens are in `ids`, and what it sees there (vision models only).
+    images: PromptImages | None = None
 
 
 def _with_tool_prompt(messages: list[Message], tools: list[Tool], fmt: ToolFormat) -> list[Message]:

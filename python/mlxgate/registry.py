@@ -23,9 +23,12 @@ import tomllib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from mlxgate.models.vision import VisionPrompts
 
 from mlxgate import chat
 from mlxgate._native import ErrorKind
@@ -227,6 +230,8 @@ class ServedModel:
     # The engine's KV caches and prefix cache, as MLX holds them (0 for a stand-in engine).
     cache_bytes: Callable[[], int] = lambda: 0
     metrics: Collector | None = None  # what /metrics shows of its engine
+    # How its prompts take images (a vision-language model); None: it reads text only.
+    vision: VisionPrompts | None = None
 
     def footprint(self) -> int:
         return self.weights_bytes + self.cache_bytes()

@@ -15,6 +15,7 @@ from mlxgate import chat
 from mlxgate._native import Dialect, ErrorKind, Reader, Reply, StreamSpec
 from mlxgate.api.delivery import respond
 from mlxgate.api.errors import ApiError, invalid
+from mlxgate.api.images import load_images
 from mlxgate.api.http import (
     MODEL,
     MODEL_WAIT,
@@ -199,7 +200,7 @@ class Pipeline:
     ) -> Reader:
         """Generate the answer to `request` with `served` and respond with it (see `admit`).
         Returns the reader (the response has been sent when this returns)."""
-        reader = self.admit(served, request, prompt, spec, choices=choices)
+        reader = await self.admit(served, request, prompt, spec, choices=choices)
         scope[READER] = reader  # for the request log
         await respond(
             scope,
@@ -212,7 +213,7 @@ class Pipeline:
         )
         return reader
 
-    def admit(
+    async def admit(
         self,
         served: ServedModel,
         request: Asked,
@@ -226,7 +227,7 @@ class Pipeline:
         `Reply`. Returns its reader at once."""
         services = self.services
         grammar = request.grammar()
-        rendered = self.render(served, prompt)
+        rendered = await self.prompt(served, prompt)
         generation = GenerationRequest(
             rendered.ids,
             spec(rendered.reply, served.name),
@@ -235,13 +236,33 @@ class Pipeline:
             grammar=constraint(rendered, grammar),
             speculate=request.speculative_decoding,
             choices=choices,
+            images=rendered.images,
         )
         try:
             return served.engine.admit(generation)
         except AdmissionError as exc:
             raise self.errors[type(exc)](exc) from None
 
+    async def prompt(self, served: ServedModel, prompt: chat.Conversation | str) -> chat.Prompt:
+        """`prompt` rendered for `served`, its images (if any) loaded and made into the model's
+        image tokens (on a worker thread)."""
+        rendered = self.render(served, prompt)
+        images = prompt.images if isinstance(prompt, chat.Conversation) else []
+        if not images:
+            return rendered
+        if served.vision is None:
+            raise invalid(
+                f"the model {served.name!r} reads text only: it cannot take images "
+                "(serve a vision-language model for them)"
+            )
+        loaded = await load_images(images, self.services.config)
+        try:
+            return await asyncio.to_thread(served.vision.prompt, rendered, loaded)
+        except chat.ConversationError as exc:
+            raise invalid(str(exc)) from None
+
     def render(self, served: ServedModel, prompt: chat.Conversation | str) -> chat.Prompt:
+        """`prompt` rendered as text (a conversation's images still marks in it)."""
         renderer = served.renderer
         if isinstance(prompt, str):
             rendered = renderer.plain(prompt)

@@ -9,7 +9,7 @@ dialect's words: each API dialect maps them in its own table.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from mlxgate._native import Reader, StreamSpec
 from mlxgate.engine.constraints import Grammar
@@ -32,6 +32,27 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class ImageSpan:
+    """Where one image's tokens are in a prompt, and what identifies them."""
+
+    start: int  # where its tokens begin in the prompt's ids
+    length: int  # how many (its placeholders and the markers between them)
+    # A hash of what the model sees (the processed pixels and their grid): equal keys, equal
+    # image tokens.
+    key: bytes
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """A vision model's images in one prompt."""
+
+    spans: tuple[ImageSpan, ...]  # in prompt order
+    # The processor's outputs for them together (pixel values, grids or sizes), numpy arrays:
+    # what the model's vision tower and position ids are computed from.
+    inputs: dict[str, Any] = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: list[int]
     stream: StreamSpec
@@ -43,6 +64,7 @@ class GenerationRequest:
     # OpenAI's `n`: this many generations of the prompt, prefilled once, into one response. With
     # a seed, choice i samples with seed + i (n identical samples would be no choice).
     choices: int = 1
+    images: PromptImages | None = None  # a vision model's images in the prompt
 
 
 class AdmissionError(Exception):

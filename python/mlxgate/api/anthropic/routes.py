@@ -119,7 +119,7 @@ class AnthropicAPI:
                 reply=reply,
             )
 
-        reader = self.pipeline.admit(served, compaction.Summarizing(request), prompt, spec)
+        reader = await self.pipeline.admit(served, compaction.Summarizing(request), prompt, spec)
         body = await collect(receive, reader)
         if body is None:
             return None
@@ -131,7 +131,7 @@ class AnthropicAPI:
     async def count_tokens(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         request = parse(CountTokensRequest, body)
         served = await self.pipeline.loaded(request)
-        prompt = self.pipeline.render(served, self.managed(served, request).conversation)
+        prompt = await self.pipeline.prompt(served, self.managed(served, request).conversation)
         await send_json(send, 200, {"input_tokens": len(prompt.ids)})
 
     def _entry(self, name: str) -> dict[str, Any]:
