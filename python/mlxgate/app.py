@@ -345,13 +345,14 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
     ]
     engine.start()
     log.info(
-        "model %s: %s, %s, %s, context %s, tool calls %s, reasoning %s, kernels: %s (%s); the "
-        "prefix cache reuses %s; loaded in %.1fs",
+        "model %s: %s, %s, %s, context %s, takes %s, tool calls %s, reasoning %s, kernels: %s "
+        "(%s); the prefix cache reuses %s; loaded in %.1fs",
         spec.name,
         models.architecture(loaded.model),
         layout.describe(),
         models.precision(loaded.model),
         loaded.describe_context(),
+        loaded.vision.describe() if loaded.vision is not None else "text",
         _chosen(renderer.format.tool_format.NAME, spec.tool_format),
         _chosen(renderer.format.reasoning.name, spec.reasoning_format),
         loaded.kernels,
@@ -367,6 +368,7 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
         weights_bytes=sum(array.nbytes for _, array in weights),
         cache_bytes=lambda: engine.metrics.kv_bytes + engine.prefix_cache.nbytes,
         metrics=EngineCollector(engine),
+        vision=loaded.vision,
     )
 
 

@@ -78,7 +78,7 @@ def _decode(
 def _alone(adapter: ModelAdapter) -> list[mx.array]:
     """Each prompt's last logits, computed alone."""
     return [
-        adapter.model(mx.array([p], dtype=mx.uint32), cache=adapter.make_cache())[0, -1]
+        adapter.verify(mx.array([p], dtype=mx.uint32), adapter.make_cache())[0, -1]
         for p in PROMPTS
     ]
 

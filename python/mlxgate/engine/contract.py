@@ -8,6 +8,7 @@ dialect's words: each API dialect maps them in its own table.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,6 +66,18 @@ class GenerationRequest:
     # a seed, choice i samples with seed + i (n identical samples would be no choice).
     choices: int = 1
     images: PromptImages | None = None  # a vision model's images in the prompt
+
+    def cache_keys(self, ids: Sequence[int] | None = None) -> list[int]:
+        """What the prefix cache knows `ids` (the prompt, and maybe tokens after it) by: the ids,
+        each image's tokens replaced by ids from its key. Negative, so never a vocabulary id: the
+        same image in the same place matches, another image never does."""
+        ids = list(self.prompt_ids if ids is None else ids)
+        for span in self.images.spans if self.images is not None else ():
+            seed = int.from_bytes(span.key[:8], "little")
+            ids[span.start : span.start + span.length] = [
+                -1 - (seed + j) % (2**31 - 2) for j in range(span.length)
+            ]
+        return ids
 
 
 class AdmissionError(Exception):

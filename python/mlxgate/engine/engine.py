@@ -99,7 +99,13 @@ class Engine:
         self.settings = settings or EngineSettings()
         self.metrics = EngineMetrics()
         kv_bits = self.settings.kv_bits
-        self._adapter = ModelAdapter(self.model, kv_bits, self.settings.kv_group_size)
+        if loaded.vision is not None:
+            from mlxgate.models.vision import VisionAdapter
+
+            adapter: ModelAdapter = VisionAdapter(self.model, kv_bits, self.settings.kv_group_size)
+        else:
+            adapter = ModelAdapter(self.model, kv_bits, self.settings.kv_group_size)
+        self._adapter = adapter
         if kv_bits:
             log.info("quantized KV cache: %s", self._adapter.check_quantized_kv())
         # An engine around a bare model (tests, benchmarks) has no tokenizer, and no grammars.
@@ -191,7 +197,7 @@ class Engine:
         window = served.window(prompt_tokens, request.max_tokens) if served else context
         scaled = window > (served.native if served else context)
         # One lookup for every choice: a match is immutable, and each start copies its caches.
-        match = self.prefix_cache.lookup(prompt_ids, variant=int(scaled))
+        match = self.prefix_cache.lookup(request.cache_keys(), variant=int(scaled))
         cached = match.length if match else 0
         choices = [
             Pending(next(self._ids), _choice(request, index), match, scaled, reported=cached)
@@ -365,7 +371,9 @@ class Engine:
         pending = row.pending
         stream_id = pending.stream_id
         self.prefix_cache.store(
-            row.tokens[:-1], self._batch.extract(stream_id), variant=int(pending.scaled)
+            pending.request.cache_keys(row.tokens[:-1]),
+            self._batch.extract(stream_id),
+            variant=int(pending.scaled),
         )
         self._batch.drop(self._batch.stream_ids == stream_id, compact=True)
         del self._rows[stream_id]
@@ -421,7 +429,9 @@ class Engine:
         if speculation is not None and len(batch) <= self.settings.speculation_max_rows:
             drafts = speculation.drafts(batch.stream_ids)
         if drafts is None:
-            logits = self._adapter.decode(batch.inputs, batch.caches, self._scaled_rows())
+            logits = self._adapter.decode(
+                batch.inputs, batch.caches, self._scaled_rows(), self._rope_deltas()
+            )
             inputs = self._sampler.sample(logits, batch.samplers, self.vocabulary)
             mx.eval(inputs)
             tokens = np.array(inputs)[:, None]
@@ -461,7 +471,9 @@ class Engine:
         batch = self._batch
         guesses = mx.array(drafts.tokens.astype(np.uint32))
         inputs = mx.concatenate([batch.inputs[:, None], guesses], axis=1)
-        logits = self._adapter.verify(inputs, batch.caches, self._scaled_rows())
+        logits = self._adapter.verify(
+            inputs, batch.caches, self._scaled_rows(), self._rope_deltas()
+        )
         tokens = self._sampler.sample_positions(
             logits, drafts.counts, batch.samplers, self.vocabulary
         )
@@ -472,6 +484,17 @@ class Engine:
 
     def _scaled_rows(self) -> ScaledRows:
         return self._batch.scaled if self._adapter.switched_rope else True
+
+    def _rope_deltas(self) -> np.ndarray | None:
+        """Per slot, how far its positions run behind its length (a vision model's M-RoPE: after
+        an image; 0 for a free slot or a text-only row)."""
+        if not self._adapter.per_row_positions:
+            return None
+        rows = self._rows
+        return np.array(
+            [rows[sid].pending.rope_delta if sid != FREE else 0 for sid in self._batch.stream_ids],
+            dtype=np.int32,
+        )
 
     def _guessed(
         self,
@@ -498,7 +521,9 @@ class Engine:
             row = self._rows[stream_id]
             kept = row.tokens[:-1]  # the last token was sampled, never fed
             self.prefix_cache.store(
-                kept, self._batch.extract(stream_id), variant=int(row.pending.scaled)
+                row.pending.request.cache_keys(kept),
+                self._batch.extract(stream_id),
+                variant=int(row.pending.scaled),
             )
             self.metrics.reply_tokens_kept += len(kept) - len(row.pending.request.prompt_ids) + 1
 

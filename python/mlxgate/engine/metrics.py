@@ -138,6 +138,9 @@ class EngineMetrics:
         ).set_function(self._acceptance_rate)
         self.ttft_s = self._latency("ttft", "time from admission to the first token")
         self.queue_wait_s = self._latency("queue_wait", "time from admission to prefill's start")
+        self.vision_s = self._latency(
+            "vision", "a prompt's images through the vision tower (vision models)"
+        )
         self.step_s = self._latency(
             "step", "decode step time (with the prefill beside it)", then=self._decoded
         )

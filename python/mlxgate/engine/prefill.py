@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -45,6 +45,9 @@ from mlxgate.engine.prefix_cache import (
 from mlxgate.engine.sampling import Sampler
 from mlxgate.models.adapter import ModelAdapter
 from mlxgate.models.rope_switch import ScaledRows
+
+if TYPE_CHECKING:
+    from mlxgate.models.vision import Features
 
 
 @dataclass(eq=False)
@@ -70,6 +73,12 @@ class Pending:
     # More choices of the same prompt (OpenAI's `n`): prefilled with this one, then each decodes
     # from its own copy of the cache.
     siblings: list[Pending] = field(default_factory=list)
+    # A prompt with images: what the vision step made of them (models/vision.py), once it ran.
+    features: Features | None = None
+
+    @property
+    def rope_delta(self) -> int:
+        return self.features.rope_delta if self.features is not None else 0
 
     @property
     def todo(self) -> int:
@@ -83,7 +92,7 @@ class Pending:
     @cached_property
     def tokens(self) -> np.ndarray:
         """The tokens its prefill computes: all of the prompt but the last."""
-        return np.asarray(self.request.prompt_ids[:-1], dtype=np.int32)
+        return np.asarray(self.request.cache_keys()[:-1], dtype=np.int32)
 
     @property
     def rest(self) -> int:
@@ -100,6 +109,7 @@ class Pending:
             lead = staying[0]
             lead.match, lead.caches, lead.done = self.match, self.caches, self.done
             lead.last_chunk, lead.torn = self.last_chunk, self.torn
+            lead.features = self.features
         staying[0].siblings = staying[1:]
         return staying[0]
 
@@ -219,6 +229,13 @@ class Prefill:
                         break  # it waits for memory; nothing overtakes it
                     kv_room -= need
                 self._start(pending)
+            if pending.request.images is not None and pending.features is None:
+                # The vision step: the prompt's images through the vision tower, a pass of its own.
+                if not self._encode(pending):
+                    break  # its client left meanwhile; the next step drops it
+                spent += 1
+                if not idle:
+                    break  # the step's prefill, beside the decoding streams
             steered = False
             if allowance_s is not None and (last := pending.last_chunk) is not None:
                 left_s = allowance_s - (time.perf_counter() - started)
@@ -289,7 +306,8 @@ class Prefill:
         """The prefix cache may hold more of the prompt than at admission: the prefill it waited
         for, or (preempted) its own keys/values."""
         held = pending.match.length if pending.match is not None else 0
-        match = self.prefix_cache.lookup(pending.request.prompt_ids, int(pending.scaled), held)
+        keys = pending.request.cache_keys()
+        match = self.prefix_cache.lookup(keys, int(pending.scaled), held)
         if match is not None:
             pending.match = match
 
@@ -361,8 +379,9 @@ class Prefill:
         """
         rests = self.policy.group(
             (
-                # Not a long prompt already being prefilled chunk by chunk, nor n choices.
-                None if p.caches is not None or p.siblings else p.rest
+                # Not a long prompt already being prefilled chunk by chunk, nor n choices, nor
+                # one with images (its rows feed embeddings, one prompt a pass).
+                None if p.caches is not None or p.siblings or p.request.images else p.rest
                 for p in self.waiting
             ),
             budget,
@@ -404,10 +423,14 @@ class Prefill:
         return True
 
     def _forward_prompt(self, tokens: mx.array, pending: Pending) -> bool:
-        """Add `tokens` to the pending sequence's KV cache; False if it was cancelled meanwhile."""
+        """Add `tokens` (the next of its prompt) to the pending sequence's KV cache; False if it
+        was cancelled meanwhile."""
         assert pending.caches is not None
+        features = pending.features
+        start = pending.done
+        inputs = features.chunk(start, start + tokens.shape[1]) if features is not None else None
         return self._forward(
-            tokens, pending.caches, lambda gone: pending.stream_id in gone, pending.scaled
+            tokens, pending.caches, lambda gone: pending.stream_id in gone, pending.scaled, inputs
         )
 
     def _forward(
@@ -416,10 +439,35 @@ class Prefill:
         caches: list[Any],
         left: Callable[[set[int]], bool],
         scaled: ScaledRows,
+        inputs: dict[str, Any] | None = None,
     ) -> bool:
         """Prefill `tokens` into `caches`; False once `left(cancelled stream ids)` says its
         clients went away (checked after each layer, where the model allows)."""
-        return self.adapter.prefill(tokens, caches, lambda: left(self._cancelled()), scaled)
+        return self.adapter.prefill(
+            tokens, caches, lambda: left(self._cancelled()), scaled, inputs
+        )
+
+    def _encode(self, pending: Pending) -> bool:
+        """A prompt's images through the model's vision tower (skipped where its cached prefix
+        holds them all); False if its clients left meanwhile (checked after each block)."""
+        from mlxgate.models.vision import VisionAdapter
+
+        adapter = self.adapter
+        images = pending.request.images
+        assert isinstance(adapter, VisionAdapter) and images is not None
+        ids = {p.stream_id for p in pending.choices}
+        started = time.perf_counter()
+        features = adapter.features(
+            pending.request.prompt_ids,
+            images,
+            pending.done,
+            lambda: ids <= self._cancelled(),
+        )
+        if features is None:
+            return False
+        pending.features = features
+        self.metrics.vision_s.append(time.perf_counter() - started)
+        return True
 
     def _mend(self, pending: Pending) -> None:
         """A torn prefill that goes on (another choice of its prompt leads now): its caches are
@@ -459,7 +507,7 @@ class Prefill:
 
     def _store(self, pending: Pending, tokens: int, caches: list[Any]) -> None:
         """Keep the state of the first `tokens` prompt tokens for prompts served alike."""
-        prompt = pending.request.prompt_ids[:tokens]
+        prompt = pending.request.cache_keys()[:tokens]
         self.prefix_cache.store(prompt, caches, variant=int(pending.scaled))
 
     def _join_one_by_one(self, admitted: list[Pending]) -> None:

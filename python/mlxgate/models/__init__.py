@@ -5,15 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from mlxgate.models import context, yarn
+from mlxgate.models import context, vision, yarn
 from mlxgate.models.adapter import install_kernels
 from mlxgate.models.context import ServedContext
 from mlxgate.models.tokenizer import ChatTokenizer
+
+if TYPE_CHECKING:
+    from mlxgate.models.vision import VisionPrompts
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # Its own 8,192 tokens hold neither Claude Code's first request (~12.8k tokens) nor Codex's
@@ -30,6 +34,7 @@ class LoadedModel:
     source: str
     context: ServedContext | None = None  # how context_length relates to the model's own
     kernels: str = "MLX's own"  # what runs its matmuls, norms and ropes on the CPU
+    vision: VisionPrompts | None = None  # how its prompts take images (a vision model)
 
     def describe_context(self) -> str:
         return self.context.describe() if self.context else str(self.context_length)
@@ -147,7 +152,10 @@ def load(
         context_length = DEFAULT_MODEL_CONTEXT
     dequantize_to = mx.float32 if weights == "float32" else None
     loaded = _load(spec, dequantize_to, trust_remote_code, context_length, rope_scaling)
-    loaded.kernels = install_kernels(loaded.model, native=cpu_kernels)
+    if loaded.vision is not None:
+        loaded.kernels = "MLX's own (mlxgate's CPU kernels do not reach mlx-vlm's models)"
+    else:
+        loaded.kernels = install_kernels(loaded.model, native=cpu_kernels)
     return loaded
 
 
@@ -167,19 +175,23 @@ def _load(
         if not path.is_file():
             raise FileNotFoundError(f"no such GGUF file: {path}")
         return _load_gguf(path.stem, path, dequantize_to, context_length, rope_scaling)
+    if spec.count("/") == 1 and not path.exists():
+        path = _download(spec)
+        source = f"huggingface:{spec}"
+    else:
+        source = str(path)
+    if path.is_dir() and vision.vision_config(path) is not None:
+        model, tokenizer, prompts, length = vision.load(path, context_length)
+        name = spec if source.startswith("huggingface:") else path.name
+        return LoadedModel(name, model, tokenizer, length, source, vision=prompts)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not an mlx-lm model directory (no config.json)")
         model, tokenizer, served = _load_directory(
             path, context_length, rope_scaling, trust_remote_code, dequantize_to
         )
-        return _loaded(path.name, model, tokenizer, served, str(path))
-    if spec.count("/") == 1 and not path.exists():
-        local = _download(spec)
-        model, tokenizer, served = _load_directory(
-            local, context_length, rope_scaling, trust_remote_code, dequantize_to
-        )
-        return _loaded(spec, model, tokenizer, served, f"huggingface:{spec}")
+        name = spec if source.startswith("huggingface:") else path.name
+        return _loaded(name, model, tokenizer, served, source)
     raise FileNotFoundError(
         f"--model {spec!r}: not a .gguf file, a model directory or an org/repo id"
     )

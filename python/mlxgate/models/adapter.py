@@ -8,6 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlxgate.models import cpu_attention, cpu_kernels, fast_exp, rope_switch
@@ -128,20 +129,34 @@ class ModelAdapter:
         return self._rope_rows is not None
 
     @property
+    def per_row_positions(self) -> bool:
+        """Whether decoding needs each row's rope delta (a vision model's M-RoPE)."""
+        return False
+
+    @property
     def banded_attention(self) -> bool:
         """Whether the attention attends band by band (takes a `BandedCache`)."""
         return cpu_attention.installed(self.model)
 
     def decode(
-        self, inputs: mx.array, caches: Sequence[Any], scaled: ScaledRows = True
+        self,
+        inputs: mx.array,
+        caches: Sequence[Any],
+        scaled: ScaledRows = True,
+        rope_deltas: np.ndarray | None = None,
     ) -> mx.array:
-        """Next-token logits [batch, vocab] for one input token per row."""
+        """Next-token logits [batch, vocab] for one input token per row. (`rope_deltas`: per
+        row, for a model with `per_row_positions`.)"""
         self._scale(scaled)
         logits: mx.array = self.model(inputs[:, None], cache=caches)[:, -1, :]
         return logits
 
     def verify(
-        self, inputs: mx.array, caches: Sequence[Any], scaled: ScaledRows = True
+        self,
+        inputs: mx.array,
+        caches: Sequence[Any],
+        scaled: ScaledRows = True,
+        rope_deltas: np.ndarray | None = None,
     ) -> mx.array:
         """Logits [batch, positions, vocab] for `inputs` [batch, positions]: each row's input
         token and the tokens guessed after it (speculative decoding), all added to `caches`."""
@@ -155,13 +170,15 @@ class ModelAdapter:
         caches: Sequence[Any],
         should_stop: Callable[[], bool] | None = None,
         scaled: ScaledRows = True,
+        inputs: dict[str, Any] | None = None,
     ) -> bool:
         """Add `tokens` [batch, n] to `caches` (evaluated). False if `should_stop()` said so
-        after a layer; the caches are then partly filled and of no use."""
+        after a layer; the caches are then partly filled and of no use. (`inputs`: a vision
+        model's embeddings and positions for the tokens.)"""
         self._scale(scaled)
         self._check.should_stop = should_stop
         try:
-            self.backbone(tokens, cache=caches)
+            self.backbone(tokens, cache=caches, **(inputs or {}))
         except _Stopped:
             return False
         finally:

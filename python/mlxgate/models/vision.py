@@ -1,16 +1,383 @@
-"""Vision-language models through mlx-vlm: loading, and a prompt's images made into the model's
-image tokens and inputs."""
+"""Vision-language models through mlx-vlm: detected from their config, loaded by mlx-vlm, their
+prompts' images made into the model's image tokens by the model's own processor, and run by the
+engine through `VisionAdapter`.
+
+The API side (`VisionPrompts.prompt`, on a worker thread) turns each image mark of a rendered
+prompt into the family's placeholder, lets the processor expand it into the image's tokens and
+make its pixel values, and finds each image's span of tokens. The engine side
+(`VisionAdapter`, on the engine thread) runs the vision tower once per prompt, as a step of its
+prefill, and then feeds the language model chunk by chunk with that prompt's embeddings (and,
+for Qwen's 3-D rope, its positions), exactly as mlx-vlm's own generation does in one go.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
 from mlxgate import chat
+from mlxgate.engine.contract import ImageSpan, PromptImages
+from mlxgate.models.adapter import ModelAdapter, _make_stoppable, _Stopped
+from mlxgate.models.rope_switch import ScaledRows
+from mlxgate.models.tokenizer import ChatTokenizer
+
+# What each family's chat template writes for an image, where the template cannot be asked.
+_PLACEHOLDERS = {
+    "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "gemma3": "<start_of_image>",
+    "mistral3": "[IMG]",
+    "pixtral": "[IMG]",
+}
+
+
+def vision_config(path: Path) -> dict[str, Any] | None:
+    """The model directory's config if mlx-vlm has its architecture and it has a vision tower;
+    else None (a text model: mlx-lm's)."""
+    config_file = path / "config.json"
+    if not config_file.exists():
+        return None
+    config: dict[str, Any] = json.loads(config_file.read_text())
+    if "vision_config" not in config:
+        return None
+    from mlx_vlm.utils import get_model_and_args
+
+    try:
+        get_model_and_args(config=dict(config))
+    except Exception:  # mlx-vlm has no such model type
+        return None
+    return config
+
+
+def load(path: Path, context_length: int | None) -> tuple[nn.Module, ChatTokenizer, VisionPrompts, int]:
+    """mlx-vlm's model and processor from `path`; the chat tokenizer (the processor's chat
+    template, which knows images); and the context served (the model's own unless less is
+    asked: its rope is not scaled)."""
+    from mlx_vlm.utils import load as vlm_load
+
+    config = vision_config(path)
+    assert config is not None
+    model, processor = vlm_load(str(path))
+    tokenizer = ChatTokenizer.from_pretrained_dir(path)
+    template = getattr(processor, "chat_template", None)
+    if isinstance(template, str) and template:
+        tokenizer.chat_template = template
+    text = config.get("text_config") or config
+    native = int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 0)
+    if context_length is not None and native and context_length > native:
+        raise ValueError(
+            f"--context-length {context_length}: this vision model's own context is {native} "
+            "tokens, and its rope is not scaled past it"
+        )
+    served = context_length or native or 4096
+    return model, tokenizer, VisionPrompts(config, processor, tokenizer), served
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prompt's ids and images as the processor made them."""
+
+    ids: list[int]
+    images: PromptImages
 
 
 class VisionPrompts:
-    """How one vision model's prompts take images (see `prompt`)."""
+    """How one vision model's prompts take images: its processor, its image placeholder and the
+    token its processor repeats for an image's features."""
+
+    def __init__(self, config: dict[str, Any], processor: Any, tokenizer: ChatTokenizer) -> None:
+        self.model_type: str = config["model_type"]
+        self.processor = processor
+        token = config.get("image_token_id", config.get("image_token_index"))
+        if token is None:
+            text = config.get("text_config") or {}
+            token = text.get("image_token_id", text.get("image_token_index"))
+        if token is None:
+            raise ValueError(f"{self.model_type}: the config names no image token")
+        self.image_token = int(token)
+        # Tokens that stand between the rows of one image's placeholders (Pixtral's row breaks).
+        breaks = [getattr(processor, "image_break_token", None)]
+        vocab = tokenizer.tokenizer
+        self.row_breaks = {i for t in breaks if t and (i := vocab.token_to_id(t)) is not None}
+        self.placeholder = self._placeholder(tokenizer)
+
+    def _placeholder(self, tokenizer: ChatTokenizer) -> str:
+        """What the chat template writes for an image (asked of the template; else the family's)."""
+        content = [
+            {"type": "text", "text": "MLXGATE_BEFORE"},
+            {"type": "image"},
+            {"type": "text", "text": "MLXGATE_AFTER"},
+        ]
+        try:
+            text = tokenizer.render([{"role": "user", "content": content}])
+            between = text[text.index("MLXGATE_BEFORE") + 14 : text.index("MLXGATE_AFTER")]
+        except Exception:  # a template that takes text only, or refuses the probe
+            between = ""
+        if between.strip():
+            return between.strip()
+        if self.model_type in _PLACEHOLDERS:
+            return _PLACEHOLDERS[self.model_type]
+        raise ValueError(f"{self.model_type}: cannot tell how its chat template marks an image")
+
+    def describe(self) -> str:
+        return f"text, image (placeholder {self.placeholder!r})"
 
     def prompt(self, rendered: chat.Prompt, images: list[chat.LoadedImage]) -> chat.Prompt:
         """`rendered` (its text marking images with `chat.image_mark`) with each mark made into
         the model's image tokens: the prompt's ids from the model's processor, and its images'
         spans and inputs."""
-        raise NotImplementedError
+        order: list[chat.LoadedImage] = []
+
+        def placeholder(mark: Any) -> str:
+            index = int(mark.group(1))
+            if index >= len(images):
+                raise chat.ConversationError("an image mark names no image of the request")
+            order.append(images[index])
+            return self.placeholder
+
+        text = chat.IMAGE_MARK.sub(placeholder, rendered.text)
+        if not order:
+            return rendered
+        prepared = self.prepare(text, order)
+        return chat.Prompt(
+            text, prepared.ids, rendered.reply, rendered.call_grammar, prepared.images
+        )
+
+    def prepare(self, text: str, images: Sequence[chat.LoadedImage]) -> Prepared:
+        """The processor's expansion of `text` (one placeholder per image, in order)."""
+        from mlx_vlm.utils import prepare_inputs
+
+        outputs = prepare_inputs(
+            self.processor, images=[i.image for i in images], prompts=[text], padding=False
+        )
+        arrays = {k: np.array(v) for k, v in outputs.items() if isinstance(v, mx.array)}
+        ids = arrays.pop("input_ids").reshape(-1)
+        arrays.pop("attention_mask", None)
+        spans = self._spans(ids)
+        if len(spans) != len(images):
+            raise chat.ConversationError(
+                f"the prompt's {len(images)} images became {len(spans)} runs of image tokens "
+                "(is an image placeholder written in the text?)"
+            )
+        extras = b"".join(
+            np.ascontiguousarray(v).tobytes() for k, v in sorted(arrays.items()) if k != "pixel_values"
+        )
+        keyed = tuple(
+            ImageSpan(start, length, hashlib.sha256(image.digest + extras).digest())
+            for (start, length), image in zip(spans, images, strict=True)
+        )
+        return Prepared(ids.tolist(), PromptImages(keyed, arrays))
+
+    def _spans(self, ids: np.ndarray) -> list[tuple[int, int]]:
+        """(start, length) of each image's tokens: runs of the image token, joined across a row
+        break."""
+        positions = np.flatnonzero(ids == self.image_token)
+        spans: list[tuple[int, int]] = []
+        for position in positions.tolist():
+            if spans:
+                start, length = spans[-1]
+                end = start + length
+                if position == end or (position == end + 1 and int(ids[end]) in self.row_breaks):
+                    spans[-1] = (start, position + 1 - start)
+                    continue
+            spans.append((position, 1))
+        return spans
+
+
+@dataclass
+class Features:
+    """What a prompt with images feeds the language model, per position (the vision tower's
+    output scattered over the image tokens; Qwen's 3-D positions; Qwen3-VL's deepstack)."""
+
+    embeddings: mx.array | None  # [1, n, hidden]; None: the token ids (no image left to feed)
+    positions: mx.array | None  # [3, 1, n] (M-RoPE families)
+    rope_delta: int  # positions after the last image run behind token indices by this
+    visual: np.ndarray | None = None  # [n] bool: image positions (deepstack)
+    deepstack: list[mx.array] | None = None  # per layer, [image positions, hidden]
+
+    def chunk(self, start: int, end: int) -> dict[str, Any]:
+        """The language model's inputs for positions [start, end)."""
+        out: dict[str, Any] = {}
+        if self.embeddings is not None:
+            out["inputs_embeds"] = self.embeddings[:, start:end]
+        if self.positions is not None:
+            out["position_ids"] = self.positions[..., start:end]
+        if self.visual is not None and self.deepstack is not None:
+            window = self.visual[start:end]
+            if window.any():
+                first = int(self.visual[:start].sum())
+                rows = mx.arange(first, first + int(window.sum()))
+                out["visual_pos_masks"] = mx.array(window[None])
+                out["deepstack_visual_embeds"] = [layer[rows] for layer in self.deepstack]
+        return out
+
+
+class VisionAdapter(ModelAdapter):
+    """What the engine needs from an mlx-vlm model: its language model batched as mlx-lm's are
+    (mlx-lm's caches drop in: the attention code only updates and reads them), the vision tower
+    run on a prompt's images (`features`), and per-row rope offsets for Qwen's M-RoPE."""
+
+    def __init__(self, model: nn.Module, kv_bits: int = 0, kv_group_size: int = 64) -> None:
+        super().__init__(model, kv_bits, kv_group_size)
+        # (As the base does for modules' arrays: those of helper objects, e.g. Pixtral's
+        # rotary embedding, are computed here too, not first on the engine's thread.)
+        mx.eval(
+            [
+                value
+                for module in model.modules()
+                for helper in vars(module).values()
+                if not isinstance(helper, nn.Module) and hasattr(helper, "__dict__")
+                for value in vars(helper).values()
+                if isinstance(value, mx.array)
+            ]
+        )
+        self.language_model = model.language_model
+        self.m_rope = hasattr(self.language_model, "get_rope_index")
+        tower = getattr(model, "vision_tower", None)
+        blocks = _vision_blocks(tower) if tower is not None else []
+        self._tower_check = _make_stoppable(blocks) if blocks else None
+
+    @property
+    def per_row_positions(self) -> bool:
+        return self.m_rope
+
+    def make_cache(self) -> list[Any]:
+        made = getattr(self.language_model, "make_cache", None)
+        own = made() if made is not None else [None] * len(self.layers)
+        caches: list[Any] = []
+        for cache in own:
+            kind = type(cache).__name__
+            if cache is None or kind == "KVCache":
+                caches.append(
+                    QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
+                    if self.kv_bits
+                    else KVCache()
+                )
+            elif kind == "RotatingKVCache":
+                caches.append(RotatingKVCache(max_size=cache.max_size, keep=cache.keep))
+            else:
+                raise ValueError(f"the engine cannot batch this vision model's {kind} layers")
+        return caches
+
+    def check_quantized_kv(self) -> str:
+        return "quantized keys/values in every full-attention layer"
+
+    def features(
+        self, ids: list[int], images: PromptImages, start: int, should_stop: Callable[[], bool]
+    ) -> Features | None:
+        """The prompt's inputs from position `start` on: the vision tower run on its images if
+        any image token lies there (stopping between blocks if `should_stop` says so: None).
+        `ids` is the whole prompt."""
+        inputs = {k: mx.array(v) for k, v in images.inputs.items()}
+        pixels = inputs.pop("pixel_values", None)
+        tokens = mx.array(ids)[None]
+        mask = mx.ones(tokens.shape, dtype=mx.int32)
+        needed = any(s.start + s.length > start for s in images.spans)
+        if not needed:
+            positions, delta = None, 0
+            if self.m_rope:
+                grid = inputs.get("image_grid_thw")
+                positions, deltas = self.language_model.get_rope_index(
+                    tokens, grid, None, mask
+                )
+                delta = int(np.array(deltas).reshape(-1)[0])
+            return Features(None, positions, delta)
+        if self._tower_check is not None:
+            self._tower_check.should_stop = should_stop
+        try:
+            out = self.model.get_input_embeddings(tokens, pixels, mask=mask, **inputs)
+            mx.eval(out.inputs_embeds)
+        except _Stopped:
+            return None
+        finally:
+            if self._tower_check is not None:
+                self._tower_check.should_stop = None
+        deltas = getattr(out, "rope_deltas", None)
+        visual = getattr(out, "visual_pos_masks", None)
+        return Features(
+            out.inputs_embeds,
+            getattr(out, "position_ids", None) if self.m_rope else None,
+            int(np.array(deltas).reshape(-1)[0]) if deltas is not None and self.m_rope else 0,
+            np.array(visual).reshape(-1) if visual is not None else None,
+            getattr(out, "deepstack_visual_embeds", None),
+        )
+
+    def prefill(
+        self,
+        tokens: mx.array,
+        caches: Sequence[Any],
+        should_stop: Callable[[], bool] | None = None,
+        scaled: ScaledRows = True,
+        inputs: dict[str, Any] | None = None,
+    ) -> bool:
+        """As `ModelAdapter.prefill`; `inputs`: the chunk's embeddings and positions
+        (`Features.chunk`) for a prompt with images."""
+        inputs = dict(inputs or {})
+        if self.m_rope and "position_ids" not in inputs:
+            inputs["position_ids"] = self._positions(caches, tokens.shape, None)
+        self._check.should_stop = should_stop
+        try:
+            self.backbone(tokens, cache=caches, **inputs)
+        except _Stopped:
+            return False
+        finally:
+            self._check.should_stop = None
+        mx.eval([c.state for c in caches])
+        return True
+
+    def decode(
+        self,
+        inputs: mx.array,
+        caches: Sequence[Any],
+        scaled: ScaledRows = True,
+        rope_deltas: np.ndarray | None = None,
+    ) -> mx.array:
+        return self.verify(inputs[:, None], caches, scaled, rope_deltas)[:, -1, :]
+
+    def verify(
+        self,
+        inputs: mx.array,
+        caches: Sequence[Any],
+        scaled: ScaledRows = True,
+        rope_deltas: np.ndarray | None = None,
+    ) -> mx.array:
+        extra = {}
+        if self.m_rope:
+            extra["position_ids"] = self._positions(caches, inputs.shape, rope_deltas)
+        logits: mx.array = self.language_model(inputs, cache=caches, **extra).logits
+        return logits
+
+    def _positions(
+        self, caches: Sequence[Any], shape: tuple[int, ...], deltas: np.ndarray | None
+    ) -> mx.array:
+        """M-RoPE positions [3, rows, n] for `n` new tokens a row: its cache's length on, moved
+        by the row's rope delta (0 for a text-only row)."""
+        rows, n = shape
+        offset = caches[0].offset
+        start = offset[:, None] if isinstance(offset, mx.array) else mx.full((rows, 1), offset)
+        if deltas is not None:
+            start = start + mx.array(deltas.reshape(rows, 1).astype(np.int32))
+        positions = start + mx.arange(n)[None]
+        return mx.broadcast_to(positions[None], (3, rows, n))
+
+
+def _vision_blocks(tower: nn.Module) -> list[nn.Module]:
+    """The vision tower's transformer blocks: its longest `blocks` or `layers` list (Qwen's
+    `blocks`, SigLIP's and Pixtral's `layers`)."""
+    best: list[nn.Module] = []
+    for _, module in tower.named_modules():
+        for name in ("blocks", "layers"):
+            value = getattr(module, name, None)
+            if isinstance(value, list) and len(value) > len(best):
+                best = value
+    return best
