@@ -466,7 +466,8 @@ class Prefill:
         if features is None:
             return False
         pending.features = features
-        self.metrics.vision_s.append(time.perf_counter() - started)
+        if features.embeddings is not None:  # (the tower ran)
+            self.metrics.vision_s.append(time.perf_counter() - started)
         return True
 
     def _mend(self, pending: Pending) -> None:

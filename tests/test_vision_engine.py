@@ -1,0 +1,254 @@
+"""The engine serving the tiny VLMs (tests/tiny_vlms.py) with images: greedy output equals mlx-vlm's
+own generation on the same prompt and image, alone and continuously batched with text-only
+requests and other images; the prefix cache knows an image by its content; a cancel stops the
+vision tower between blocks."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import tiny_vlms
+from tiny_engine import Expected, Served, assert_same, wait_until
+
+from mlxgate import chat, models
+from mlxgate._native import Reader, Reply, Router, StreamSpec, Vocab
+from mlxgate.engine import Engine, EngineSettings, GenerationRequest
+from mlxgate.models import LoadedModel
+from mlxgate.models.vision import VisionPrompts
+
+FAMILIES = sorted(tiny_vlms.FAMILIES)
+STEPS = 8
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+class VisionServed:
+    """The engine over one tiny VLM, loaded as `--model DIR` loads it; token i reads `i,`."""
+
+    def __init__(self, loaded: LoadedModel, **settings: Any) -> None:
+        self.loaded = loaded
+        rows = loaded.model.language_model.model.embed_tokens.weight.shape[0]
+        vocab = Vocab.from_token_bytes([f"{i},".encode() for i in range(rows)], [])
+        self.engine = Engine(loaded, Router(vocab), EngineSettings(**settings))
+        self.engine.start()
+
+    @property
+    def vision(self) -> VisionPrompts:
+        assert self.loaded.vision is not None
+        return self.loaded.vision
+
+    def request(self, text: str, images: list[Any]) -> GenerationRequest:
+        spec = StreamSpec.anthropic(
+            model="tiny", message_id="msg_t", stream=False, stop_sequences=[], reply=Reply(eos_ids=[])
+        )
+        if not images:
+            return GenerationRequest(self.loaded.tokenizer.encode(text), spec, STEPS)
+        prepared = self.vision.prepare(text, [loaded_image(i) for i in images])
+        return GenerationRequest(prepared.ids, spec, STEPS, images=prepared.images)
+
+    def submit(self, request: GenerationRequest) -> Reader:
+        return self.engine.admit(request)
+
+
+def loaded_image(image: Any) -> chat.LoadedImage:
+    data = io.BytesIO()
+    image.save(data, format="PNG")
+    return chat.LoadedImage(image, hashlib.sha256(data.getvalue()).digest())
+
+
+_served: dict[str, VisionServed] = {}
+
+
+@pytest.fixture(scope="module")
+def directories() -> Iterator[dict[str, Path]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        yield {f: tiny_vlms.write(f, Path(tmp) / f) for f in FAMILIES}
+
+
+def served(directories: dict[str, Path], family: str, **settings: Any) -> VisionServed:
+    key = f"{family}{sorted(settings.items())}"
+    if key not in _served:
+        _served[key] = VisionServed(models.load(str(directories[family])), **settings)
+    return _served[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_engines() -> Iterator[None]:
+    yield
+    for server in _served.values():
+        server.engine.stop()
+    _served.clear()
+
+
+def prompt(family: str, text: str, image: bool = True) -> str:
+    """The family's one-image prompt for `text` (without its image if not `image`)."""
+    template = tiny_vlms.PROMPTS[family]
+    if not image:
+        for mark in ("<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>", "[IMG]"):
+            template = template.replace(mark, "")
+    return template.format(text=text)
+
+
+def reference(server: VisionServed, text: str, images: list[Any]) -> Expected:
+    """mlx-vlm's own greedy generation."""
+    from mlx_vlm import stream_generate
+
+    loaded = server.loaded
+    out = Expected([], [])
+    for step in stream_generate(
+        loaded.model,
+        server.vision.processor,
+        text,
+        image=images or None,
+        max_tokens=STEPS,
+        temperature=0.0,
+    ):
+        if len(out.tokens) == STEPS:
+            break
+        out.tokens.append(int(step.token))
+        out.logprobs.append(np.array(step.logprobs.astype(mx.float32)).reshape(-1))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_image_prompt_gives_mlx_vlm_tokens(directories: dict[str, Path], family: str) -> None:
+    server = served(directories, family)
+    text = prompt(family, "Describe the image.")
+    image = tiny_vlms.image(0)
+    tokens, usage = Served.result(server.submit(server.request(text, [image])))
+    assert_same(tokens, reference(server, text, [image]), family)
+    assert usage["input_tokens"] > len(server.loaded.tokenizer.encode(text))  # image tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_with_text_and_other_images(directories: dict[str, Path], family: str) -> None:
+    """Three at once: an image, text only, another image (another size): each is its own
+    mlx-vlm output, continuously batched with the others."""
+    server = served(directories, family)
+    asks = [
+        (prompt(family, "Describe the image."), [tiny_vlms.image(0)]),
+        (prompt(family, "Say something about cats, at length.", image=False), []),
+        (prompt(family, "What is in this picture?"), [tiny_vlms.image(1, 120, 100)]),
+    ]
+    before = server.engine.metrics.steps
+    readers = [server.submit(server.request(text, images)) for text, images in asks]
+    for reader, (text, images) in zip(readers, asks, strict=True):
+        tokens, _ = Served.result(reader)
+        assert_same(tokens, reference(server, text, images), f"{family} {text!r}")
+    # Together: fewer steps than one after the other.
+    assert server.engine.metrics.steps - before < 3 * (STEPS + 1)
+
+
+def test_two_images_in_one_prompt(directories: dict[str, Path]) -> None:
+    family = "qwen2_5_vl"
+    server = served(directories, family)
+    mark = "<|vision_start|><|image_pad|><|vision_end|>"
+    text = prompt(family, f"Compare {mark} with the first.")
+    images = [tiny_vlms.image(0), tiny_vlms.image(1, 120, 100)]
+    request = server.request(text, images)
+    assert request.images is not None and len(request.images.spans) == 2
+    tokens, _ = Served.result(server.submit(request))
+    assert_same(tokens, reference(server, text, images), "two images")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
+def test_the_same_image_next_turn_is_a_cache_hit(
+    directories: dict[str, Path], family: str
+) -> None:
+    """Turn 2 (turn 1, its reply and a new question) reuses turn 1's keys/values through the
+    image, without running the vision tower again; the answer is the one computed from
+    scratch. The same turn with another image reuses nothing from the image on."""
+    server = served(directories, family)
+    fresh = served(directories, family, prefix_cache_mb=0)
+    first = server.request(prompt(family, "Describe the image."), [tiny_vlms.image(0)])
+    reply, _ = Served.result(server.submit(first))
+    assert first.images is not None
+    span = first.images.spans[0]
+    more = server.loaded.tokenizer.encode("And now in French?")
+    second = GenerationRequest(
+        [*first.prompt_ids, *reply[:-1], *more], first.stream, STEPS, images=first.images
+    )
+    encoded = server.engine.metrics.vision_s.count
+    tokens, usage = Served.result(server.submit(second))
+    assert usage["cache_read_input_tokens"] >= span.start + span.length
+    assert server.engine.metrics.vision_s.count == encoded  # the image came from the cache
+    alone, fresh_usage = Served.result(fresh.submit(second))
+    assert fresh_usage["cache_read_input_tokens"] == 0
+    assert tokens == alone
+
+    other = server.vision.prepare(
+        prompt(family, "Describe the image."), [loaded_image(tiny_vlms.image(1))]
+    )
+    assert other.ids[: span.start] == first.prompt_ids[: span.start]
+    third = GenerationRequest(
+        [*other.ids, *reply[:-1], *more], first.stream, STEPS, images=other.images
+    )
+    tokens, usage = Served.result(server.submit(third))
+    assert usage["cache_read_input_tokens"] <= span.start
+    assert server.engine.metrics.vision_s.count == encoded + 1
+    alone, _ = Served.result(fresh.submit(third))
+    assert tokens == alone
+
+
+class _Hook(nn.Module):
+    """Runs `inner`, calling `before` first."""
+
+    def __init__(self, inner: nn.Module, before: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.before = before
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.before()
+        return self.inner(*args, **kwargs)
+
+
+def test_cancel_during_the_vision_tower_stops_it(directories: dict[str, Path]) -> None:
+    """The client leaves while the first vision block runs: the tower stops after it (the last
+    block never runs), the stream ends cancelled, and the engine goes on serving."""
+    family = "qwen2_5_vl"
+    server = served(directories, family)
+    blocks = server.loaded.model.vision_tower.blocks
+    calls = {"first": 0, "last": 0}
+    box: dict[str, Reader] = {}
+    arrived = threading.Event()
+
+    def first() -> None:
+        calls["first"] += 1
+        arrived.wait(10)
+        box["reader"].cancel()
+
+    def last() -> None:
+        calls["last"] += 1
+
+    first_mlp, last_mlp = blocks[0].mlp, blocks[-1].mlp
+    blocks[0].mlp = _Hook(first_mlp, first)
+    blocks[-1].mlp = _Hook(last_mlp, last)
+    try:
+        cancelled = server.engine.metrics.requests_cancelled
+        text = prompt(family, "Describe the image.")
+        box["reader"] = server.submit(server.request(text, [tiny_vlms.image(1, 90, 70)]))
+        arrived.set()
+        wait_until(
+            lambda: server.engine.metrics.requests_cancelled > cancelled, server.engine
+        )
+        assert calls == {"first": 1, "last": 0}
+    finally:
+        blocks[0].mlp, blocks[-1].mlp = first_mlp, last_mlp
+    image = tiny_vlms.image(1, 90, 70)
+    tokens, _ = Served.result(server.submit(server.request(text, [image])))
+    assert_same(tokens, reference(server, text, [image]), "after the cancel")
