@@ -53,7 +53,11 @@ class VisionServed:
 
     def request(self, text: str, images: list[Any]) -> GenerationRequest:
         spec = StreamSpec.anthropic(
-            model="tiny", message_id="msg_t", stream=False, stop_sequences=[], reply=Reply(eos_ids=[])
+            model="tiny",
+            message_id="msg_t",
+            stream=False,
+            stop_sequences=[],
+            reply=Reply(eos_ids=[]),
         )
         if not images:
             return GenerationRequest(self.loaded.tokenizer.encode(text), spec, STEPS)
@@ -166,9 +170,7 @@ def test_two_images_in_one_prompt(directories: dict[str, Path]) -> None:
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
-def test_the_same_image_next_turn_is_a_cache_hit(
-    directories: dict[str, Path], family: str
-) -> None:
+def test_the_same_image_next_turn_is_a_cache_hit(directories: dict[str, Path], family: str) -> None:
     """Turn 2 (turn 1, its reply and a new question) reuses turn 1's keys/values through the
     image, without running the vision tower again; the answer is the one computed from
     scratch. The same turn with another image reuses nothing from the image on."""
@@ -243,9 +245,7 @@ def test_cancel_during_the_vision_tower_stops_it(directories: dict[str, Path]) -
         text = prompt(family, "Describe the image.")
         box["reader"] = server.submit(server.request(text, [tiny_vlms.image(1, 90, 70)]))
         arrived.set()
-        wait_until(
-            lambda: server.engine.metrics.requests_cancelled > cancelled, server.engine
-        )
+        wait_until(lambda: server.engine.metrics.requests_cancelled > cancelled, server.engine)
         assert calls == {"first": 1, "last": 0}
     finally:
         blocks[0].mlp, blocks[-1].mlp = first_mlp, last_mlp

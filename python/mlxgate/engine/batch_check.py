@@ -78,8 +78,7 @@ def _decode(
 def _alone(adapter: ModelAdapter) -> list[mx.array]:
     """Each prompt's last logits, computed alone."""
     return [
-        adapter.verify(mx.array([p], dtype=mx.uint32), adapter.make_cache())[0, -1]
-        for p in PROMPTS
+        adapter.verify(mx.array([p], dtype=mx.uint32), adapter.make_cache())[0, -1] for p in PROMPTS
     ]
 
 

@@ -443,9 +443,7 @@ class Prefill:
     ) -> bool:
         """Prefill `tokens` into `caches`; False once `left(cancelled stream ids)` says its
         clients went away (checked after each layer, where the model allows)."""
-        return self.adapter.prefill(
-            tokens, caches, lambda: left(self._cancelled()), scaled, inputs
-        )
+        return self.adapter.prefill(tokens, caches, lambda: left(self._cancelled()), scaled, inputs)
 
     def _encode(self, pending: Pending) -> bool:
         """A prompt's images through the model's vision tower (skipped where its cached prefix

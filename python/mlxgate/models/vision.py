@@ -59,7 +59,9 @@ def vision_config(path: Path) -> dict[str, Any] | None:
     return config
 
 
-def load(path: Path, context_length: int | None) -> tuple[nn.Module, ChatTokenizer, VisionPrompts, int]:
+def load(
+    path: Path, context_length: int | None
+) -> tuple[nn.Module, ChatTokenizer, VisionPrompts, int]:
     """mlx-vlm's model and processor from `path`; the chat tokenizer (the processor's chat
     template, which knows images); and the context served (the model's own unless less is
     asked: its rope is not scaled)."""
@@ -169,11 +171,10 @@ class VisionPrompts:
                 f"the prompt's {len(images)} images became {len(spans)} runs of image tokens "
                 "(is an image placeholder written in the text?)"
             )
-        extras = b"".join(
-            np.ascontiguousarray(v).tobytes() for k, v in sorted(arrays.items()) if k != "pixel_values"
-        )
+        # The same file makes the same pixels here (one processor): its hash and its tokens'
+        # count identify what the model sees, whatever else the prompt holds.
         keyed = tuple(
-            ImageSpan(start, length, hashlib.sha256(image.digest + extras).digest())
+            ImageSpan(start, length, hashlib.sha256(image.digest + length.to_bytes(8)).digest())
             for (start, length), image in zip(spans, images, strict=True)
         )
         return Prepared(ids.tolist(), PromptImages(keyed, arrays))
@@ -287,9 +288,7 @@ class VisionAdapter(ModelAdapter):
             positions, delta = None, 0
             if self.m_rope:
                 grid = inputs.get("image_grid_thw")
-                positions, deltas = self.language_model.get_rope_index(
-                    tokens, grid, None, mask
-                )
+                positions, deltas = self.language_model.get_rope_index(tokens, grid, None, mask)
                 delta = int(np.array(deltas).reshape(-1)[0])
             return Features(None, positions, delta)
         if self._tower_check is not None:
