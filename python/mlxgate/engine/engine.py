@@ -47,11 +47,15 @@ from mlxgate.engine.prefix_cache import PrefixCache
 from mlxgate.engine.sampling import Sampler
 from mlxgate.engine.settings import EngineSettings
 from mlxgate.engine.speculation import Drafts, Speculation
+from mlxgate.engine.vision_jobs import VisionJobs
 from mlxgate.models import LoadedModel
 from mlxgate.models.adapter import ModelAdapter
 from mlxgate.models.rope_switch import ScaledRows
 
 log = logging.getLogger("mlxgate.engine")
+
+# How often an engine with nothing to do but wait for vision towers looks for cancels.
+VISION_POLL_S = 0.05
 
 
 @dataclasses.dataclass(eq=False)
@@ -170,6 +174,7 @@ class Engine:
             join=self._add_rows,
             cached=lambda stream_id, tokens, tier: self.router.cached(stream_id, tokens, tier),
             memory=self.kv_memory,
+            vision=self._vision_jobs(),
         )
         self._rows: dict[int, _Row] = {}  # by stream id
         self._batch = DecodeBatch(self.layout, self._banded)
@@ -245,8 +250,9 @@ class Engine:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._running.clear()
-        with self._wakeup:
-            self._wakeup.notify()
+        if self.prefill.vision is not None:
+            self.prefill.vision.stop()
+        self._notify()
         if self._thread is not None:
             self._thread.join(timeout)
         self.prefix_cache.close()
@@ -265,6 +271,8 @@ class Engine:
             with self._wakeup:
                 if not self._has_work():
                     self._wakeup.wait(timeout=1.0)
+                elif self._waits_for_vision():
+                    self._wakeup.wait(timeout=VISION_POLL_S)
             self._take_incoming()
             worked = self._has_work()
             try:
@@ -278,6 +286,23 @@ class Engine:
 
     def _has_work(self) -> bool:
         return bool(self._incoming or self.prefill.waiting or len(self._batch))
+
+    def _waits_for_vision(self) -> bool:
+        """Whether every prompt waits for its images' vision tower, and nothing decodes: the
+        engine sleeps until a job finishes, stepping every VISION_POLL_S all the same (for
+        cancels, which stop the tower, and keep-alives)."""
+        return not (self._incoming or len(self._batch)) and self.prefill.blocked_on_vision()
+
+    def _notify(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify()
+
+    def _vision_jobs(self) -> VisionJobs | None:
+        from mlxgate.models.vision import VisionAdapter
+
+        if not isinstance(self._adapter, VisionAdapter):
+            return None
+        return VisionJobs(self._adapter, self._notify)
 
     def _tidy_heap(self) -> None:
         """After a step that worked: give the heap's free pages back every few seconds of work,

@@ -47,6 +47,7 @@ from mlxgate.models.adapter import ModelAdapter
 from mlxgate.models.rope_switch import ScaledRows
 
 if TYPE_CHECKING:
+    from mlxgate.engine.vision_jobs import VisionJob, VisionJobs
     from mlxgate.models.vision import Features
 
 
@@ -73,8 +74,10 @@ class Pending:
     # More choices of the same prompt (OpenAI's `n`): prefilled with this one, then each decodes
     # from its own copy of the cache.
     siblings: list[Pending] = field(default_factory=list)
-    # A prompt with images: what the vision step made of them (models/vision.py), once it ran.
+    # A prompt with images: what the vision tower made of them (models/vision.py), once made,
+    # and the job making them (engine/vision_jobs.py).
     features: Features | None = None
+    vision_job: VisionJob | None = None
 
     @property
     def rope_delta(self) -> int:
@@ -109,7 +112,7 @@ class Pending:
             lead = staying[0]
             lead.match, lead.caches, lead.done = self.match, self.caches, self.done
             lead.last_chunk, lead.torn = self.last_chunk, self.torn
-            lead.features = self.features
+            lead.features, lead.vision_job = self.features, self.vision_job
         staying[0].siblings = staying[1:]
         return staying[0]
 
@@ -145,11 +148,13 @@ class Prefill:
         join: Join,
         cached: Callable[[int, int, str], None] = lambda stream_id, tokens, tier: None,
         memory: KVMemory | None = None,
+        vision: VisionJobs | None = None,
     ) -> None:
         """`grouped`: whether several prompts may share a pass. `cancelled`: the stream ids whose
         clients left (polled during passes); `ping` sends a stream a keep-alive; `join` adds
         prefilled sequences to the decode batch; `cached` tells a stream how much of its prompt
-        was reused after all; `memory`: the KV memory budget, if any."""
+        was reused after all; `memory`: the KV memory budget, if any; `vision`: where a vision
+        model's prompts have their images encoded."""
         self.adapter = adapter
         self.layout = layout
         self.prefix_cache = prefix_cache
@@ -162,6 +167,7 @@ class Prefill:
         self._join = join
         self._cached = cached
         self.memory = memory
+        self.vision = vision
         self.waiting: deque[Pending] = deque()
         # Taken from the queue by this step's prefill and not yet in the batch.
         self.joining: list[Pending] = []
@@ -230,12 +236,7 @@ class Prefill:
                     kv_room -= need
                 self._start(pending)
             if pending.request.images is not None and pending.features is None:
-                # The vision step: the prompt's images through the vision tower, a pass of its own.
-                if not self._encode(pending):
-                    break  # its client left meanwhile; the next step drops it
-                spent += 1
-                if not idle:
-                    break  # the step's prefill, beside the decoding streams
+                self._encode(pending)
             steered = False
             if allowance_s is not None and (last := pending.last_chunk) is not None:
                 left_s = allowance_s - (time.perf_counter() - started)
@@ -295,7 +296,9 @@ class Prefill:
         ready: deque[Pending] = deque()
         held: list[Pending] = []
         for index, pending in enumerate(ranked):
-            if pending.caches is None and self._waits_for_prefix(pending, ranked[:index]):
+            if not self._images_ready(pending):
+                held.append(pending)
+            elif pending.caches is None and self._waits_for_prefix(pending, ranked[:index]):
                 pending.held = True
                 held.append(pending)
             else:
@@ -358,7 +361,10 @@ class Prefill:
         for pending in self.waiting:
             if (kept := pending.without(gone)) is not None:
                 staying.append(kept)
-            elif pending.done and (caches := self._finished_part(pending)) is not None:
+                continue
+            if pending.vision_job is not None:
+                pending.vision_job.abandoned = True  # the tower stops after its current block
+            if pending.done and (caches := self._finished_part(pending)) is not None:
                 self._store(pending, pending.done, caches)
         self.waiting = deque(staying)
         return waiting - len(self.waiting)
@@ -366,6 +372,9 @@ class Prefill:
     def clear(self) -> list[int]:
         """Forget every sequence (after a failed step); returns their stream ids."""
         held = [c.stream_id for p in (*self.joining, *self.waiting) for c in p.choices]
+        for pending in self.waiting:
+            if pending.vision_job is not None:
+                pending.vision_job.abandoned = True
         self.waiting.clear()
         self.joining = []
         return held
@@ -445,28 +454,42 @@ class Prefill:
         clients went away (checked after each layer, where the model allows)."""
         return self.adapter.prefill(tokens, caches, lambda: left(self._cancelled()), scaled, inputs)
 
-    def _encode(self, pending: Pending) -> bool:
-        """A prompt's images through the model's vision tower (skipped where its cached prefix
-        holds them all); False if its clients left meanwhile (checked after each block)."""
+    def _images_ready(self, pending: Pending) -> bool:
+        """Whether the prompt's images are encoded, or need not be: those its cached prefix
+        holds. Else its vision job is started (engine/vision_jobs.py), if it was not."""
+        images = pending.request.images
+        if images is None or pending.features is not None:
+            return True
+        job = pending.vision_job
+        if job is None:
+            cached = pending.match.length if pending.match is not None else pending.done
+            if all(span.start + span.length <= cached for span in images.spans):
+                return True  # (its positions are made as it starts: `_encode`)
+            assert self.vision is not None
+            job = pending.vision_job = self.vision.submit(pending.request.prompt_ids, images)
+        return job.done.is_set()
+
+    def blocked_on_vision(self) -> bool:
+        """Whether every waiting prompt waits for its vision job."""
+        return bool(self.waiting) and all(
+            p.vision_job is not None and not p.vision_job.done.is_set() for p in self.waiting
+        )
+
+    def _encode(self, pending: Pending) -> None:
+        """The prompt's features: its vision job's, or (its images all in its cached prefix)
+        just its positions."""
         from mlxgate.models.vision import VisionAdapter
 
-        adapter = self.adapter
-        images = pending.request.images
+        job = pending.vision_job
+        if job is not None:
+            if job.features is None:
+                raise RuntimeError(f"the vision tower failed: {job.error}")
+            pending.features = job.features
+            self.metrics.vision_s.append(job.seconds)
+            return
+        adapter, images = self.adapter, pending.request.images
         assert isinstance(adapter, VisionAdapter) and images is not None
-        ids = {p.stream_id for p in pending.choices}
-        started = time.perf_counter()
-        features = adapter.features(
-            pending.request.prompt_ids,
-            images,
-            pending.done,
-            lambda: ids <= self._cancelled(),
-        )
-        if features is None:
-            return False
-        pending.features = features
-        if features.embeddings is not None:  # (the tower ran)
-            self.metrics.vision_s.append(time.perf_counter() - started)
-        return True
+        pending.features = adapter.positions(pending.request.prompt_ids, images)
 
     def _mend(self, pending: Pending) -> None:
         """A torn prefill that goes on (another choice of its prompt leads now): its caches are

@@ -274,42 +274,50 @@ class VisionAdapter(ModelAdapter):
         return "quantized keys/values in every full-attention layer"
 
     def features(
-        self, ids: list[int], images: PromptImages, start: int, should_stop: Callable[[], bool]
+        self, ids: list[int], images: PromptImages, should_stop: Callable[[], bool]
     ) -> Features | None:
-        """The prompt's inputs from position `start` on: the vision tower run on its images if
-        any image token lies there (stopping between blocks if `should_stop` says so: None).
-        `ids` is the whole prompt."""
+        """The whole prompt's (`ids`) inputs, the vision tower run on its images; None if
+        `should_stop` said so between two of the tower's blocks. Every array evaluated: the
+        engine's thread reads them (engine/vision_jobs.py runs this on a thread of its own)."""
         inputs = {k: mx.array(v) for k, v in images.inputs.items()}
         pixels = inputs.pop("pixel_values", None)
         tokens = mx.array(ids)[None]
-        mask = mx.ones(tokens.shape, dtype=mx.int32)
-        needed = any(s.start + s.length > start for s in images.spans)
-        if not needed:
-            positions, delta = None, 0
-            if self.m_rope:
-                grid = inputs.get("image_grid_thw")
-                positions, deltas = self.language_model.get_rope_index(tokens, grid, None, mask)
-                delta = int(np.array(deltas).reshape(-1)[0])
-            return Features(None, positions, delta)
         if self._tower_check is not None:
             self._tower_check.should_stop = should_stop
         try:
-            out = self.model.get_input_embeddings(tokens, pixels, mask=mask, **inputs)
-            mx.eval(out.inputs_embeds)
+            out = self.model.get_input_embeddings(
+                tokens, pixels, mask=mx.ones(tokens.shape, dtype=mx.int32), **inputs
+            )
+            deltas = getattr(out, "rope_deltas", None)
+            visual = getattr(out, "visual_pos_masks", None)
+            features = Features(
+                out.inputs_embeds,
+                getattr(out, "position_ids", None) if self.m_rope else None,
+                int(np.array(deltas).reshape(-1)[0]) if deltas is not None and self.m_rope else 0,
+                np.array(visual).reshape(-1) if visual is not None else None,
+                getattr(out, "deepstack_visual_embeds", None),
+            )
+            mx.eval([features.embeddings, features.positions, features.deepstack])
         except _Stopped:
             return None
         finally:
             if self._tower_check is not None:
                 self._tower_check.should_stop = None
-        deltas = getattr(out, "rope_deltas", None)
-        visual = getattr(out, "visual_pos_masks", None)
-        return Features(
-            out.inputs_embeds,
-            getattr(out, "position_ids", None) if self.m_rope else None,
-            int(np.array(deltas).reshape(-1)[0]) if deltas is not None and self.m_rope else 0,
-            np.array(visual).reshape(-1) if visual is not None else None,
-            getattr(out, "deepstack_visual_embeds", None),
+        return features
+
+    def positions(self, ids: list[int], images: PromptImages) -> Features:
+        """The prompt's inputs where its images need not be encoded (they are all in its cached
+        prefix): token ids, and for M-RoPE the positions its images' grids make."""
+        if not self.m_rope:
+            return Features(None, None, 0)
+        tokens = mx.array(ids)[None]
+        positions, deltas = self.language_model.get_rope_index(
+            tokens,
+            mx.array(images.inputs["image_grid_thw"]),
+            None,
+            mx.ones(tokens.shape, dtype=mx.int32),
         )
+        return Features(None, positions, int(np.array(deltas).reshape(-1)[0]))
 
     def prefill(
         self,
