@@ -255,3 +255,33 @@ def test_cancel_during_the_vision_tower_stops_it(directories: dict[str, Path]) -
     image = tiny_vlms.image(1, 90, 70)
     tokens, _ = Served.result(server.submit(server.request(text, [image])))
     assert_same(tokens, reference(server, text, [image]), "after the cancel")
+
+
+def test_streams_decode_while_the_vision_tower_runs(directories: dict[str, Path]) -> None:
+    """The tower runs beside the engine's steps: a text stream started before the image request
+    goes on decoding while the tower is held in its first block (it finishes meanwhile), and
+    both answers are mlx-vlm's."""
+    family = "gemma3"
+    server = served(directories, family)
+    blocks = server.loaded.model.vision_tower.vision_model.encoder.layers
+    box: dict[str, Reader] = {}
+    finished = threading.Event()
+
+    def hold() -> None:  # (on the vision thread)
+        finished.wait(60)
+
+    original = blocks[0].mlp
+    text = prompt(family, "Tell me a long story about the sea.", image=False)
+    blocks[0].mlp = _Hook(original, hold)
+    try:
+        box["text"] = server.submit(server.request(text, []))
+        image_text = prompt(family, "Describe the image.")
+        box["image"] = server.submit(server.request(image_text, [tiny_vlms.image(0)]))
+        tokens, _ = Served.result(box["text"])  # while the tower waits in its first block
+        finished.set()
+    finally:
+        finished.set()
+        blocks[0].mlp = original
+    assert_same(tokens, reference(server, text, []), "the text stream")
+    image_tokens, _ = Served.result(box["image"])
+    assert_same(image_tokens, reference(server, image_text, [tiny_vlms.image(0)]), "the image")
