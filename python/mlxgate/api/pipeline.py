@@ -15,7 +15,6 @@ from mlxgate import chat
 from mlxgate._native import Dialect, ErrorKind, Reader, Reply, StreamSpec
 from mlxgate.api.delivery import respond
 from mlxgate.api.errors import ApiError, invalid
-from mlxgate.api.images import load_images
 from mlxgate.api.http import (
     MODEL,
     MODEL_WAIT,
@@ -25,6 +24,7 @@ from mlxgate.api.http import (
     Send,
     start_event_stream,
 )
+from mlxgate.api.images import load_images
 from mlxgate.config import Config
 from mlxgate.engine import (
     AdmissionError,

@@ -203,7 +203,9 @@ class Connection:
         if drain.draining:
             raise shutting_down(drain)
         with guard.slot(self.client), drain.running():
-            reader = await self.api.pipeline.admit(served, request, prepared.conversation, prepared.spec)
+            reader = await self.api.pipeline.admit(
+                served, request, prepared.conversation, prepared.spec
+            )
             await unless_gone(self.gone.wait(), [reader], self.relay(reader))
         self.remember(request, history, prepared.response_id, reader.result)
         return reader
