@@ -17,9 +17,10 @@ import time
 import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anthropic
+import httpx2
 import openai
 import pytest
 from PIL import Image
@@ -36,6 +37,10 @@ from mlxgate.api.responses.requests import ResponsesRequest
 from mlxgate.api.responses.requests import conversation as responses_conversation
 from mlxgate.api.responses.requests import tools as responses_tools
 from mlxgate.config import Config
+from mlxgate.models.vision import VisionPrompts
+
+if TYPE_CHECKING:
+    from mlxgate.app import App
 
 
 def picture(size: tuple[int, int] = (4, 3), fmt: str = "PNG", color: str = "red") -> bytes:
@@ -425,3 +430,135 @@ def test_a_text_only_model_answers_images_with_400_and_serves_on(server: Running
         model="m", max_tokens=4, messages=[{"role": "user", "content": "Hello"}]
     )
     assert answer.content
+
+
+class EchoVision(VisionPrompts):
+    """A vision model's stand-in: the prompt stays the text one (its marks as text), and the
+    images it was given are kept for the test to see."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[chat.LoadedImage]] = []
+
+    def prompt(self, rendered: chat.Prompt, images: list[chat.LoadedImage]) -> chat.Prompt:
+        self.seen.append(images)
+        return rendered
+
+
+@pytest.fixture(scope="module")
+def vision_app() -> Iterator[tuple[App, EchoVision]]:
+    """The embedded model in process, its prompts taking images through `EchoVision`; URLs
+    allowed, within half a second, at most three images a request."""
+    from mlxgate.app import build_app
+
+    config = Config(
+        allowed_hosts=("mlxgate.test",),
+        allow_image_urls=True,
+        image_url_timeout=0.5,
+        max_images=3,
+        max_image_bytes=100_000,
+    )
+    app = build_app(config)
+    vision = EchoVision()
+    served = app.models.default.served
+    assert served is not None
+    served.vision = vision
+    yield app, vision
+    app.engine.stop()
+
+
+Part = str | tuple[str, str]  # text, ("b64", base64 text) or ("url", URL)
+
+
+def part(dialect: str, given: Part) -> dict[str, Any]:
+    if isinstance(given, str):
+        return {"type": "input_text" if dialect == "responses" else "text", "text": given}
+    kind, value = given
+    url = f"data:image/png;base64,{value}" if kind == "b64" else value
+    if dialect == "anthropic":
+        source = (
+            {"type": "base64", "media_type": "image/png", "data": value}
+            if kind == "b64"
+            else {"type": "url", "url": value}
+        )
+        return {"type": "image", "source": source}
+    if dialect == "chat":
+        return {"type": "image_url", "image_url": {"url": url}}
+    return {"type": "input_image", "image_url": url}
+
+
+async def ask(app: App, dialect: str, *parts: Part) -> str:
+    """The embedded model's (4-token) answer to one user message of `parts` in `dialect`."""
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app))
+    content = [part(dialect, given) for given in parts]
+    message: Any = {"role": "user", "content": content}
+    if dialect == "anthropic":
+        claude = anthropic.AsyncAnthropic(
+            base_url="http://mlxgate.test", api_key="x", http_client=http, max_retries=0
+        )
+        reply = await claude.messages.create(model="m", max_tokens=4, messages=[message])
+        return "".join(block.text for block in reply.content if block.type == "text")
+    gpt = openai.AsyncOpenAI(
+        base_url="http://mlxgate.test/v1", api_key="x", http_client=http, max_retries=0
+    )
+    if dialect == "chat":
+        chat_reply = await gpt.chat.completions.create(model="m", max_tokens=4, messages=[message])
+        return chat_reply.choices[0].message.content or ""
+    response = await gpt.responses.create(model="m", max_output_tokens=4, input=[message])
+    return response.output_text
+
+
+DIALECT_NAMES = ["anthropic", "chat", "responses"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("dialect", DIALECT_NAMES)
+async def test_a_vision_model_gets_the_images_decoded_in_order(
+    dialect: str, vision_app: tuple[App, EchoVision], files: str
+) -> None:
+    app, vision = vision_app
+    wide = b64(picture((6, 2)))
+    answer = await ask(app, dialect, "Compare", ("b64", wide), "with", ("url", f"{files}/cat.png"))
+    assert isinstance(answer, str)
+    assert [image.image.size for image in vision.seen[-1]] == [(6, 2), (4, 3)]
+
+
+BAD: list[tuple[list[Part], str]] = [
+    ([("b64", "%%%")], "not valid base64"),
+    ([("b64", b64(b"hello"))], "not an image this server reads"),
+    ([("b64", b64(picture(fmt="BMP")))], "BMP images are not read here"),
+    ([("b64", b64(PNG))] * 4, "4 images"),
+    ([("b64", b64(picture((400, 300), "BMP")))], "--max-image-bytes"),
+    ([("url", "/missing.png")], "HTTP 404"),
+    ([("url", "/slow")], "--image-url-timeout"),
+    ([("url", "/big")], "--max-image-bytes"),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("dialect", DIALECT_NAMES)
+async def test_bad_images_are_400s_in_each_dialect_and_serving_goes_on(
+    dialect: str, vision_app: tuple[App, EchoVision], files: str
+) -> None:
+    app, _ = vision_app
+    error = anthropic.BadRequestError if dialect == "anthropic" else openai.BadRequestError
+    for parts, said in BAD:
+        parts = [(p[0], f"{files}{p[1]}") if p[0] == "url" else p for p in parts]
+        with pytest.raises(error) as caught:
+            await ask(app, dialect, "Look:", *parts)
+        assert caught.value.status_code == 400, said
+        assert said in str(caught.value), (said, str(caught.value))
+        body: Any = caught.value.body
+        kind = body["error"]["type"] if dialect == "anthropic" else body["type"]
+        assert kind == "invalid_request_error"
+    if dialect == "responses":
+        with pytest.raises(openai.BadRequestError, match="file store"):
+            http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app))
+            gpt = openai.AsyncOpenAI(
+                base_url="http://mlxgate.test/v1", api_key="x", http_client=http, max_retries=0
+            )
+            await gpt.responses.create(
+                model="m",
+                max_output_tokens=4,
+                input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f-1"}]}],
+            )
+    assert isinstance(await ask(app, dialect, "Hello"), str)
