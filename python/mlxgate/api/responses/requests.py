@@ -249,6 +249,8 @@ def text(
         elif kind == "input_image" and images is not None:
             if part.get("image_url") is None and part.get("file_id") is not None:
                 raise invalid(f"{at}.file_id: images by file_id need a file store; here is none")
+            if part.get("image_url") is None:
+                raise invalid(f"{at}: an input_image needs its image_url")
             parts.append(mark(images, from_url(part.get("image_url"), f"{at}.image_url")))
         elif kind == "input_image":
             raise invalid(f"{at}: images go in user messages and tool outputs")
