@@ -36,6 +36,7 @@ from mlxgate.api.openai.requests import conversation as openai_conversation
 from mlxgate.api.responses.requests import ResponsesRequest
 from mlxgate.api.responses.requests import conversation as responses_conversation
 from mlxgate.api.responses.requests import tools as responses_tools
+from mlxgate.api.responses.routes import _kept_content
 from mlxgate.config import Config
 from mlxgate.models.vision import VisionPrompts
 
@@ -266,8 +267,18 @@ def test_only_marked_images_are_kept_numbered_in_mark_order() -> None:
     assert kept.images == [three, one]
     unchanged = chat.Conversation([{"role": "user", "content": chat.image_mark(0)}], images=[one])
     assert api_images.marked(unchanged) is unchanged
-    forged = chat.Conversation([{"role": "user", "content": chat.image_mark(1)}], images=[one])
-    assert "image mark for no image" in error_of(api_images.marked, forged).message
+    for text in (chat.image_mark(1), chat.image_mark(0) * 2):  # written by a client
+        forged = chat.Conversation([{"role": "user", "content": text}], images=[one])
+        assert "stands for no image" in error_of(api_images.marked, forged).message
+
+
+def test_a_compaction_keeps_the_user_messages_images() -> None:
+    image = {"type": "input_image", "image_url": data_url(PNG)}
+    assert _kept_content([{"type": "input_text", "text": "see"}, image]) == [
+        {"type": "input_text", "text": "see"},
+        image,
+    ]
+    assert _kept_content("hi") == [{"type": "input_text", "text": "hi"}]
 
 
 # Loading: formats, limits, URLs.

@@ -64,16 +64,16 @@ def from_url(url: object, where: str) -> ImageInput:
 
 def marked(conversation: chat.Conversation) -> chat.Conversation:
     """`conversation` with only the images its text still marks (a context edit or a compaction
-    can drop a turn that held one), numbered in the order the marks come; a mark of no image
-    (text a client wrote) is a 400."""
+    can drop a turn that held one), numbered in the order the marks come. Each image is marked
+    once: a second mark, or one of no image, can only be text a client wrote (a 400)."""
     order: dict[int, int] = {}
     for message in conversation.messages:
         content = message.get("content")
         for found in chat.IMAGE_MARK.finditer(content if isinstance(content, str) else ""):
             index = int(found[1])
-            if index >= len(conversation.images):
-                raise invalid("messages: the text holds an image mark for no image")
-            order.setdefault(index, len(order))
+            if index >= len(conversation.images) or index in order:
+                raise invalid("messages: the text holds an image mark that stands for no image")
+            order[index] = len(order)
     if list(order) == list(range(len(conversation.images))):
         return conversation
 
