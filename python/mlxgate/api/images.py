@@ -22,7 +22,8 @@ from mlxgate.chat import ImageInput, LoadedImage
 from mlxgate.config import Config
 
 # The formats read, as PIL names what it finds in the file (whatever the request declared).
-FORMATS = ("PNG", "JPEG", "GIF", "WEBP")
+# MPO is a JPEG with more pictures after the first (many cameras' and phones' photos).
+FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP")
 # The most pixels an image may have: a small file can claim a huge picture (a decompression
 # bomb), so the size its header gives is checked before any pixel is decoded.
 MAX_PIXELS = 50_000_000
