@@ -17,7 +17,7 @@ import httpx
 from PIL import Image
 
 from mlxgate import chat
-from mlxgate.api.errors import invalid
+from mlxgate.api.errors import ApiError, invalid
 from mlxgate.chat import ImageInput, LoadedImage
 from mlxgate.config import Config
 
@@ -91,7 +91,7 @@ def marked(conversation: chat.Conversation) -> chat.Conversation:
     return dataclasses.replace(conversation, messages=messages, images=images)
 
 
-def _too_large(image: ImageInput, size: int | str, config: Config) -> Exception:
+def _too_large(image: ImageInput, size: int | str, config: Config) -> ApiError:
     return invalid(
         f"{image.where}: the image is {size} bytes, more than the {config.max_image_bytes} "
         "this server takes (--max-image-bytes)"
@@ -112,12 +112,14 @@ def _decode(image: ImageInput, data: bytes) -> LoadedImage:
             picture = opened.convert("RGB")
     except Image.DecompressionBombError:
         raise _too_many_pixels(image, "larger than that") from None
-    except (OSError, ValueError, SyntaxError, EOFError, Image.UnidentifiedImageError) as exc:
+    except ApiError:
+        raise
+    except Exception as exc:  # a damaged file can make a decoder fail in any way
         raise invalid(f"{image.where}: not an image this server reads ({exc})") from None
     return LoadedImage(picture, hashlib.sha256(data).digest())
 
 
-def _too_many_pixels(image: ImageInput, size: str) -> Exception:
+def _too_many_pixels(image: ImageInput, size: str) -> ApiError:
     return invalid(
         f"{image.where}: the image is {size} pixels, more than the {MAX_PIXELS:,} this server takes"
     )
