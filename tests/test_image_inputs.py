@@ -573,3 +573,28 @@ async def test_bad_images_are_400s_in_each_dialect_and_serving_goes_on(
                 input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f-1"}]}],
             )
     assert isinstance(await ask(app, dialect, "Hello"), str)
+
+
+@pytest.mark.anyio
+async def test_count_tokens_and_a_tool_results_image_reach_the_vision_model(
+    vision_app: tuple[App, EchoVision],
+) -> None:
+    """Claude Code's Read tool returns a screenshot inside tool_result content."""
+    app, vision = vision_app
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app))
+    claude = anthropic.AsyncAnthropic(
+        base_url="http://mlxgate.test", api_key="x", http_client=http, max_retries=0
+    )
+    read = {"type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "a.png"}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": [anthropic_image(JPEG)]}
+    messages: Any = [
+        {"role": "user", "content": "Read a.png"},
+        {"role": "assistant", "content": [read]},
+        {"role": "user", "content": [result]},
+    ]
+    tools: Any = [{"name": "Read", "input_schema": {"type": "object", "properties": {}}}]
+    counted = await claude.messages.count_tokens(model="m", messages=messages, tools=tools)
+    assert counted.input_tokens > 0
+    assert [image.image.size for image in vision.seen[-1]] == [(5, 5)]
+    await claude.messages.create(model="m", max_tokens=4, messages=messages, tools=tools)
+    assert [image.image.size for image in vision.seen[-1]] == [(5, 5)]
