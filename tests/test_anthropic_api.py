@@ -230,7 +230,7 @@ def test_images_get_a_clear_400(client: anthropic.Anthropic) -> None:
                 }
             ],  # type: ignore[list-item]
         )
-    assert "not supported" in str(caught.value)
+    assert "reads text only" in str(caught.value)  # (test_image_inputs.py has the rest)
 
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

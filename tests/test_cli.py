@@ -71,6 +71,10 @@ CHANGED = Config(
     max_per_client=2,
     max_output_tokens=4096,
     max_body_bytes=1 << 20,
+    max_images=4,
+    max_image_bytes=1 << 16,
+    allow_image_urls=True,
+    image_url_timeout=2.5,
     responses_store_mb=16,
     log_level="debug",
 )
@@ -125,6 +129,10 @@ CHANGED_ARGV = [
     "--max-per-client", "2",
     "--max-output-tokens", "4096",
     "--max-body-bytes", "1048576",
+    "--max-images", "4",
+    "--max-image-bytes", "65536",
+    "--allow-image-urls",
+    "--image-url-timeout", "2.5",
     "--responses-store-mb", "16",
     "--log-level", "debug",
 ]  # fmt: skip

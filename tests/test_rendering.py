@@ -201,9 +201,9 @@ def test_conversations_that_cannot_render_are_400s(renderer: chat.Renderer) -> N
         )
     with pytest.raises(chat.ConversationError, match="at least one user message"):
         renderer.render(anthropic(max_tokens=1, messages=[{"role": "assistant", "content": "x"}]))
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
-    with pytest.raises(ApiError, match="image input is not supported"):
-        anthropic(max_tokens=1, messages=[{"role": "user", "content": [image]}])
+    document = {"type": "document", "source": {"type": "base64", "data": ""}}
+    with pytest.raises(ApiError, match="document input is not supported"):
+        anthropic(max_tokens=1, messages=[{"role": "user", "content": [document]}])
     bad_call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}
     with pytest.raises(ApiError, match="not valid JSON"):
         openai(messages=[{"role": "assistant", "content": "", "tool_calls": [bad_call]}])

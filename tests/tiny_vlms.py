@@ -291,18 +291,36 @@ def _model(config: dict[str, Any]) -> Any:
     return module.Model(model_config)
 
 
-def write(family: str, dest: Path, seed: int = 0) -> Path:
-    """The family's tiny model as a model directory in `dest`."""
-    config = FAMILIES[family]
+def write(
+    family: str,
+    dest: Path,
+    seed: int = 0,
+    *,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    preprocessor: dict[str, Any] | None = None,
+) -> Path:
+    """The family's tiny model as a model directory in `dest`; `text`, `vision` and
+    `preprocessor` change its language model's config, its vision tower's and its image
+    processor's (e.g. a real model's sizes, for benchmarks)."""
+    config = json.loads(json.dumps(FAMILIES[family]))
+    if text:
+        config.update({k: v for k, v in text.items() if k in config})
+        if "text_config" in config:
+            config["text_config"].update(text)
+    if vision:
+        config["vision_config"].update(vision)
     mx.random.seed(seed)
     model = _model(config)
     mx.eval(model.parameters())
     dest.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (dest / "config.json").write_text(json.dumps(config))
-    (dest / "preprocessor_config.json").write_text(json.dumps(_PREPROCESSORS[family]))
+    processing = {**_PREPROCESSORS[family], **(preprocessor or {})}
+    (dest / "preprocessor_config.json").write_text(json.dumps(processing))
     if family == "gemma3":  # the number of soft tokens an image expands to
-        (dest / "processor_config.json").write_text(json.dumps({"image_seq_length": 4}))
+        seq = processing.get("image_seq_length", 4)
+        (dest / "processor_config.json").write_text(json.dumps({"image_seq_length": seq}))
     if family.startswith("qwen"):
         write_tokenizer("qwen3", dest)
     else:

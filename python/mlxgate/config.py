@@ -174,6 +174,18 @@ class Config:
         default_text="the context's room after the prompt",
     )
     max_body_bytes: int = setting(32 << 20, "the largest request body; larger ones get 413")
+    max_images: int = setting(20, "the most images one request may hold; more get 400")
+    max_image_bytes: int = setting(
+        20 << 20, "the largest image file (sent, or fetched from a URL); larger ones get 400"
+    )
+    allow_image_urls: bool = setting(
+        False,
+        "fetch images that requests give by http(s) URL (off: such requests get 400, and the "
+        "server reaches no other host for them)",
+    )
+    image_url_timeout: float = setting(
+        10.0, "seconds an image URL's fetch may take (--allow-image-urls)", metavar="S"
+    )
     responses_store_mb: int = setting(
         256,
         "memory for Responses API responses kept with `store: true` (for previous_response_id "

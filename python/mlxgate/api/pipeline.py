@@ -24,7 +24,7 @@ from mlxgate.api.http import (
     Send,
     start_event_stream,
 )
-from mlxgate.api.images import load_images
+from mlxgate.api.images import load_images, marked
 from mlxgate.config import Config
 from mlxgate.engine import (
     AdmissionError,
@@ -246,6 +246,8 @@ class Pipeline:
     async def prompt(self, served: ServedModel, prompt: chat.Conversation | str) -> chat.Prompt:
         """`prompt` rendered for `served`, its images (if any) loaded and made into the model's
         image tokens (on a worker thread)."""
+        if isinstance(prompt, chat.Conversation) and prompt.images:
+            prompt = marked(prompt)
         rendered = self.render(served, prompt)
         images = prompt.images if isinstance(prompt, chat.Conversation) else []
         if not images:

@@ -43,6 +43,7 @@ TOPICS = (
 class Prompt:
     user: str
     system: str | None = None
+    images: tuple[str, ...] = ()  # data: URLs of images shown before the text
 
 
 def story_prompt(index: int) -> Prompt:
@@ -67,7 +68,7 @@ def request_body(
     """A greedy request for `prompt` in `dialect`, streamed with usage unless `stream` is off."""
     body: dict[str, Any] = {"model": model, "stream": stream, "temperature": 0.0}
     system = [] if prompt.system is None else [{"role": "system", "content": prompt.system}]
-    user = [{"role": "user", "content": prompt.user}]
+    user = [{"role": "user", "content": _content(dialect, prompt)}]
     if dialect == "anthropic":
         body |= {"max_tokens": max_tokens, "messages": user}
         if prompt.system is not None:
@@ -83,6 +84,24 @@ def request_body(
     else:
         raise ValueError(f"unknown dialect {dialect!r} (one of {', '.join(DIALECTS)})")
     return body
+
+
+def _content(dialect: str, prompt: Prompt) -> str | list[dict[str, Any]]:
+    """The user turn's content in `dialect`'s shape: its text, after its images if any."""
+    if not prompt.images:
+        return prompt.user
+    parts: list[dict[str, Any]] = []
+    for url in prompt.images:
+        if dialect == "anthropic":
+            media_type, data = url.removeprefix("data:").split(";base64,")
+            source = {"type": "base64", "media_type": media_type, "data": data}
+            parts.append({"type": "image", "source": source})
+        elif dialect == "openai":
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "input_image", "image_url": url})
+    text_type = "input_text" if dialect == "responses" else "text"
+    return [*parts, {"type": text_type, "text": prompt.user}]
 
 
 def make_client(concurrency: int, stall_s: float) -> httpx.AsyncClient:

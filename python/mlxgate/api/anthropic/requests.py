@@ -11,6 +11,7 @@ from mlxgate import chat
 from mlxgate.api import compaction
 from mlxgate.api.anthropic.tool_search import Toolset
 from mlxgate.api.errors import invalid
+from mlxgate.api.images import decode_base64, from_url, mark
 from mlxgate.api.requests import reply_grammar, sampling
 from mlxgate.engine import Grammar, SamplingParams
 from mlxgate.formats.reasoning import FIELD as REASONING
@@ -41,6 +42,8 @@ class ContentBlock(BaseModel):
     tool_references: list[ContentBlock] | None = None
     error_code: str | None = None
     error_message: str | None = None
+    # An image's: {type: "base64", media_type, data} or {type: "url", url}.
+    source: dict[str, Any] | None = None
 
 
 class InputMessage(_Lenient):
@@ -140,7 +143,24 @@ class MessagesRequest(CountTokensRequest):
         return sampling(defaults, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
-def _tool_result_text(block: ContentBlock, toolset: Toolset) -> str:
+def _image(block: ContentBlock, where: str, images: list[chat.ImageInput]) -> str:
+    """An image block added to `images`: the mark standing for it in the text."""
+    source = block.source or {}
+    kind = source.get("type")
+    if kind == "base64":
+        data = decode_base64(source.get("data"), f"{where}.source.data")
+        media_type = source.get("media_type")
+        return mark(images, chat.ImageInput(where, data=data, media_type=media_type))
+    if kind == "url":
+        return mark(images, from_url(source.get("url"), f"{where}.source.url"))
+    if kind == "file":
+        raise invalid(f"{where}.source: images by file_id need a file store; this server has none")
+    raise invalid(f"{where}.source.type: {kind!r} is not an image source (base64 or url)")
+
+
+def _tool_result_text(
+    block: ContentBlock, toolset: Toolset, where: str, images: list[chat.ImageInput]
+) -> str:
     if isinstance(block.content, str) or block.content is None:
         text = block.content or ""
     elif isinstance(block.content, ContentBlock):
@@ -148,15 +168,16 @@ def _tool_result_text(block: ContentBlock, toolset: Toolset) -> str:
     else:
         parts: list[str] = []
         # A run of tool_reference blocks (a client's search result) is one <functions> block.
-        for references, run in groupby(block.content, lambda b: b.type == "tool_reference"):
+        numbered = enumerate(block.content)
+        for references, run in groupby(numbered, lambda n: n[1].type == "tool_reference"):
             if references:
-                parts.append(toolset.found([inner.tool_name or "" for inner in run]))
+                parts.append(toolset.found([inner.tool_name or "" for _, inner in run]))
                 continue
-            for inner in run:
+            for i, inner in run:
                 if inner.type == "text":
                     parts.append(inner.text or "")
                 elif inner.type == "image":
-                    raise invalid("tool_result images are not supported by this model")
+                    parts.append(_image(inner, f"{where}.content.{i}", images))
         text = "\n".join(parts)
     return f"Error: {text}" if block.is_error else text
 
@@ -172,10 +193,13 @@ def _search_result_text(block: ContentBlock, toolset: Toolset) -> str:
     return toolset.found([ref.tool_name or "" for ref in result.tool_references or []])
 
 
-def _convert_message(index: int, message: InputMessage, toolset: Toolset) -> list[chat.Message]:
+def _convert_message(
+    index: int, message: InputMessage, toolset: Toolset, images: list[chat.ImageInput]
+) -> list[chat.Message]:
     """One Anthropic message as chat-template turns: tool results become `tool` turns, and so
     does a server tool search's result inside an assistant message (after its call). A system
-    message stays a system turn where it stands (chat.Renderer places it)."""
+    message stays a system turn where it stands (chat.Renderer places it). A user message's
+    images go to `images`, their marks into its text where they stand."""
     role = message.role
     if isinstance(message.content, str):
         return (
@@ -235,11 +259,15 @@ def _convert_message(index: int, message: InputMessage, toolset: Toolset) -> lis
                 {
                     "role": "tool",
                     "tool_call_id": block.tool_use_id,
-                    "content": _tool_result_text(block, toolset),
+                    "content": _tool_result_text(block, toolset, where, images),
                 }
             )
-        elif block.type in ("image", "document"):
-            raise invalid(f"{where}: {block.type} input is not supported by this model")
+        elif block.type == "image" and role == "user":
+            texts.append(_image(block, where, images))
+        elif block.type == "image":
+            raise invalid(f"{where}: images go in user messages (and tool results)")
+        elif block.type == "document":
+            raise invalid(f"{where}: document input is not supported by this model")
         else:
             raise invalid(f"{where}: content block type {block.type!r} is not supported here")
     if role == "assistant":
@@ -314,10 +342,11 @@ def _since_compaction(messages: list[InputMessage]) -> list[tuple[int, InputMess
 def conversation(request: CountTokensRequest) -> chat.Conversation:
     toolset = Toolset.of(request.tools or [])
     messages: list[chat.Message] = []
+    images: list[chat.ImageInput] = []
     if system := _system_text(request.system):
         messages.append({"role": "system", "content": system})
     for index, message in _since_compaction(request.messages):
-        messages.extend(_convert_message(index, message, toolset))
+        messages.extend(_convert_message(index, message, toolset, images))
     choice = request.tool_choice
     return chat.Conversation(
         messages=messages,
@@ -327,4 +356,5 @@ def conversation(request: CountTokensRequest) -> chat.Conversation:
         structured=request.reply_format() is not None,
         strict_tools=any(tool.strict for tool in request.tools or []),
         loaded_tools=toolset.loaded(_referenced_tools(request.messages)),
+        images=images,
     )

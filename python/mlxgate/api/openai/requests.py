@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxgate import chat
 from mlxgate.api import custom_tools
 from mlxgate.api.errors import invalid
+from mlxgate.api.images import from_url, mark
 from mlxgate.api.requests import reply_grammar, sampling
 from mlxgate.engine import Grammar, SamplingParams
 from mlxgate.formats.reasoning import FIELD as REASONING
@@ -23,6 +24,8 @@ class _Lenient(BaseModel):
 class ContentPart(_Lenient):
     type: str
     text: str | None = None
+    # An image_url part's: {url, detail?} (a data: URL or an http(s) one); some send the URL alone.
+    image_url: dict[str, Any] | str | None = None
 
 
 class FunctionCall(_Lenient):
@@ -172,14 +175,26 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
-def _text(content: str | list[ContentPart] | None, where: str) -> str:
+def _text(
+    content: str | list[ContentPart] | None, where: str, images: list[chat.ImageInput] | None
+) -> str:
+    """A message's text, its parts joined; its images (where `images` is given: a user's or a
+    tool's message) added to `images`, a mark standing for each where it is."""
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for i, part in enumerate(content):
-        if part.type != "text":
-            raise invalid(f"{where}.content.{i}: content part type {part.type!r} is not supported")
-        parts.append(part.text or "")
+        at = f"{where}.content.{i}"
+        if part.type == "text":
+            parts.append(part.text or "")
+        elif part.type == "image_url" and images is not None:
+            given = part.image_url
+            url = given.get("url") if isinstance(given, dict) else given
+            parts.append(mark(images, from_url(url, f"{at}.image_url.url")))
+        elif part.type == "image_url":
+            raise invalid(f"{at}: images go in user and tool messages")
+        else:
+            raise invalid(f"{at}: content part type {part.type!r} is not supported")
     return "\n".join(parts)
 
 
@@ -196,11 +211,11 @@ def _arguments(function: FunctionCall, where: str) -> dict[str, Any]:
     return parsed
 
 
-def _messages(request: ChatCompletionRequest) -> list[chat.Message]:
+def _messages(request: ChatCompletionRequest, images: list[chat.ImageInput]) -> list[chat.Message]:
     out: list[chat.Message] = []
     for i, message in enumerate(request.messages):
         where = f"messages.{i}"
-        text = _text(message.content, where)
+        text = _text(message.content, where, images if message.role in ("user", "tool") else None)
         if message.role in ("system", "developer"):
             out.append({"role": "system", "content": text})
         elif message.role == "tool":
@@ -273,12 +288,14 @@ def tools(request: ChatCompletionRequest) -> tuple[list[chat.Tool], list[custom_
 
 def conversation(request: ChatCompletionRequest) -> chat.Conversation:
     functions, custom = tools(request)
+    images: list[chat.ImageInput] = []
     return chat.Conversation(
-        _messages(request),
+        _messages(request, images),
         functions,
         _tool_choice(request),
         structured=request.response_format is not None and request.response_format.type != "text",
         strict_tools=any(t.function and t.function.strict for t in request.tools or []),
         input_grammars=custom_tools.grammars(custom),
         custom_tools=[tool.name for tool in custom],
+        images=images,
     )

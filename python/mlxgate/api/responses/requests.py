@@ -14,6 +14,7 @@ from mlxgate import chat
 from mlxgate._native import compaction_from_encrypted, reasoning_from_encrypted
 from mlxgate.api import compaction, custom_tools
 from mlxgate.api.errors import invalid
+from mlxgate.api.images import from_url, mark
 from mlxgate.api.requests import reply_grammar, sampling
 from mlxgate.engine import Grammar, SamplingParams
 from mlxgate.formats.reasoning import FIELD as REASONING
@@ -225,19 +226,36 @@ def _tool_choice(request: ResponsesRequest, tools: Tools) -> chat.ToolChoice:
     return chat.ToolChoice()  # a hosted tool or allowed_tools: the model chooses
 
 
-def text(content: str | list[dict[str, Any]] | None, where: str) -> str:
-    """A message's text, its parts joined; a part that is not text is a 400 naming it."""
+def text(
+    content: str | list[dict[str, Any]] | None,
+    where: str,
+    images: list[chat.ImageInput] | None = None,
+    *,
+    field: str = "content",
+) -> str:
+    """A message's text, its parts joined; its images (where `images` is given: a user's message
+    or a tool's output) added to `images`, a mark standing for each where it is. A part that is
+    neither is a 400 naming it."""
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type")
+        at = f"{where}.{field}.{i}"
         if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
             parts.append(part.get("text") or "")
         elif kind == "refusal":
             parts.append(part.get("refusal") or "")
+        elif kind == "input_image" and images is not None:
+            if part.get("image_url") is None and part.get("file_id") is not None:
+                raise invalid(f"{at}.file_id: images by file_id need a file store; here is none")
+            if part.get("image_url") is None:
+                raise invalid(f"{at}: an input_image needs its image_url")
+            parts.append(mark(images, from_url(part.get("image_url"), f"{at}.image_url")))
+        elif kind == "input_image":
+            raise invalid(f"{at}: images go in user messages and tool outputs")
         else:
-            raise invalid(f"{where}.content.{i}: content part type {kind!r} is not supported")
+            raise invalid(f"{at}: content part type {kind!r} is not supported")
     return "\n".join(parts)
 
 
@@ -251,8 +269,14 @@ def _reasoning(item: Item) -> str:
     return "\n\n".join(part.get("text") or "" for part in item.summary or [])
 
 
-def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> list[chat.Message]:
-    """`instructions`, then the stored history (`previous_response_id`), then `input`.
+def messages(
+    request: ResponsesRequest,
+    history: list[Item],
+    tools: Tools,
+    images: list[chat.ImageInput] | None = None,
+) -> list[chat.Message]:
+    """`instructions`, then the stored history (`previous_response_id`), then `input`; the
+    images of user messages and tool outputs go to `images` (None: an image is a 400).
 
     System and developer messages before the model's first turn become one system message (after
     a compaction Codex sends its context messages after the user's first message: joined with
@@ -278,7 +302,7 @@ def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> li
     for i, item in enumerate([*history, *request.items]):
         where = f"input.{i - len(history)}" if i >= len(history) else "previous_response_id"
         if item.type == "message":
-            said = text(item.content, where)
+            said = text(item.content, where, images if item.role == "user" else None)
             if item.role in ("system", "developer"):
                 if assistant is None and not any(turn["role"] != "user" for turn in out):
                     system.append(said)
@@ -334,7 +358,11 @@ def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> li
             out.append(compaction.instruction())
         elif item.type in ("function_call_output", "custom_tool_call_output"):
             close_assistant()
-            output = item.output if isinstance(item.output, str) else text(item.output, where)
+            output = (
+                item.output
+                if isinstance(item.output, str)
+                else text(item.output, where, images, field="output")
+            )
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:
             log.info("responses: skipping an input item of type %r", item.type)
@@ -347,12 +375,14 @@ def messages(request: ResponsesRequest, history: list[Item], tools: Tools) -> li
 def conversation(request: ResponsesRequest, history: list[Item], tools: Tools) -> chat.Conversation:
     effort = request.reasoning.effort if request.reasoning else None
     thinking = False if effort in ("none", "minimal") or request.compacting else None
+    images: list[chat.ImageInput] = []
     return chat.Conversation(
-        messages(request, history, tools),
+        messages(request, history, tools, images),
         tools.functions,
         _tool_choice(request, tools),
         thinking=thinking,
         structured=request.text_format != "text",
         input_grammars=custom_tools.grammars(tools.custom),
         custom_tools=tools.custom_names,
+        images=images,
     )

@@ -44,6 +44,16 @@ class Prepared:
     spec: Callable[[Reply | None, str], StreamSpec]
 
 
+def _kept_content(content: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """A user message's content as a compaction keeps it: its text, and its images as sent."""
+    if isinstance(content, list) and any(part.get("type") == "input_image" for part in content):
+        return [
+            part if part.get("type") == "input_image" else _kept_content([part])[0]
+            for part in content
+        ]
+    return [{"type": "input_text", "text": text(content, "input")}]
+
+
 class ResponsesAPI:
     def __init__(self, services: Services) -> None:
         self.services = services
@@ -119,11 +129,7 @@ class ResponsesAPI:
         history = self.history(request.previous_response_id)
         items = [*history, *request.items]
         kept = [
-            {
-                "type": "message",
-                "role": "user",
-                "content": [{"type": "input_text", "text": text(item.content, "input")}],
-            }
+            {"type": "message", "role": "user", "content": _kept_content(item.content)}
             for item in items
             if item.type == "message" and item.role == "user"
         ]
