@@ -34,11 +34,13 @@ def run_claude_code(
     *args: str,
     timeout: float = 300,
     env: Mapping[str, str] | None = None,
+    input: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """The `claude` CLI as a new user runs it against a local server: no traffic but the
     server's, failures not retried (nor retried without streaming). Its home is beside
     `workdir`, shared by every run in it, so `-c` finds the previous session. `env` adds
-    Claude Code's own settings (e.g. `CLAUDE_CODE_MAX_CONTEXT_TOKENS`)."""
+    Claude Code's own settings (e.g. `CLAUDE_CODE_MAX_CONTEXT_TOKENS`); `input` is its stdin
+    (none by default)."""
     home = workdir.parent / f"claude-home-{workdir.name}"
     home.mkdir(exist_ok=True)
     environment = {
@@ -59,7 +61,7 @@ def run_claude_code(
         capture_output=True,
         text=True,
         timeout=timeout,
-        stdin=subprocess.DEVNULL,
+        **({"input": input} if input is not None else {"stdin": subprocess.DEVNULL}),
     )
 
 
