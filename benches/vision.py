@@ -223,7 +223,7 @@ def main() -> None:
             lines += [
                 "## A vision tower, one image",
                 "",
-                "| family | tower as in | image tokens | seconds (median) | each | ms / image token |",
+                "| family | tower as in | image tokens | seconds (median) | each | ms / token |",
                 "| --- | --- | ---: | ---: | --- | ---: |",
             ]
             for family in args.families:

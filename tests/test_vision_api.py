@@ -17,9 +17,9 @@ import mlx.core as mx
 import openai
 import pytest
 import tiny_vlms
+
 from agents import run_claude_code
 from conftest import RunningServer, metric, start_server, stop_server
-
 from mlxgate import chat
 from mlxgate.api.openai.requests import ChatCompletionRequest, conversation
 from mlxgate.models.tokenizer import ChatTokenizer
