@@ -326,7 +326,12 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
             models.architecture(draft.model),
             models.precision(draft.model),
         )
+    if loaded.vision is not None and turns is None:
+        turns = Turns()  # its vision tower's blocks and its engine's steps take turns
     turn = functools.partial(turns.turn, spec.name) if turns else contextlib.nullcontext
+    vision_turn = (
+        functools.partial(turns.turn, f"{spec.name} (vision)") if turns else contextlib.nullcontext
+    )
     with turn():  # its start-up checks run the model: between the other engines' steps
         engine = Engine(
             loaded,
@@ -335,6 +340,7 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
             end_ids=renderer.eos_ids,
             draft_model=draft.model if draft else None,
             turn=turn,
+            vision_turn=vision_turn,
         )
     layout = engine.layout
     weights: list[tuple[str, mx.array]] = [

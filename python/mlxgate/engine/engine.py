@@ -90,14 +90,17 @@ class Engine:
         end_ids: list[int] | None = None,
         draft_model: nn.Module | None = None,
         turn: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+        vision_turn: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         """`end_ids`: the tokens that end a reply (the tokenizer's end-of-sequence ids unless
         given): where a grammar lets a constrained reply end. `draft_model`: a smaller model
         with the same tokenizer that guesses tokens ahead (else prompt lookup guesses).
         `turn`: entered for each step, where several engines share the machine (one computes
-        at a time)."""
+        at a time); `vision_turn`: entered for each block of a vision model's tower
+        (engine/vision_jobs.py)."""
         self.loaded = loaded
         self._turn = turn
+        self._vision_turn = vision_turn
         self.model = loaded.model
         self.router = router
         self.settings = settings or EngineSettings()
@@ -302,7 +305,7 @@ class Engine:
 
         if not isinstance(self._adapter, VisionAdapter):
             return None
-        return VisionJobs(self._adapter, self._notify)
+        return VisionJobs(self._adapter, self._notify, self._vision_turn)
 
     def _tidy_heap(self) -> None:
         """After a step that worked: give the heap's free pages back every few seconds of work,

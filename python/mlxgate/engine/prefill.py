@@ -476,8 +476,8 @@ class Prefill:
         )
 
     def _encode(self, pending: Pending) -> None:
-        """The prompt's features: its vision job's, or (its images all in its cached prefix)
-        just its positions."""
+        """The prompt's features (it has started): its vision job's, or, its images all in its
+        cached prefix, just its positions."""
         from mlxgate.models.vision import VisionAdapter
 
         job = pending.vision_job
@@ -489,7 +489,11 @@ class Prefill:
             return
         adapter, images = self.adapter, pending.request.images
         assert isinstance(adapter, VisionAdapter) and images is not None
-        pending.features = adapter.positions(pending.request.prompt_ids, images)
+        ids = pending.request.prompt_ids
+        if all(span.start + span.length <= pending.done for span in images.spans):
+            pending.features = adapter.positions(ids, images)
+        else:  # its cached prefix failed its disk read: the tower after all, here
+            pending.features = adapter.features(ids, images, lambda: False)
 
     def _mend(self, pending: Pending) -> None:
         """A torn prefill that goes on (another choice of its prompt leads now): its caches are

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import mlx.core as mx
@@ -221,6 +223,8 @@ class _StopCheck(threading.local):
     """
 
     should_stop: Callable[[], bool] | None = None
+    # Around each layer's evaluation (a vision tower's blocks take turns with the engine's steps).
+    evaluating: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
 
 class _Stoppable:
@@ -233,7 +237,8 @@ class _Stoppable:
         out = super().__call__(*args, **kwargs)  # type: ignore[misc]
         should_stop = self._stop_check.should_stop
         if should_stop is not None:
-            mx.eval(out)
+            with self._stop_check.evaluating():
+                mx.eval(out)
             if should_stop():
                 raise _Stopped
         return out

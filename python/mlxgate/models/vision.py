@@ -12,9 +12,11 @@ for Qwen's 3-D rope, its positions), exactly as mlx-vlm's own generation does in
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,16 +276,22 @@ class VisionAdapter(ModelAdapter):
         return "quantized keys/values in every full-attention layer"
 
     def features(
-        self, ids: list[int], images: PromptImages, should_stop: Callable[[], bool]
+        self,
+        ids: list[int],
+        images: PromptImages,
+        should_stop: Callable[[], bool],
+        turn: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> Features | None:
         """The whole prompt's (`ids`) inputs, the vision tower run on its images; None if
         `should_stop` said so between two of the tower's blocks. Every array evaluated: the
-        engine's thread reads them (engine/vision_jobs.py runs this on a thread of its own)."""
+        engine's thread reads them (engine/vision_jobs.py runs this on a thread of its own).
+        Each of the tower's blocks is evaluated within a `turn`."""
         inputs = {k: mx.array(v) for k, v in images.inputs.items()}
         pixels = inputs.pop("pixel_values", None)
         tokens = mx.array(ids)[None]
         if self._tower_check is not None:
             self._tower_check.should_stop = should_stop
+            self._tower_check.evaluating = turn
         try:
             out = self.model.get_input_embeddings(
                 tokens, pixels, mask=mx.ones(tokens.shape, dtype=mx.int32), **inputs
@@ -297,12 +305,14 @@ class VisionAdapter(ModelAdapter):
                 np.array(visual).reshape(-1) if visual is not None else None,
                 getattr(out, "deepstack_visual_embeds", None),
             )
-            mx.eval([features.embeddings, features.positions, features.deepstack])
+            with turn():
+                mx.eval([features.embeddings, features.positions, features.deepstack])
         except _Stopped:
             return None
         finally:
             if self._tower_check is not None:
                 self._tower_check.should_stop = None
+                self._tower_check.evaluating = contextlib.nullcontext
         return features
 
     def positions(self, ids: list[int], images: PromptImages) -> Features:
