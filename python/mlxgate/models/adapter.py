@@ -180,13 +180,19 @@ class ModelAdapter:
         self._scale(scaled)
         self._check.should_stop = should_stop
         try:
-            self.backbone(tokens, cache=caches, **(inputs or {}))
+            self.backbone(tokens, cache=caches, **self._backbone_inputs(tokens, caches, inputs))
         except _Stopped:
             return False
         finally:
             self._check.should_stop = None
         mx.eval([c.state for c in caches])
         return True
+
+    def _backbone_inputs(
+        self, tokens: mx.array, caches: Sequence[Any], inputs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """What the backbone is called with besides the tokens and caches."""
+        return inputs or {}
 
     def _scale(self, scaled: ScaledRows) -> None:
         # The graph is built (and the rope picked) during the call, before anything else runs

@@ -329,28 +329,15 @@ class VisionAdapter(ModelAdapter):
         )
         return Features(None, positions, int(np.array(deltas).reshape(-1)[0]))
 
-    def prefill(
-        self,
-        tokens: mx.array,
-        caches: Sequence[Any],
-        should_stop: Callable[[], bool] | None = None,
-        scaled: ScaledRows = True,
-        inputs: dict[str, Any] | None = None,
-    ) -> bool:
-        """As `ModelAdapter.prefill`; `inputs`: the chunk's embeddings and positions
-        (`Features.chunk`) for a prompt with images."""
+    def _backbone_inputs(
+        self, tokens: mx.array, caches: Sequence[Any], inputs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """A chunk's embeddings and positions (`Features.chunk`) for a prompt with images; a
+        text-only row's M-RoPE positions are its plain ones."""
         inputs = dict(inputs or {})
         if self.m_rope and "position_ids" not in inputs:
             inputs["position_ids"] = self._positions(caches, tokens.shape, None)
-        self._check.should_stop = should_stop
-        try:
-            self.backbone(tokens, cache=caches, **inputs)
-        except _Stopped:
-            return False
-        finally:
-            self._check.should_stop = None
-        mx.eval([c.state for c in caches])
-        return True
+        return inputs
 
     def decode(
         self,
