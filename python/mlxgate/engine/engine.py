@@ -96,7 +96,7 @@ class Engine:
         given): where a grammar lets a constrained reply end. `draft_model`: a smaller model
         with the same tokenizer that guesses tokens ahead (else prompt lookup guesses).
         `turn`: entered for each step, where several engines share the machine (one computes
-        at a time); `vision_turn`: entered for each block of a vision model's tower
+        at a time); `vision_turn`: entered for each part of a vision model's tower
         (engine/vision_jobs.py)."""
         self.loaded = loaded
         self._turn = turn

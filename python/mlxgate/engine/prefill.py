@@ -363,7 +363,7 @@ class Prefill:
                 staying.append(kept)
                 continue
             if pending.vision_job is not None:
-                pending.vision_job.abandoned = True  # the tower stops after its current block
+                pending.vision_job.abandoned = True  # the tower stops after its current part
             if pending.done and (caches := self._finished_part(pending)) is not None:
                 self._store(pending, pending.done, caches)
         self.waiting = deque(staying)

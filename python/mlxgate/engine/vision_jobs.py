@@ -3,12 +3,12 @@
 On a CPU a vision tower takes seconds to minutes an image (a 640x480 screenshot through
 Qwen2.5-VL 3B's: 15 s here; through Gemma 3's SigLIP at 896x896: 116 s). Run inside a step, it
 would hold every decoding stream that long. On its own thread, taking turns with the engine's
-steps block by block, the decoding streams go on meanwhile at about half their pace; the
-prompt waits, its keep-alives sent, and starts its prefill once its features are made. MLX
-evaluates each thread's arrays on that thread's own stream: the job's arrays are made and
-evaluated here, and the engine thread only reads the evaluated results.
+steps part by part (a block's attention, its MLP), the decoding streams go on meanwhile at
+about half their pace; the prompt waits, its keep-alives sent, and starts its prefill once its
+features are made. MLX evaluates each thread's arrays on that thread's own stream: the job's
+arrays are made and evaluated here, and the engine thread only reads the evaluated results.
 
-A job whose clients left is abandoned: the tower stops after its current block.
+A job whose clients left is abandoned: the tower stops after its current part.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class VisionJob:
 
 
 class VisionJobs:
-    """One thread running jobs in order; `wake` is called as each finishes. Each of a tower's
-    blocks is computed within a `turn`, as the engine's steps are: the two share the cores by
+    """One thread running jobs in order; `wake` is called as each finishes. Each part of a tower
+    (a block's attention, its MLP) is computed within a `turn`, as the engine's steps are: the two share the cores by
     time (two computations at once, each on every core, slow both by far more than half)."""
 
     def __init__(

@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxgate import chat
@@ -247,8 +248,8 @@ class VisionAdapter(ModelAdapter):
         self.language_model = model.language_model
         self.m_rope = hasattr(self.language_model, "get_rope_index")
         tower = getattr(model, "vision_tower", None)
-        blocks = _vision_blocks(tower) if tower is not None else []
-        self._tower_check = _make_stoppable(blocks) if blocks else None
+        parts = _tower_parts(tower) if tower is not None else []
+        self._tower_check = _make_stoppable(parts) if parts else None
 
     @property
     def per_row_positions(self) -> bool:
@@ -283,9 +284,9 @@ class VisionAdapter(ModelAdapter):
         turn: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> Features | None:
         """The whole prompt's (`ids`) inputs, the vision tower run on its images; None if
-        `should_stop` said so between two of the tower's blocks. Every array evaluated: the
+        `should_stop` said so between two of the tower's parts. Every array evaluated: the
         engine's thread reads them (engine/vision_jobs.py runs this on a thread of its own).
-        Each of the tower's blocks is evaluated within a `turn`."""
+        Each part of the tower (`_tower_parts`) is evaluated within a `turn`."""
         inputs = {k: mx.array(v) for k, v in images.inputs.items()}
         pixels = inputs.pop("pixel_values", None)
         tokens = mx.array(ids)[None]
@@ -373,6 +374,24 @@ class VisionAdapter(ModelAdapter):
             start = start + mx.array(deltas.reshape(rows, 1).astype(np.int32))
         positions = start + mx.arange(n)[None]
         return mx.broadcast_to(positions[None], (3, rows, n))
+
+
+def _tower_parts(tower: nn.Module) -> list[nn.Module]:
+    """Where the tower's computation is cut, for turns with the engine's steps and for cancels:
+    each block's attention and MLP (its parts holding an eighth of its weights or more), or the
+    whole block. (Gemma 3's SigLIP blocks take about 4 s each here: half a block is half the
+    wait for the decoding streams.)"""
+    parts: list[nn.Module] = []
+    for block in _vision_blocks(tower):
+        weights = _size(block)
+        children = [m for m in block.children().values() if isinstance(m, nn.Module)]
+        parts.extend([m for m in children if 8 * _size(m) >= weights] or [block])
+    return parts
+
+
+def _size(module: nn.Module) -> int:
+    weights: list[tuple[str, mx.array]] = tree_flatten(module.parameters())  # type: ignore[assignment]
+    return sum(array.size for _, array in weights)
 
 
 def _vision_blocks(tower: nn.Module) -> list[nn.Module]:
