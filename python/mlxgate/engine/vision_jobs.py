@@ -46,8 +46,9 @@ class VisionJob:
 
 class VisionJobs:
     """One thread running jobs in order; `wake` is called as each finishes. Each part of a tower
-    (a block's attention, its MLP) is computed within a `turn`, as the engine's steps are: the two share the cores by
-    time (two computations at once, each on every core, slow both by far more than half)."""
+    (a block's attention, its MLP) is computed within a `turn`, as the engine's steps are: the
+    two share the cores by time (two computations at once, each on every core, slow both by far
+    more than half)."""
 
     def __init__(
         self,
