@@ -247,17 +247,16 @@ class Pipeline:
         """`prompt` rendered for `served`, its images (if any) loaded and made into the model's
         image tokens (on a worker thread)."""
         if isinstance(prompt, chat.Conversation) and prompt.images:
-            prompt = marked(prompt)
-        rendered = self.render(served, prompt)
-        images = prompt.images if isinstance(prompt, chat.Conversation) else []
-        if not images:
-            return rendered
-        if served.vision is None:
+            prompt = marked(prompt)  # (the edits of its context may have left fewer)
+        if not (isinstance(prompt, chat.Conversation) and prompt.images):
+            return self.render(served, prompt)
+        if served.vision is None:  # (refused before any rendering)
             raise invalid(
                 f"the model {served.name!r} reads text only: it cannot take images "
                 "(serve a vision-language model for them)"
             )
-        loaded = await load_images(images, self.services.config)
+        rendered = self.render(served, prompt)
+        loaded = await load_images(prompt.images, self.services.config)
         try:
             return await asyncio.to_thread(served.vision.prompt, rendered, loaded)
         except chat.ConversationError as exc:

@@ -8,8 +8,8 @@ dialect's words: each API dialect maps them in its own table.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 from mlxgate._native import Reader, StreamSpec
@@ -52,6 +52,10 @@ class PromptImages:
     # what the model's vision tower and position ids are computed from.
     inputs: dict[str, Any] = field(compare=False, repr=False)
 
+    def within(self, tokens: int) -> bool:
+        """Whether every image's tokens lie in the prompt's first `tokens`."""
+        return all(span.start + span.length <= tokens for span in self.spans)
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -67,17 +71,26 @@ class GenerationRequest:
     choices: int = 1
     images: PromptImages | None = None  # a vision model's images in the prompt
 
-    def cache_keys(self, ids: Sequence[int] | None = None) -> list[int]:
-        """What the prefix cache knows `ids` (the prompt, and maybe tokens after it) by: the ids,
-        each image's tokens replaced by ids from its key. Negative, so never a vocabulary id: the
-        same image in the same place matches, another image never does."""
-        ids = list(self.prompt_ids if ids is None else ids)
+    def cache_keys(self, ids: list[int] | None = None) -> list[int]:
+        """What the prefix cache knows `ids` (the prompt, or the prompt and tokens after it) by:
+        the ids themselves, but each image's tokens replaced by ids from its key. Negative, so
+        never a vocabulary id: the same image in the same place matches, another image never
+        does."""
+        ids = self.prompt_ids if ids is None else ids
+        if self.images is None:
+            return ids
+        return [*self._prompt_keys, *ids[len(self.prompt_ids) :]]
+
+    @cached_property
+    def _prompt_keys(self) -> list[int]:
+        """The prompt's cache keys, made once."""
+        keys = list(self.prompt_ids)
         for span in self.images.spans if self.images is not None else ():
             seed = int.from_bytes(span.key[:8], "little")
-            ids[span.start : span.start + span.length] = [
+            keys[span.start : span.start + span.length] = [
                 -1 - (seed + j) % (2**31 - 2) for j in range(span.length)
             ]
-        return ids
+        return keys
 
 
 class AdmissionError(Exception):

@@ -100,19 +100,20 @@ class Engine:
         (engine/vision_jobs.py)."""
         self.loaded = loaded
         self._turn = turn
-        self._vision_turn = vision_turn
         self.model = loaded.model
         self.router = router
         self.settings = settings or EngineSettings()
         self.metrics = EngineMetrics()
         kv_bits = self.settings.kv_bits
+        vision = None  # where a vision model's prompts have their images encoded
         if loaded.vision is not None:
             from mlxgate.models.vision import VisionAdapter
 
-            adapter: ModelAdapter = VisionAdapter(self.model, kv_bits, self.settings.kv_group_size)
+            tower = VisionAdapter(self.model, kv_bits, self.settings.kv_group_size)
+            vision = VisionJobs(tower, self._notify, vision_turn)
+            self._adapter: ModelAdapter = tower
         else:
-            adapter = ModelAdapter(self.model, kv_bits, self.settings.kv_group_size)
-        self._adapter = adapter
+            self._adapter = ModelAdapter(self.model, kv_bits, self.settings.kv_group_size)
         if kv_bits:
             log.info("quantized KV cache: %s", self._adapter.check_quantized_kv())
         # An engine around a bare model (tests, benchmarks) has no tokenizer, and no grammars.
@@ -177,7 +178,7 @@ class Engine:
             join=self._add_rows,
             cached=lambda stream_id, tokens, tier: self.router.cached(stream_id, tokens, tier),
             memory=self.kv_memory,
-            vision=self._vision_jobs(),
+            vision=vision,
         )
         self._rows: dict[int, _Row] = {}  # by stream id
         self._batch = DecodeBatch(self.layout, self._banded)
@@ -299,13 +300,6 @@ class Engine:
     def _notify(self) -> None:
         with self._wakeup:
             self._wakeup.notify()
-
-    def _vision_jobs(self) -> VisionJobs | None:
-        from mlxgate.models.vision import VisionAdapter
-
-        if not isinstance(self._adapter, VisionAdapter):
-            return None
-        return VisionJobs(self._adapter, self._notify, self._vision_turn)
 
     def _tidy_heap(self) -> None:
         """After a step that worked: give the heap's free pages back every few seconds of work,

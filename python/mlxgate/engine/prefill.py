@@ -463,7 +463,7 @@ class Prefill:
         job = pending.vision_job
         if job is None:
             cached = pending.match.length if pending.match is not None else pending.done
-            if all(span.start + span.length <= cached for span in images.spans):
+            if images.within(cached):
                 return True  # (its positions are made as it starts: `_encode`)
             assert self.vision is not None
             job = pending.vision_job = self.vision.submit(pending.request.prompt_ids, images)
@@ -490,7 +490,7 @@ class Prefill:
         adapter, images = self.adapter, pending.request.images
         assert isinstance(adapter, VisionAdapter) and images is not None
         ids = pending.request.prompt_ids
-        if all(span.start + span.length <= pending.done for span in images.spans):
+        if images.within(pending.done):
             pending.features = adapter.positions(ids, images)
         else:  # its cached prefix failed its disk read: the tower after all, here
             pending.features = adapter.features(ids, images, lambda: False)

@@ -144,10 +144,7 @@ class VisionPrompts:
         order: list[chat.LoadedImage] = []
 
         def placeholder(mark: Any) -> str:
-            index = int(mark.group(1))
-            if index >= len(images):
-                raise chat.ConversationError("an image mark names no image of the request")
-            order.append(images[index])
+            order.append(images[int(mark.group(1))])  # (api/images.py `marked` numbered them)
             return self.placeholder
 
         text = chat.IMAGE_MARK.sub(placeholder, rendered.text)
