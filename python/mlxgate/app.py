@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from mlxgate import chat, logs, trace
+from mlxgate import chat, logs, ranks, trace
 from mlxgate._native import Dialect, ErrorKind, Router, Vocab
 from mlxgate.api import middleware as mw
 from mlxgate.api.anthropic import AnthropicAPI
@@ -37,6 +37,7 @@ from mlxgate.api.routing import Route, path_tail
 from mlxgate.config import Config
 from mlxgate.engine import Engine, Generator, SamplingParams
 from mlxgate.engine.drafter import check_vocabularies
+from mlxgate.engine.lockstep import RankGroup
 from mlxgate.metrics import EngineCollector, ModelsCollector
 from mlxgate.registry import (
     Configured,
@@ -148,6 +149,9 @@ class App:
     async def _health(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         models = {entry.name: str(entry.state) for entry in self.models.entries.values()}
         answer = {"model": self.models.default.name, "models": models}
+        if ranks.failure is not None:
+            await send_json(send, 503, {"status": "failed", "error": ranks.failure, **answer})
+            return
         if self.drain.draining:
             await send_json(send, 503, {"status": "draining", **answer})
             return
@@ -252,6 +256,8 @@ def build_app(config: Config, drain: Drain | None = None) -> App:
     from mlxgate import blas, models
 
     started = time.monotonic()
+    if ranks.launched():
+        ranks.check_config(config)
     chosen = configured(config)
     # On a CPU every step uses every core: several models' engines take turns.
     turns = Turns() if len(chosen.specs) > 1 else None
@@ -285,13 +291,18 @@ def build_app(config: Config, drain: Drain | None = None) -> App:
 
 
 def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> ServedModel:
-    """Load `spec`'s model (and its draft model) and start its engine."""
+    """Load `spec`'s model (and its draft model) and start its engine; launched as rank 0 of
+    several, its shard and the engine that leads the others (ranks.py)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxgate import models
+    from mlxgate import models, ranks
 
     started = time.monotonic()
+    group = ranks.group()
+    lockstep = None
+    if group is not None:
+        lockstep = RankGroup(group)
     loaded = models.load(
         spec.source,
         trust_remote_code=config.trust_remote_code,
@@ -299,6 +310,7 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
         rope_scaling=spec.rope_scaling,
         weights=config.weights,
         cpu_kernels=not config.no_cpu_kernels,
+        shard=ranks.sharder(group, config.pipeline) if group is not None else None,
     )
     tokenizer = loaded.tokenizer
     vocab = Vocab.from_token_strings(
@@ -341,7 +353,11 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
             draft_model=draft.model if draft else None,
             turn=turn,
             vision_turn=vision_turn,
+            lockstep=lockstep,
         )
+    if lockstep is not None:
+        lockstep.on_failure = functools.partial(ranks.leader_failed, engine)
+        ranks.watch(lockstep, config.rank_timeout)
     layout = engine.layout
     weights: list[tuple[str, mx.array]] = [
         named  # type: ignore[misc]

@@ -147,6 +147,13 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     if refused := public_bind_refused(config.host, config.api_key, config.insecure_public):
         sys.exit(f"mlxgate: {refused}")
+    from mlxgate import ranks
+
+    if config.ranks > 1 and not ranks.launched():
+        sys.exit(ranks.launch_local(config.ranks, argv))
+    if ranks.launched() and ranks.rank_of_process() != 0:
+        ranks.follow(config)
+        return
     from mlxgate.server import serve
 
     serve(config)

@@ -211,6 +211,25 @@ class Config:
         metavar="FILE",
         default_text="off",
     )
+    ranks: int = setting(
+        1,
+        "serve the model across N processes on this machine, started as `mlx.launch --backend "
+        "ring -n N` starts them (over loopback): each holds its shard; rank 0 serves. Under "
+        "mlx.launch (several hosts), the group it started is used instead",
+        metavar="N",
+        default_text="1; under mlx.launch, its group",
+    )
+    pipeline: bool = setting(
+        False,
+        "across ranks, pipeline parallel: each rank holds a run of layers (mlx-lm's "
+        "pipeline()); else tensor parallel: each holds part of every layer (shard())",
+    )
+    rank_timeout: float = setting(
+        5.0,
+        "across ranks: seconds without word from the other ranks before the server fails "
+        "(/health 503, every stream ends with an error event, exit non-zero)",
+        metavar="S",
+    )
     log_level: str = setting("info", "log verbosity", choices=("debug", "info", "warning", "error"))
     log_format: str = setting(
         "text",

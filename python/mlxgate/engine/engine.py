@@ -26,13 +26,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxgate._native import ErrorKind, FinishReason, Reader, Router
+from mlxgate._native import ErrorKind, FinishReason, Reader, Router, StreamSpec
 from mlxgate.engine import batch_check, disk_cache, heap
 from mlxgate.engine.batch import FREE, DecodeBatch
 from mlxgate.engine.batch_sampler import BatchSampler
@@ -40,10 +40,11 @@ from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.constraints import Vocabulary
 from mlxgate.engine.contract import EngineStopped, GenerationRequest, PromptTooLong, QueueFull
 from mlxgate.engine.kv_memory import KVMemory, default_budget
+from mlxgate.engine.lockstep import Lockstep, RanksDiverged
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.policy import StepPolicy
 from mlxgate.engine.prefill import Pending, Prefill
-from mlxgate.engine.prefix_cache import PrefixCache
+from mlxgate.engine.prefix_cache import PrefixCache, entry_bytes
 from mlxgate.engine.sampling import Sampler
 from mlxgate.engine.settings import EngineSettings
 from mlxgate.engine.speculation import Drafts, Speculation
@@ -65,6 +66,45 @@ class _Row:
     pending: Pending  # as it was admitted (or resumed)
     sampler: Sampler
     tokens: list[int]  # its prompt and the tokens decoded since: its caches hold all but the last
+
+
+def _planned(pending: Pending) -> list[Any]:
+    """What another rank needs of an admitted sequence (every choice of it)."""
+    request = pending.request
+    ids = [choice.stream_id for choice in pending.choices]
+    return [ids, request.prompt_ids, request.max_tokens, pending.scaled, request.speculate]
+
+
+def _following(plan: list[Any]) -> Pending:
+    """Rank 0's admitted sequence on another rank: what its model calls need (no stream, no
+    sampling: rank 0 samples)."""
+    ids, prompt_ids, max_tokens, scaled, speculate = plan
+    request = GenerationRequest(
+        prompt_ids, cast(StreamSpec, None), max_tokens, speculate=speculate, choices=len(ids)
+    )
+    lead, *siblings = [Pending(stream_id, request, None, scaled) for stream_id in ids]
+    lead.siblings = siblings
+    return lead
+
+
+def _drafts_plan(drafts: Drafts | None) -> list[Any] | None:
+    return None if drafts is None else [drafts.counts.tolist(), drafts.tokens.tolist()]
+
+
+def _drafts_of(plan: list[Any] | None) -> Drafts | None:
+    if plan is None:
+        return None
+    return Drafts(np.array(plan[0], dtype=np.int64), np.array(plan[1], dtype=np.int64))
+
+
+def _tokens(plan: list[Any]) -> np.ndarray:
+    return np.array(plan, dtype=np.uint32)
+
+
+def _ends(ended: list[tuple[int, FinishReason]]) -> tuple[list[int], list[int]]:
+    """The streams a step ended: those that finished, those whose clients left."""
+    finished = [sid for sid, why in ended if why != FinishReason.CANCELLED]
+    return finished, [sid for sid, why in ended if why == FinishReason.CANCELLED]
 
 
 def _choice(request: GenerationRequest, index: int) -> GenerationRequest:
@@ -91,14 +131,17 @@ class Engine:
         draft_model: nn.Module | None = None,
         turn: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
         vision_turn: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+        lockstep: Lockstep | None = None,
     ) -> None:
         """`end_ids`: the tokens that end a reply (the tokenizer's end-of-sequence ids unless
         given): where a grammar lets a constrained reply end. `draft_model`: a smaller model
         with the same tokenizer that guesses tokens ahead (else prompt lookup guesses).
         `turn`: entered for each step, where several engines share the machine (one computes
         at a time); `vision_turn`: entered for each part of a vision model's tower
-        (engine/vision_jobs.py)."""
+        (engine/vision_jobs.py). `lockstep`: this engine's rank where the model is sharded over
+        several (engine/lockstep.py): rank 0 decides, the others follow."""
         self.loaded = loaded
+        self.lockstep = lockstep or Lockstep()
         self._turn = turn
         self.model = loaded.model
         self.router = router
@@ -128,6 +171,7 @@ class Engine:
         self.prefix_cache = PrefixCache(
             self.settings.prefix_cache_mb << 20,
             cuttable=self.layout.cuttable,
+            measure=self._measure,
             disk=disk_cache.configured(
                 self.settings.prefix_cache_dir,
                 self.settings.prefix_cache_disk_gb,
@@ -179,6 +223,7 @@ class Engine:
             cached=lambda stream_id, tokens, tier: self.router.cached(stream_id, tokens, tier),
             memory=self.kv_memory,
             vision=vision,
+            lockstep=self.lockstep,
         )
         self._rows: dict[int, _Row] = {}  # by stream id
         self._batch = DecodeBatch(self.layout, self._banded)
@@ -206,7 +251,12 @@ class Engine:
         window = served.window(prompt_tokens, request.max_tokens) if served else context
         scaled = window > (served.native if served else context)
         # One lookup for every choice: a match is immutable, and each start copies its caches.
-        match = self.prefix_cache.lookup(request.cache_keys(), variant=int(scaled))
+        # (With ranks, every rank looks up as the engine takes the request: `_take_incoming`.)
+        match = (
+            self.prefix_cache.lookup(request.cache_keys(), variant=int(scaled))
+            if self.lockstep.ranks == 1
+            else None
+        )
         cached = match.length if match else 0
         choices = [
             Pending(next(self._ids), _choice(request, index), match, scaled, reported=cached)
@@ -237,7 +287,8 @@ class Engine:
         return len(self.router) > 0
 
     def _kv_memory(self) -> KVMemory:
-        """What a sequence's caches cost (measured on a one-token prefill), and the budget."""
+        """What a sequence's caches cost (measured on a one-token prefill), and the budget
+        (rank 0's, on every rank)."""
         caches = self._adapter.make_cache()
         self._adapter.prefill(mx.array([[0]], dtype=mx.uint32), caches)
         s = self.settings
@@ -245,7 +296,13 @@ class Engine:
             budget = int(s.kv_memory_gb * 2**30)
         else:
             budget = default_budget(mx.get_active_memory(), s.prefix_cache_mb << 20)
-        return KVMemory.of(caches, budget)
+        return self.lockstep.share(
+            lambda: KVMemory.of(caches, budget), dataclasses.astuple, lambda v: KVMemory(*v)
+        )
+
+    def _measure(self, caches: list[Any]) -> int:
+        """A prefix cache entry's bytes: rank 0's, on every rank (so their evictions agree)."""
+        return self.lockstep.share(lambda: entry_bytes(caches))
 
     def start(self) -> None:
         self._running.set()
@@ -260,9 +317,18 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self.prefix_cache.close()
+        self._fail_streams(ErrorKind.UNAVAILABLE, "the server is shutting down")
+
+    def abandon(self, message: str) -> None:
+        """End every stream with `message` and admit no more, from any thread: the group of
+        ranks this engine leads has failed (ranks.py), and its thread may never return."""
+        self._running.clear()
+        self._fail_streams(ErrorKind.INTERNAL, message)
+
+    def _fail_streams(self, kind: ErrorKind, message: str) -> None:
         held = [c.stream_id for p in (*self._incoming, *self.prefill.waiting) for c in p.choices]
-        for stream_id in [*held, *self._batch.running_ids]:
-            self.router.fail(stream_id, ErrorKind.UNAVAILABLE, "the server is shutting down")
+        for stream_id in dict.fromkeys([*held, *self._batch.running_ids]):
+            self.router.fail(stream_id, kind, message)
 
     # --- engine thread -------------------------------------------------------------------
 
@@ -271,20 +337,27 @@ class Engine:
         self._batch, self._sampler = DecodeBatch(self.layout, self._banded), BatchSampler()
         if self.speculation is not None:
             self.speculation.reset()
-        while self._running.is_set():
-            with self._wakeup:
-                if not self._has_work():
-                    self._wakeup.wait(timeout=1.0)
-                elif self._waits_for_vision():
-                    self._wakeup.wait(timeout=VISION_POLL_S)
-            self._take_incoming()
-            worked = self._has_work()
+        leader = self.lockstep.leader
+        while True:
+            if leader:
+                with self._wakeup:
+                    if not self._has_work():
+                        self._wakeup.wait(timeout=1.0)
+                    elif self._waits_for_vision():
+                        self._wakeup.wait(timeout=VISION_POLL_S)
+            worked = False
             try:
+                if not self._take_incoming():
+                    break
+                worked = self._has_work()
                 with self._turn():
                     self._step()
             except Exception as exc:
                 log.exception("engine step failed; failing the affected streams")
                 self._fail_all(f"generation failed: {exc}")
+                if self.lockstep.ranks > 1:  # the other ranks are somewhere else in the step
+                    self.lockstep.failed(f"the engine step failed: {exc}")
+                    return
             if worked:
                 self._tidy_heap()
 
@@ -338,10 +411,9 @@ class Engine:
             policy.decoded(time.perf_counter() - started)
         if prefill.waiting:
             prefill_started = time.perf_counter()
-            allowance_s = policy.allowance_s(decoding, len(prefill.waiting))
-            budget = policy.budget(decoding, allowance_s)
-            # Rows that finished in this step's decode have left: their room is free.
-            kv_room = self.kv_memory.budget - self._batch.kv_bytes() - prefill.held_bytes()
+            budget, allowance_s, kv_room = self.lockstep.share(
+                lambda: self._prefill_budget(decoding)
+            )
             prefilled = prefill.run(budget, allowance_s, len(self._batch), kv_room)
             policy.prefilled(prefilled, time.perf_counter() - prefill_started)
         prefill.ping()
@@ -360,9 +432,20 @@ class Engine:
         self._update_gauges()
         m.kv_bytes = self._batch.kv_bytes() + prefill.held_bytes()  # once a step: not cheap
 
+    def _prefill_budget(self, decoding: int) -> tuple[int, float | None, int]:
+        """This step's prefill: its token budget, its time allowance, the KV memory it may take."""
+        policy, prefill = self.policy, self.prefill
+        allowance_s = policy.allowance_s(decoding, len(prefill.waiting))
+        budget = policy.budget(decoding, allowance_s)
+        # Rows that finished in this step's decode have left: their room is free.
+        kv_room = self.kv_memory.budget - self._batch.kv_bytes() - prefill.held_bytes()
+        return budget, allowance_s, kv_room
+
     def _cancel_stalled(self) -> None:
         """The engine never waits for a reader: a stream unread past the stall timeout is ended."""
-        stalled = self.router.fail_stalled(self.settings.stall_timeout_s)
+        stalled = self.lockstep.share(
+            lambda: self.router.fail_stalled(self.settings.stall_timeout_s)
+        )
         for stream_id in stalled:
             log.warning("stream %d: client stopped reading; cancelling its generation", stream_id)
         if stalled:
@@ -377,15 +460,26 @@ class Engine:
     def _keep_budget(self) -> None:
         """Preempt the youngest decoding sequences while the batch's caches, their growth in the
         next step and the prompts in prefill would outgrow the KV memory budget. The oldest
-        always goes on (a prompt that cannot fit alone was refused at admission)."""
+        always goes on (a prompt that cannot fit alone was refused at admission). (Rank 0's
+        choice, on every rank.)"""
+        preempted = self.lockstep.share(self._preempt_over_budget)
+        if not self.lockstep.leader:
+            for stream_id in preempted:
+                self._preempt(self._rows[stream_id])
+
+    def _preempt_over_budget(self) -> list[int]:
         memory, batch = self.kv_memory, self._batch
         width = 1 + (self.settings.max_draft_tokens if self.speculation is not None else 0)
+        preempted: list[int] = []
         while len(batch) > 1:
             held = batch.kv_bytes() + batch.growth_bytes(width, memory.token_bytes)
             if held + self.prefill.held_bytes() <= memory.budget:
-                return
+                break
             running = [self._rows[sid] for sid in batch.running_ids]
-            self._preempt(max(running, key=lambda row: row.pending.submitted_at))
+            youngest = max(running, key=lambda row: row.pending.submitted_at)
+            self._preempt(youngest)
+            preempted.append(youngest.pending.stream_id)
+        return preempted
 
     def _preempt(self, row: _Row) -> None:
         """Take a sequence out of the batch to free its caches: its keys/values go into the prefix
@@ -423,13 +517,53 @@ class Engine:
         )
 
     def _poll_cancelled(self) -> set[int]:
-        self._gone.update(self.router.cancelled())
+        self._gone.update(self.lockstep.share(lambda: self.router.cancelled()))
         return self._gone
 
-    def _take_incoming(self) -> None:
+    def _take_incoming(self) -> bool:
+        """Queue the admitted requests; False once the engine stops. (With ranks: rank 0's
+        requests on every rank, and its state to check theirs against.)"""
+        if self.lockstep.ranks == 1:
+            with self._wakeup:
+                while self._incoming:
+                    self.prefill.waiting.append(self._incoming.popleft())
+            return self._running.is_set()
+        state = self._digest()
+        running, taken, leader_state = self.lockstep.share(
+            lambda: (self._running.is_set(), self._queued(), state),
+            lambda plan: (plan[0], [_planned(p) for p in plan[1]], plan[2]),
+            lambda plan: (plan[0], [_following(p) for p in plan[1]], plan[2]),
+        )
+        if leader_state != state:
+            raise RanksDiverged(
+                f"rank {self.lockstep.rank}'s engine state {state} is not rank 0's "
+                f"{leader_state}: the ranks no longer run the same schedule"
+            )
+        for pending in taken:
+            # Every rank looks up at the same point of the schedule (not at admission).
+            pending.match = self.prefix_cache.lookup(
+                pending.request.cache_keys(), variant=int(pending.scaled)
+            )
+            self.prefill.waiting.append(pending)
+        return running
+
+    def _queued(self) -> list[Pending]:
         with self._wakeup:
-            while self._incoming:
-                self.prefill.waiting.append(self._incoming.popleft())
+            taken = list(self._incoming)
+            self._incoming.clear()
+        return taken
+
+    def _digest(self) -> list[int]:
+        """What every rank's engine agrees on between steps."""
+        batch, waiting = self._batch, self.prefill.waiting
+        return [
+            len(batch),
+            int(batch.stream_ids.sum()),
+            len(waiting),
+            sum(p.done for p in waiting),
+            len(self.prefix_cache),
+            self.prefix_cache.nbytes,
+        ]
 
     def _drop_cancelled(self) -> None:
         gone = self._poll_cancelled()
@@ -449,18 +583,20 @@ class Engine:
         speculation = self.speculation
         drafts = None
         if speculation is not None and len(batch) <= self.settings.speculation_max_rows:
-            drafts = speculation.drafts(batch.stream_ids)
+            drafts = self.lockstep.share(
+                lambda: speculation.drafts(batch.stream_ids), _drafts_plan, _drafts_of
+            )
         if drafts is None:
             logits = self._adapter.decode(
                 batch.inputs, batch.caches, self._scaled_rows(), self._rope_deltas()
             )
-            inputs = self._sampler.sample(logits, batch.samplers, self.vocabulary)
-            mx.eval(inputs)
-            tokens = np.array(inputs)[:, None]
+            tokens = self.lockstep.share(
+                lambda: self._sample(logits), np.ndarray.tolist, _tokens, evaluated=logits
+            )
             kept = np.zeros(len(tokens), dtype=np.int64)
         else:
             tokens, kept = self._verify(drafts)
-            inputs = mx.array(tokens[np.arange(len(tokens)), kept])  # each row's last token
+        inputs = mx.array(tokens[np.arange(len(tokens)), kept])  # each row's last token
         slot_ids = batch.stream_ids
         # Free slots were computed too: their tokens go nowhere.
         self._sampler.advance(inputs)
@@ -473,17 +609,18 @@ class Engine:
         emitted = (np.arange(tokens.shape[1]) <= kept[:, None]) & (slot_ids != FREE)[:, None]
         token_ids = tokens[emitted]
         stream_ids = np.broadcast_to(slot_ids[:, None], tokens.shape)[emitted]
-        ended = self.router.step(stream_ids, token_ids)
+        finished, cancelled = self.lockstep.share(
+            lambda: _ends(self.router.step(stream_ids, token_ids))
+        )
         self.metrics.decode_tokens += len(token_ids)
         rows = self._rows
         for stream_id, token in zip(stream_ids.tolist(), token_ids.tolist(), strict=True):
             rows[stream_id].tokens.append(token)
-        finished = [sid for sid, why in ended if why != FinishReason.CANCELLED]
         if finished:
             self.metrics.requests_finished += len(finished)
             self._keep_replies(finished)
             batch.drop(np.isin(batch.stream_ids, finished))
-        self._gone.update(sid for sid, why in ended if why == FinishReason.CANCELLED)
+        self._gone.update(cancelled)
         if self._gone:
             self._drop_cancelled()
 
@@ -496,13 +633,28 @@ class Engine:
         logits = self._adapter.verify(
             inputs, batch.caches, self._scaled_rows(), self._rope_deltas()
         )
-        tokens = self._sampler.sample_positions(
-            logits, drafts.counts, batch.samplers, self.vocabulary
+        tokens, kept = self.lockstep.share(
+            lambda: self._sample_positions(logits, drafts),
+            lambda sampled: (sampled[0].tolist(), sampled[1].tolist()),
+            lambda sampled: (_tokens(sampled[0]), np.array(sampled[1], dtype=np.int64)),
+            evaluated=logits,
         )
-        kept = drafts.kept(tokens)
         self._sampler.keep(kept)
         batch.rewind(kept, drafts.width)
         return tokens, kept
+
+    def _sample(self, logits: mx.array) -> np.ndarray:
+        """Each row's next token [slots, 1]."""
+        inputs = self._sampler.sample(logits, self._batch.samplers, self.vocabulary)
+        mx.eval(inputs)
+        return np.array(inputs)[:, None]
+
+    def _sample_positions(self, logits: mx.array, drafts: Drafts) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens sampled at each position of a verify pass, and the guesses each row keeps."""
+        tokens = self._sampler.sample_positions(
+            logits, drafts.counts, self._batch.samplers, self.vocabulary
+        )
+        return tokens, drafts.kept(tokens)
 
     def _scaled_rows(self) -> ScaledRows:
         return self._batch.scaled if self._adapter.switched_rope else True

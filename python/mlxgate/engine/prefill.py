@@ -18,6 +18,7 @@ another choice of the same prompt goes on, its caches are cut back to that (mend
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections import deque
@@ -33,6 +34,7 @@ from mlxgate.engine import cache_kinds
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.contract import GenerationRequest
 from mlxgate.engine.kv_memory import KVMemory
+from mlxgate.engine.lockstep import Lockstep
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.policy import StepPolicy
 from mlxgate.engine.prefix_cache import (
@@ -149,12 +151,14 @@ class Prefill:
         cached: Callable[[int, int, str], None] = lambda stream_id, tokens, tier: None,
         memory: KVMemory | None = None,
         vision: VisionJobs | None = None,
+        lockstep: Lockstep | None = None,
     ) -> None:
         """`grouped`: whether several prompts may share a pass. `cancelled`: the stream ids whose
         clients left (polled during passes); `ping` sends a stream a keep-alive; `join` adds
         prefilled sequences to the decode batch; `cached` tells a stream how much of its prompt
         was reused after all; `memory`: the KV memory budget, if any; `vision`: where a vision
-        model's prompts have their images encoded."""
+        model's prompts have their images encoded; `lockstep`: the engine's ranks, where its
+        choices that depend on time are rank 0's (engine/lockstep.py)."""
         self.adapter = adapter
         self.layout = layout
         self.prefix_cache = prefix_cache
@@ -168,6 +172,7 @@ class Prefill:
         self._cached = cached
         self.memory = memory
         self.vision = vision
+        self.lockstep = lockstep or Lockstep()
         self.waiting: deque[Pending] = deque()
         # Taken from the queue by this step's prefill and not yet in the batch.
         self.joining: list[Pending] = []
@@ -238,11 +243,12 @@ class Prefill:
             if pending.request.images is not None and pending.features is None:
                 self._encode(pending)
             steered = False
-            if allowance_s is not None and (last := pending.last_chunk) is not None:
-                left_s = allowance_s - (time.perf_counter() - started)
-                if left_s <= 0 and spent:
+            if allowance_s is not None and pending.last_chunk is not None:
+                chunk = self.lockstep.share(
+                    functools.partial(self._steered_chunk, pending, allowance_s, started, spent)
+                )
+                if chunk is None:
                     break
-                chunk = self.policy.steered_chunk(last, pending.todo, max(left_s, 0.0))
                 steered = True
             else:
                 chunk = self.policy.chunk(budget, pending.todo)
@@ -271,6 +277,17 @@ class Prefill:
         self.joining = []
         return spent
 
+    def _steered_chunk(
+        self, pending: Pending, allowance_s: float, started: float, spent: int
+    ) -> int | None:
+        """The next chunk of a prompt in prefill, from what is left of the step's allowance
+        (since `started`); None if nothing is, and the step has prefilled (`spent`)."""
+        assert pending.last_chunk is not None
+        left_s = allowance_s - (time.perf_counter() - started)
+        if left_s <= 0 and spent:
+            return None
+        return self.policy.steered_chunk(pending.last_chunk, pending.todo, max(left_s, 0.0))
+
     def held_bytes(self) -> int:
         """What the prompts in prefill reserve of the KV memory budget."""
         return sum(self._reserve(p) for p in self.waiting if p.caches is not None)
@@ -291,8 +308,7 @@ class Prefill:
         for pending in self.waiting:
             if pending.caches is None and (pending.held or pending.sampler is not None):
                 self._look_again(pending)
-        now = time.monotonic()
-        ranked = sorted(self.waiting, key=lambda p: self.policy.rank(p.rest, now - p.submitted_at))
+        ranked = self._rank()
         ready: deque[Pending] = deque()
         held: list[Pending] = []
         for index, pending in enumerate(ranked):
@@ -304,6 +320,20 @@ class Prefill:
             else:
                 ready.append(pending)
         return ready, held
+
+    def _rank(self) -> list[Pending]:
+        """The waiting sequences in `policy.rank` order (rank 0's order, on every rank)."""
+        now = time.monotonic()
+        by_id = {p.stream_id: p for p in self.waiting}
+        order = self.lockstep.share(
+            lambda: [
+                p.stream_id
+                for p in sorted(
+                    self.waiting, key=lambda p: self.policy.rank(p.rest, now - p.submitted_at)
+                )
+            ]
+        )
+        return [by_id[stream_id] for stream_id in order]
 
     def _look_again(self, pending: Pending) -> None:
         """The prefix cache may hold more of the prompt than at admission: the prefill it waited

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -63,6 +64,11 @@ class MemoryMatch:
         return [cache_kinds.cut(layer, self.length) for layer in self.entry.layers]
 
 
+def entry_bytes(layers: list[Any]) -> int:
+    """What an entry's layers hold, in bytes."""
+    return sum(cache_kinds.nbytes(layer) for layer in layers)
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     mismatch = np.flatnonzero(a[:n] != b[:n])
@@ -83,8 +89,11 @@ class PrefixCache:
         *,
         cuttable: bool = True,
         disk: DiskCache | None = None,
+        measure: Callable[[list[Any]], int] | None = None,
     ) -> None:
+        """`measure`: an entry's bytes (its layers' arrays, unless given)."""
         self.max_bytes = max_bytes
+        self._measure = measure or entry_bytes
         self.min_tokens = min_tokens
         self.cuttable = cuttable  # entries can be reused in part (attention keys/values only)
         self.disk = disk
@@ -154,7 +163,7 @@ class PrefixCache:
             return
         layers = [cache_kinds.snapshot(cache, owned=True) for cache in caches]
         mx.eval([cache_kinds.arrays(layer) for layer in layers])
-        nbytes = sum(cache_kinds.nbytes(layer) for layer in layers)
+        nbytes = self._measure(layers)
         if nbytes > self.max_bytes:
             return
         entry = CacheEntry(token_ids, layers, nbytes, variant)

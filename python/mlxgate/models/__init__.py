@@ -3,6 +3,7 @@ every one through mlx-lm's own loader and tokenizer (a GGUF file converted once,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -75,8 +76,10 @@ def _load_directory(
     rope_scaling: str,
     trust_remote_code: bool,
     dequantize_to: mx.Dtype | None = None,
+    shard: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, ChatTokenizer, ServedContext]:
-    """`dequantize_to`: serve quantized weights dequantized, in that dtype."""
+    """`dequantize_to`: serve quantized weights dequantized, in that dtype. `shard`: cuts the
+    model to this rank's part (ranks.py) before its weights are read."""
     from mlx_lm.utils import dequantize_model, load_config, load_model
 
     config = load_config(path)
@@ -99,6 +102,8 @@ def _load_directory(
         model_class, args_class = _get_classes(config)
         native = model_class(args_class.from_dict(config))
         served = context.switch_rope(model, native, served)
+    if shard is not None:
+        shard(model)
     mx.eval(model.parameters())
     return model, ChatTokenizer.from_pretrained_dir(path), served
 
@@ -140,6 +145,7 @@ def load(
     rope_scaling: str = "yarn",
     weights: str = "quantized",
     cpu_kernels: bool = True,
+    shard: Callable[[nn.Module], None] | None = None,
 ) -> LoadedModel:
     """Load the model named by `--model`; None means the embedded default. `trust_remote_code`
     lets a model directory's own `model_file` build its architecture (mlx-lm's custom models).
@@ -147,11 +153,12 @@ def load(
     past the model's own context is reached by `rope_scaling` ("yarn" or "linear").
     `weights`: "quantized" serves quantized weights as stored, "float32" dequantizes them.
     `cpu_kernels`: mlxgate's CPU kernels where this machine runs them (models/cpu_kernels.py).
+    `shard`: loads just this rank's part of the model (ranks.py; an mlx-lm model).
     """
     if spec is None and context_length is None:
         context_length = DEFAULT_MODEL_CONTEXT
     dequantize_to = mx.float32 if weights == "float32" else None
-    loaded = _load(spec, dequantize_to, trust_remote_code, context_length, rope_scaling)
+    loaded = _load(spec, dequantize_to, trust_remote_code, context_length, rope_scaling, shard)
     if loaded.vision is not None:
         loaded.kernels = "MLX's own (mlxgate's CPU kernels do not reach mlx-vlm's models)"
     else:
@@ -165,22 +172,25 @@ def _load(
     trust_remote_code: bool,
     context_length: int | None,
     rope_scaling: str,
+    shard: Callable[[nn.Module], None] | None,
 ) -> LoadedModel:
     if spec is None:
         path = default_model_path()
-        return _load_gguf(DEFAULT_MODEL, path, dequantize_to, context_length, rope_scaling)
+        return _load_gguf(DEFAULT_MODEL, path, dequantize_to, context_length, rope_scaling, shard)
 
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no such GGUF file: {path}")
-        return _load_gguf(path.stem, path, dequantize_to, context_length, rope_scaling)
+        return _load_gguf(path.stem, path, dequantize_to, context_length, rope_scaling, shard)
     if spec.count("/") == 1 and not path.exists():
         path = _download(spec)
         source = f"huggingface:{spec}"
     else:
         source = str(path)
     if path.is_dir() and vision.vision_config(path) is not None:
+        if shard is not None:
+            raise ValueError("a vision-language model is served by one process (no ranks)")
         model, tokenizer, prompts, length = vision.load(path, context_length)
         name = spec if source.startswith("huggingface:") else path.name
         return LoadedModel(name, model, tokenizer, length, source, vision=prompts)
@@ -188,7 +198,7 @@ def _load(
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not an mlx-lm model directory (no config.json)")
         model, tokenizer, served = _load_directory(
-            path, context_length, rope_scaling, trust_remote_code, dequantize_to
+            path, context_length, rope_scaling, trust_remote_code, dequantize_to, shard
         )
         name = spec if source.startswith("huggingface:") else path.name
         return _loaded(name, model, tokenizer, served, source)
@@ -203,11 +213,12 @@ def _load_gguf(
     dequantize_to: mx.Dtype | None,
     context_length: int | None,
     rope_scaling: str,
+    shard: Callable[[nn.Module], None] | None = None,
 ) -> LoadedModel:
     from mlxgate.models.gguf import converted
 
     model, tokenizer, served = _load_directory(
-        converted(path), context_length, rope_scaling, False, dequantize_to
+        converted(path), context_length, rope_scaling, False, dequantize_to, shard
     )
     return _loaded(name, model, tokenizer, served, str(path))
 

@@ -71,7 +71,12 @@ class ModelAdapter:
         mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
         self.backbone = _backbone(model)
         layers = getattr(self.backbone, "layers", None)
-        self.layers: list[nn.Module] = list(layers) if isinstance(layers, list) else []
+        # A pipelined model (ranks.py) runs its layers between a receive from one rank and a
+        # send to another: a stop between two of them would leave the others waiting.
+        pipelined = getattr(self.backbone, "pipeline_size", 1) > 1
+        self.layers: list[nn.Module] = (
+            list(layers) if isinstance(layers, list) and not pipelined else []
+        )
         self._check = _make_stoppable(self.layers)
         self._rope_rows = rope_switch.rows_of(model)
 
@@ -204,15 +209,17 @@ class ModelAdapter:
 def _backbone(model: nn.Module) -> nn.Module:
     """The submodule that runs the model's decoder layers and returns hidden states: the
     shallowest one holding the layers the model lists (`model.model`, `model.backbone`,
-    `model.language_model.model`, ...), else the model itself."""
+    `model.language_model.model`, ...), else the model itself. (A pipelined model lists its
+    rank's layers; its backbone holds None for the others.)"""
     listed = getattr(model, "layers", None)
     modules = sorted(model.named_modules(), key=lambda named: named[0].count("."))
     for name, module in modules:
         layers = getattr(module, "layers", None)
         if not (name and isinstance(layers, list) and layers):
             continue
+        held = [layer for layer in layers if layer is not None]
         if not isinstance(listed, list) or (
-            len(layers) == len(listed) and all(a is b for a, b in zip(layers, listed, strict=True))
+            len(held) == len(listed) and all(a is b for a, b in zip(held, listed, strict=True))
         ):
             return module
     return model

@@ -1,0 +1,281 @@
+"""One model across processes: MLX's distributed backend, mlx-lm's sharding, mlxgate's ranks.
+
+`mlxgate serve` started by `mlx.launch` (one process per host, or `--ranks N` on this machine)
+finds its rank in the group MLX's launcher describes (ring over TCP, JACCL over RDMA, MPI).
+Every rank loads its shard of the model: tensor parallel by default (mlx-lm's `shard()`: each
+rank holds a slice of every layer's heads and MLP, and the layers sum their parts with
+`all_sum`), or pipeline parallel with `--pipeline` (mlx-lm's `pipeline()`: each rank holds a
+run of layers and hands its hidden states on). Rank 0 serves HTTP and runs the engine; the
+other ranks run the same engine in lockstep (engine/lockstep.py), told every decision.
+
+A rank that dies or stops answering fails the group: rank 0 answers /health with 503, ends
+every stream with an error event and exits non-zero; the others exit too. A dead peer shows as
+an error in the next collective; a stalled one as silence: a watchdog per rank fails the group
+once no share has completed for `--rank-timeout` seconds (the engine shares something at least
+every second, idle or not, and between layers while prefilling).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlxgate.config import Config
+    from mlxgate.engine.engine import Engine
+    from mlxgate.engine.lockstep import RankGroup
+
+log = logging.getLogger("mlxgate.ranks")
+
+# What MLX's launchers set in each process they start (ring, JACCL, MPI).
+LAUNCHED = ("MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_SIZE")
+# Seconds a failing rank 0 keeps answering (health 503, error events) before it exits.
+FAIL_GRACE_S = 2.0
+EXIT_FAILED = 3
+# `--ranks N`: seconds the other ranks get to end on their own once one has.
+STOP_AFTER_S = 5.0
+
+
+# Why this rank's group failed, once it has (rank 0's /health says it).
+failure: str | None = None
+
+
+def launched() -> bool:
+    """Whether this process is one rank of a group MLX's launcher started."""
+    return any(os.environ.get(name) for name in LAUNCHED)
+
+
+def rank_of_process() -> int:
+    """This process's rank, as the launcher set it (before the group is joined)."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK"):
+        if value := os.environ.get(name):
+            return int(value)
+    return 0
+
+
+def group() -> mx.distributed.Group | None:
+    """This process's group, when launched as one of several ranks (else None)."""
+    if not launched():
+        return None
+    import mlx.core as mx
+
+    joined = mx.distributed.init(strict=True)
+    return joined if joined.size() > 1 else None
+
+
+def check_config(config: Config) -> None:
+    """What a sharded model cannot serve, refused before anything loads."""
+    problems = []
+    if len(config.model) > 1 or config.models_config:
+        problems.append("one model (not several --model, nor --models-config)")
+    if config.engine.prefix_cache_dir:
+        problems.append("no --prefix-cache-dir (each rank would need its own shard's files)")
+    if problems:
+        raise ValueError("across ranks mlxgate serves " + "; ".join(problems))
+
+
+def sharder(mlx_group: mx.distributed.Group, pipeline: bool) -> Callable[[nn.Module], None]:
+    """Cuts a lazily loaded model to this rank's shard, before its weights are read."""
+
+    def shard(model: nn.Module) -> None:
+        size = mlx_group.size()
+        kind = getattr(model, "model_type", type(model).__module__.rsplit(".")[-1])
+        if pipeline:
+            inner: Any = getattr(model, "model", None)
+            if not hasattr(inner, "pipeline"):
+                raise ValueError(
+                    f"--pipeline: mlx-lm's {kind} model cannot be pipelined (no pipeline()); "
+                    "serve it tensor parallel (without --pipeline)"
+                )
+            if len(inner.layers) < size:
+                raise ValueError(f"{len(inner.layers)} layers cannot go over {size} ranks")
+            inner.pipeline(mlx_group)
+            return
+        if not hasattr(model, "shard"):
+            raise ValueError(
+                f"mlx-lm's {kind} model cannot be sharded tensor parallel (no shard())"
+                + ("; try --pipeline" if hasattr(getattr(model, "model", None), "pipeline") else "")
+            )
+        if uneven := _uneven_heads(model, size):
+            raise ValueError(
+                f"{uneven} do not divide over {size} ranks: tensor parallel splits them; "
+                f"choose a number of ranks that divides them"
+                + (", or --pipeline" if hasattr(getattr(model, "model", None), "pipeline") else "")
+            )
+        model.shard(mlx_group)
+
+    return shard
+
+
+def _uneven_heads(model: nn.Module, ranks: int) -> str:
+    """The model's head counts that `ranks` does not divide, in words ('' if none)."""
+    args = getattr(model, "args", None)
+    counts = {
+        "attention heads": getattr(args, "num_attention_heads", None),
+        "key/value heads": getattr(args, "num_key_value_heads", None),
+    }
+    uneven = [f"its {n} {what}" for what, n in counts.items() if isinstance(n, int) and n % ranks]
+    return " and ".join(uneven)
+
+
+class SilentRouter:
+    """The router of a rank other than 0: streams live on rank 0; rank 0 tells it what the real
+    router says (engine/lockstep.py), so what the engine tells the router goes nowhere here."""
+
+    def __len__(self) -> int:
+        return 0
+
+    def ping(self, stream_id: int) -> None: ...
+
+    def cached(self, stream_id: int, cached_tokens: int, cached_from: str) -> None: ...
+
+    def logprobs(self, sampled: Any) -> None: ...
+
+    def fail(self, stream_id: int, kind: Any, message: str) -> None: ...
+
+
+def watch(lockstep: RankGroup, timeout_s: float) -> None:
+    """Fail the group once no share has completed for `timeout_s` (a thread per rank)."""
+
+    def run() -> None:
+        while True:
+            time.sleep(min(0.25, timeout_s / 4))
+            silent = time.monotonic() - lockstep.alive_at
+            if silent > timeout_s:
+                lockstep.failed(
+                    f"no word from the other ranks for {silent:.1f}s (--rank-timeout "
+                    f"{timeout_s:g}): a rank died or stalled"
+                )
+                return
+
+    threading.Thread(target=run, name="mlxgate-rank-watchdog", daemon=True).start()
+
+
+def exit_failed(message: str, grace_s: float = 0.0) -> None:
+    """Leave the process now (after `grace_s`): a failed group cannot be recovered in place, and
+    the engine's thread may be blocked in a collective that never returns."""
+
+    def leave() -> None:
+        time.sleep(grace_s)
+        log.error("exiting: %s", message)
+        logging.shutdown()
+        os._exit(EXIT_FAILED)
+
+    threading.Thread(target=leave, name="mlxgate-rank-exit", daemon=True).start()
+
+
+def leader_failed(engine: Engine, message: str) -> None:
+    """Rank 0's group failed: /health answers 503, every stream ends with an error event, and
+    the process exits non-zero once those have had FAIL_GRACE_S to go out."""
+    global failure
+    if failure is not None:
+        return
+    failure = message
+    log.error("the ranks' group failed: %s", message)
+    engine.abandon(f"the server failed: {message}")
+    exit_failed(message, FAIL_GRACE_S)
+
+
+def follow(config: Config) -> None:
+    """A rank other than 0: load its shard, then run the engine as rank 0 says, until it
+    stops. Exits non-zero if the group fails."""
+    from mlxgate import logs, models
+    from mlxgate.app import configured
+    from mlxgate.engine.engine import Engine
+    from mlxgate.engine.lockstep import RankGroup
+
+    logs.configure(config.log_level, config.log_format)
+    joined = group()
+    assert joined is not None
+    rank = joined.rank()
+    check_config(config)
+    chosen = configured(config)
+    spec = next(spec for spec in chosen.specs if spec.name == chosen.default)
+    try:
+        loaded = models.load(
+            spec.source,
+            trust_remote_code=config.trust_remote_code,
+            context_length=spec.context_length,
+            rope_scaling=spec.rope_scaling,
+            weights=config.weights,
+            cpu_kernels=not config.no_cpu_kernels,
+            shard=sharder(joined, config.pipeline),
+        )
+    except Exception as exc:
+        sys.exit(f"mlxgate rank {rank}: cannot load its shard: {exc}")
+    lockstep = RankGroup(joined)
+    lockstep.on_failure = lambda message: exit_failed(f"rank {rank}: {message}")
+    engine = Engine(loaded, SilentRouter(), config.engine, lockstep=lockstep)  # type: ignore[arg-type]
+    log.info("rank %d of %d: %s, following rank 0", rank, joined.size(), loaded.describe_context())
+    watch(lockstep, config.rank_timeout)
+    engine.start()
+    assert engine._thread is not None
+    engine._thread.join()
+    log.info("rank %d: rank 0 stopped; exiting", rank)
+
+
+def launch_local(ranks: int, argv: list[str]) -> int:
+    """`mlxgate serve --ranks N`: N ranks of this command on this machine, over the ring backend
+    on loopback, started as `mlx.launch --backend ring -n N` starts them (its hostfile and
+    MLX_RANK). Once one ends (rank 0, or another with an error), the rest get STOP_AFTER_S to
+    end on their own, then are stopped. Returns the first exit code that is not 0 (mlx.launch
+    itself exits 0 whatever its ranks did).
+    """
+    ports = _free_ports(ranks)
+    with tempfile.NamedTemporaryFile(
+        "w", suffix=".json", prefix="mlxgate-ranks-", delete=False
+    ) as f:
+        json.dump([[f"127.0.0.1:{port}"] for port in ports], f)
+    command = [sys.executable, "-m", "mlxgate", *argv]
+    processes = [
+        subprocess.Popen(command, env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": f.name})
+        for rank in range(ranks)
+    ]
+
+    def forward(signum: int, frame: Any) -> None:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    ended_at: float | None = None
+    try:
+        while any(process.poll() is None for process in processes):
+            time.sleep(0.1)
+            codes = [process.poll() for process in processes]
+            if ended_at is None and (codes[0] is not None or any(codes)):
+                ended_at = time.monotonic()
+            if ended_at is not None and time.monotonic() - ended_at > STOP_AFTER_S:
+                for process in processes:
+                    if process.poll() is None:
+                        process.kill()
+    finally:
+        os.unlink(f.name)
+    for rank, process in enumerate(processes):
+        if process.returncode:
+            print(f"mlxgate: rank {rank} exited with {process.returncode}", file=sys.stderr)
+    return next((process.returncode for process in processes if process.returncode), 0)
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
