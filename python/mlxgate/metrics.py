@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from mlxgate.engine import Engine
 from mlxgate.engine.disk_cache import DiskStats
+from mlxgate.engine.lockstep import RankGroup
 from mlxgate.registry import ModelRegistry, State
 
 
@@ -113,6 +114,19 @@ class EngineCollector(Collector):
                 lambda: engine.prefix_cache.nbytes,
             ),
         }
+        if isinstance(lockstep := engine.lockstep, RankGroup):
+            gauges["mlxgate_ranks"] = (
+                "processes the model is sharded across",
+                lambda: lockstep.ranks,
+            )
+            gauges["mlxgate_rank_shares"] = (
+                "decisions rank 0 has shared with the other ranks (engine/lockstep.py)",
+                lambda: lockstep.shares,
+            )
+            gauges["mlxgate_rank_share_seconds"] = (
+                "seconds rank 0's engine spent sharing its decisions (the plan's overhead)",
+                lambda: lockstep.share_s,
+            )
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=self.scraped).set_function(read)
 
