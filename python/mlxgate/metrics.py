@@ -5,7 +5,7 @@ model's state, loads and memory; MLX's memory."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import mlx.core as mx
 from prometheus_client import CollectorRegistry, Gauge
@@ -104,7 +104,7 @@ class EngineCollector(Collector):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.scraped = CollectorRegistry()
-        gauges = {
+        gauges: dict[str, tuple[str, Callable[[], float]]] = {
             "mlxgate_engine_open_streams": (
                 "streams the engine still holds (generating, or waiting to be read)",
                 lambda: len(engine.router),
