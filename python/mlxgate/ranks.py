@@ -45,6 +45,9 @@ LAUNCHED = ("MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_SIZE")
 # Seconds a failing rank 0 keeps answering (health 503, error events) before it exits.
 FAIL_GRACE_S = 2.0
 EXIT_FAILED = 3
+# How much longer than --rank-timeout the other ranks wait for rank 0 (see `watch`).
+FOLLOWER_PATIENCE = 12
+FOLLOWER_MIN_S = 60.0
 # `--ranks N`: seconds the other ranks get to end on their own once one has.
 STOP_AFTER_S = 5.0
 
@@ -148,16 +151,21 @@ class SilentRouter:
 
 
 def watch(lockstep: RankGroup, timeout_s: float) -> None:
-    """Fail the group once no share has completed for `timeout_s` (a thread per rank)."""
+    """Fail the group once the other ranks have not answered for `timeout_s` (a thread per
+    rank). Rank 0's own decisions do not count: a grammar's first compile or a draft model's
+    prefill may take long. So the other ranks, which wait for those, wait FOLLOWER_PATIENCE
+    times longer (at least FOLLOWER_MIN_S) before they give up on rank 0."""
+    if not lockstep.leader:
+        timeout_s = max(FOLLOWER_MIN_S, FOLLOWER_PATIENCE * timeout_s)
 
     def run() -> None:
         while True:
             time.sleep(min(0.25, timeout_s / 4))
             silent = time.monotonic() - lockstep.alive_at
-            if silent > timeout_s:
+            if silent > timeout_s and not lockstep.deciding:
                 lockstep.failed(
-                    f"no word from the other ranks for {silent:.1f}s (--rank-timeout "
-                    f"{timeout_s:g}): a rank died or stalled"
+                    f"no word from the other ranks for {silent:.1f}s (the limit: "
+                    f"{timeout_s:g}s): a rank died or stalled"
                 )
                 return
 
@@ -198,6 +206,9 @@ def follow(config: Config) -> None:
     from mlxgate.engine.lockstep import RankGroup
 
     logs.configure(config.log_level, config.log_format)
+    # Rank 0 leads a shutdown (it drains, then its engine stops every rank's).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     joined = group()
     assert joined is not None
     rank = joined.rank()

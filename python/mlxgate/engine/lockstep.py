@@ -71,8 +71,10 @@ class RankGroup(Lockstep):
         self.leader = self.rank == 0
         self.shares = 0
         self.share_s = 0.0  # spent in shares (rank 0: the plan's broadcast overhead)
-        # When the last share finished: the watchdog's sign of life (models/ranks.py).
+        # The watchdog's clock (ranks.py): when the other ranks last answered, and whether rank 0
+        # is deciding (its own work, however long: nobody is waited for).
         self.alive_at = time.monotonic()
+        self.deciding = False
         self.on_failure: Callable[[str], None] = lambda message: None
 
     def share(
@@ -83,14 +85,20 @@ class RankGroup(Lockstep):
         *,
         evaluated: Any = None,
     ) -> T:
+        if evaluated is not None:
+            mx.eval(evaluated)  # the model's collectives: every rank has answered
+            self.alive_at = time.monotonic()
         if self.leader:
-            value = decide()
+            self.deciding = True
+            try:
+                value = decide()
+            finally:
+                self.deciding = False
+                self.alive_at = time.monotonic()
             started = time.perf_counter()
             plan = encode(value) if encode else value
             self._broadcast(orjson.dumps(plan, option=orjson.OPT_SERIALIZE_NUMPY))
         else:
-            if evaluated is not None:
-                mx.eval(evaluated)
             started = time.perf_counter()
             raw = orjson.loads(self._broadcast(b""))
             value = decode(raw) if decode else raw

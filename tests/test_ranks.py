@@ -1,0 +1,332 @@
+"""One model across ranks (ranks.py, engine/lockstep.py): `mlxgate serve --ranks N` on this
+machine, over MLX's ring backend on loopback, against the same server in one process.
+
+Random-weight tiny models of the families mlx-lm can shard (with the qwen3 tokenizer), and the
+embedded model on 3 ranks (its 9 attention heads do not divide by 2). Tensor parallel sums each
+layer's parts in another order than one process does: a token may differ only where the single
+process's own log-probabilities of the two tokens differ by <= 1e-4 at that step (after which
+the two answers go their own ways), as the architecture matrix does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import pytest
+import tiny_models
+
+from conftest import RunningServer, free_port, metric, start_server, stop_server
+from forced import write_tokenizer
+
+TIES = 1e-4
+QWEN3_VOCAB = 151936
+# The 16 at once: prompts of different lengths, so that rows join and leave apart.
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "pack",
+    "boxes",
+]
+SYSTEM = "You are a terse assistant. " * 6  # a shared prefix past the prefix cache's minimum
+
+
+def model_dir(parent: Path, arch: str) -> Path:
+    """A random-weight `arch` model directory with the qwen3 tokenizer (and its vocabulary)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    config = {**tiny_models.config(arch), "vocab_size": QWEN3_VOCAB}
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(0)
+    model = model_class(args_class.from_dict(config))
+    directory = write_tokenizer("qwen3", parent / arch)
+    (directory / "config.json").write_text(json.dumps(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(directory / "model.safetensors"), weights)  # type: ignore[arg-type]
+    return directory
+
+
+def conversation(index: int, user: str | None = None) -> list[dict[str, str]]:
+    words = " ".join(WORDS[: 2 + index % len(WORDS)])
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": user or f"{index}: {words}"},
+    ]
+
+
+def ask(server: RunningServer, messages: list[dict[str, str]], **body: Any) -> dict[str, Any]:
+    request = {"model": "m", "messages": messages, "max_tokens": 12, "temperature": 0, **body}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=request, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def graded(server: RunningServer, messages: list[dict[str, str]], **body: Any) -> dict[str, Any]:
+    """An answer with each token's log-probability and its runner-up's (for the ties rule)."""
+    return ask(server, messages, logprobs=True, top_logprobs=2, **body)
+
+
+def answers(server: RunningServer) -> dict[str, Any]:
+    """One conversation alone, 16 at once, and a second turn that reuses the first's prefix."""
+    alone = graded(server, conversation(0))
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda i: graded(server, conversation(i)), range(1, 17)))
+    reply = alone["choices"][0]["message"]["content"]
+    turn_2 = [*conversation(0), {"role": "assistant", "content": reply}]
+    turn_2.append({"role": "user", "content": "and then?"})
+    return {"alone": alone, "together": together, "turn 2": graded(server, turn_2)}
+
+
+def assert_same_tokens(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    """`got` gives `want`'s tokens, or the runner-up where `want`'s top two tie (TIES)."""
+    got_tokens = got["choices"][0]["logprobs"]["content"]
+    want_tokens = want["choices"][0]["logprobs"]["content"]
+    for step, (mine, theirs) in enumerate(zip(got_tokens, want_tokens, strict=False)):
+        if mine["bytes"] == theirs["bytes"]:
+            continue
+        alternatives = {bytes(a["bytes"]): a["logprob"] for a in theirs["top_logprobs"]}
+        gap = abs(alternatives.get(bytes(mine["bytes"]), float("-inf")) - theirs["logprob"])
+        assert gap <= TIES, (
+            f"{what}: token {step} is {mine['token']!r}, one process {theirs['token']!r} "
+            f"(log-probability gap {gap:.2e})"
+        )
+        return  # a tie: from here the two answers may go their own ways
+    assert len(got_tokens) == len(want_tokens), what
+
+
+def assert_same_answers(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert_same_tokens(got["alone"], want["alone"], "alone")
+    for index, (mine, theirs) in enumerate(zip(got["together"], want["together"], strict=True)):
+        assert_same_tokens(mine, theirs, f"{index + 1} of 16 at once")
+    assert_same_tokens(got["turn 2"], want["turn 2"], "turn 2")
+    cached = got["turn 2"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > len(SYSTEM) // 8, "turn 2 reused turn 1's keys/values on every rank"
+    assert cached == want["turn 2"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+class Models(dict[str, Path]):
+    """Model directories by family, written when first asked for."""
+
+    def __init__(self, parent: Path) -> None:
+        super().__init__()
+        self.parent = parent
+
+    def __missing__(self, arch: str) -> Path:
+        self[arch] = model_dir(self.parent, arch)
+        return self[arch]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    return Models(tmp_path_factory.mktemp("ranks-models"))
+
+
+def served(tmp: Path, model: Path, *args: str) -> RunningServer:
+    return start_server(tmp, "--model", str(model), *args, timeout_s=180)
+
+
+def answers_of(tmp: Path, model: Path, *args: str) -> dict[str, Any]:
+    server = served(tmp, model, *args)
+    try:
+        got = answers(server)
+        if "--ranks" in args:
+            assert metric(server, "mlxgate_ranks") == int(args[args.index("--ranks") + 1])
+        return got
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_tensor_parallel_on_two_ranks_answers_as_one_process(
+    arch: str, models: dict[str, Path], tmp_path: Path
+) -> None:
+    one = answers_of(tmp_path, models[arch])
+    assert_same_answers(answers_of(tmp_path, models[arch], "--ranks", "2"), one)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_pipeline_on_two_ranks_answers_as_one_process(
+    arch: str, models: dict[str, Path], tmp_path: Path
+) -> None:
+    one = answers_of(tmp_path, models[arch])
+    assert_same_answers(answers_of(tmp_path, models[arch], "--ranks", "2", "--pipeline"), one)
+
+
+def test_the_embedded_model_on_three_ranks_answers_as_one_process(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    """(The session's server: the embedded model at its own 8,192-token context.)"""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    ranks = start_server(tmp_path, "--ranks", "3", "--context-length", "8192", timeout_s=300)
+    try:
+        got = graded(ranks, question, max_tokens=16)
+    finally:
+        stop_server(ranks)
+    assert_same_tokens(got, graded(server, question, max_tokens=16), "the embedded model")
+
+
+# Prefill in chunks of 32 tokens, one chunk a step: a long prompt takes many steps.
+CHUNKED = ("--max-prefill-chunk", "32", "--min-prefill-chunk", "32", "--max-prefill-tokens", "32")
+
+
+@pytest.fixture(scope="module")
+def llama_pair(
+    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[RunningServer, RunningServer]]:
+    """The tiny llama in one process and on two ranks, prefilling in small chunks."""
+    tmp = tmp_path_factory.mktemp("llama-pair")
+    one = served(tmp, models["llama"], *CHUNKED)
+    two = served(tmp, models["llama"], "--ranks", "2", *CHUNKED)
+    yield one, two
+    stop_server(two)
+    stop_server(one)
+
+
+def test_speculation_grammars_and_choices_on_two_ranks(
+    llama_pair: tuple[RunningServer, RunningServer],
+) -> None:
+    """Prompt lookup guesses on rank 0 and every rank verifies them; a grammar's masks are
+    rank 0's; each of n choices decodes on every rank."""
+    one, two = llama_pair
+    echo = conversation(3, "repeat: " + " ".join(WORDS * 3))
+    drafted = metric(two, "mlxgate_engine_drafted_tokens_total")
+    want, got = ask(one, echo, max_tokens=48), ask(two, echo, max_tokens=48)
+    assert got["choices"][0]["message"] == want["choices"][0]["message"]
+    assert metric(two, "mlxgate_engine_drafted_tokens_total") > drafted, "guesses were verified"
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"],
+        "additionalProperties": False,
+    }
+    constrained = {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        "max_tokens": 64,
+    }
+    want, got = ask(one, conversation(4), **constrained), ask(two, conversation(4), **constrained)
+    assert got["choices"][0] == want["choices"][0]
+    answer = json.loads(got["choices"][0]["message"]["content"])
+    assert answer["city"] in ("Paris", "Rome", "Oslo") and isinstance(answer["sunny"], bool)
+
+    want, got = graded(one, conversation(5), n=3), graded(two, conversation(5), n=3)
+    assert len(got["choices"]) == 3
+    for index in range(3):
+        mine = {"choices": [got["choices"][index]]}
+        assert_same_tokens(mine, {"choices": [want["choices"][index]]}, f"choice {index}")
+
+
+def test_a_cancel_mid_prefill_on_two_ranks(llama_pair: tuple[RunningServer, RunningServer]) -> None:
+    """A client that leaves while its long prompt prefills chunk by chunk: every rank drops it
+    between chunks and keeps what it prefilled; the same request again resumes there, and
+    answers as one process does."""
+    one, two = llama_pair
+    long = conversation(6, "summarize: " + " ".join(WORDS * 150))
+    request = {"model": "m", "messages": long, "max_tokens": 8, "stream": True}
+    cancelled = metric(two, "mlxgate_engine_requests_cancelled_total")
+    with httpx.stream("POST", f"{two.url}/v1/chat/completions", json=request, timeout=60) as r:
+        assert r.status_code == 200
+    deadline = time.monotonic() + 30
+    while metric(two, "mlxgate_engine_requests_cancelled_total") == cancelled:
+        assert time.monotonic() < deadline, "the cancel reached the engine"
+        time.sleep(0.1)
+    got, want = graded(two, long, max_tokens=8), graded(one, long, max_tokens=8)
+    prompt_tokens = got["usage"]["prompt_tokens"]
+    cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < prompt_tokens - 32, f"resumed mid-prompt ({cached} of {prompt_tokens})"
+    assert_same_tokens(got, want, "after the cancel")
+    assert httpx.get(f"{two.url}/health").json()["status"] == "ok"
+
+
+def rank_process(launcher: RunningServer, rank: int) -> int:
+    """The pid of `rank` among the processes `--ranks` started (its MLX_RANK)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat[1]) == launcher.pid and f"MLX_RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no rank {rank} under {launcher.pid}")
+
+
+@pytest.mark.parametrize("fault", ["killed", "stalled"])
+def test_a_dead_or_stalled_rank_fails_the_server_within_ten_seconds(
+    fault: str, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Health 503, the open stream ends with an error event, the launch exits non-zero."""
+    server = served(tmp_path, models["llama"], "--ranks", "2", "--rank-timeout", "5")
+    launcher = server.process
+    assert launcher is not None
+    follower = rank_process(server, 1)
+    request = {
+        "model": "m",
+        "max_tokens": 3000,
+        "stream": True,
+        "messages": [{"role": "user", "content": "go on"}],
+    }
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/messages", json=request, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert any(line.startswith("event: content_block_delta") for line in lines)
+            os.kill(follower, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+            faulted = time.monotonic()
+            rest = list(lines)
+        ended = time.monotonic() - faulted
+        assert "event: error" in rest, rest[-4:]
+        assert ended < 10, f"the stream ended {ended:.1f}s after the rank was {fault}"
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503
+        assert health.json()["status"] == "failed"
+        assert launcher.wait(20) != 0
+    finally:
+        if fault == "stalled":
+            with contextlib.suppress(ProcessLookupError):  # the launch has ended it
+                os.kill(follower, signal.SIGCONT)
+        stop_server(server)
+
+
+def test_a_rank_that_cannot_load_its_shard_stops_the_launch(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Three ranks cannot split the tiny llama's 4 attention heads: every rank says so, and the
+    launch ends with an error."""
+    command = [sys.executable, "-m", "mlxgate", "serve", "--model", str(models["llama"])]
+    started = time.monotonic()
+    launched = subprocess.run(
+        [*command, "--ranks", "3", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert launched.returncode != 0
+    assert "4 attention heads and its 2 key/value heads do not divide over 3 ranks" in (
+        launched.stdout + launched.stderr
+    )
+    assert time.monotonic() - started < 60
