@@ -161,7 +161,7 @@ def answers_of(tmp: Path, model: Path, *args: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_tensor_parallel_on_two_ranks_answers_as_one_process(
-    arch: str, models: dict[str, Path], tmp_path: Path
+    arch: str, models: Models, tmp_path: Path
 ) -> None:
     one = answers_of(tmp_path, models[arch])
     assert_same_answers(answers_of(tmp_path, models[arch], "--ranks", "2"), one)
@@ -169,7 +169,7 @@ def test_tensor_parallel_on_two_ranks_answers_as_one_process(
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_pipeline_on_two_ranks_answers_as_one_process(
-    arch: str, models: dict[str, Path], tmp_path: Path
+    arch: str, models: Models, tmp_path: Path
 ) -> None:
     one = answers_of(tmp_path, models[arch])
     assert_same_answers(answers_of(tmp_path, models[arch], "--ranks", "2", "--pipeline"), one)
@@ -194,7 +194,7 @@ CHUNKED = ("--max-prefill-chunk", "32", "--min-prefill-chunk", "32", "--max-pref
 
 @pytest.fixture(scope="module")
 def llama_pair(
-    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    models: Models, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[RunningServer, RunningServer]]:
     """The tiny llama in one process and on two ranks, prefilling in small chunks."""
     tmp = tmp_path_factory.mktemp("llama-pair")
@@ -239,6 +239,24 @@ def test_speculation_grammars_and_choices_on_two_ranks(
         assert_same_tokens(mine, {"choices": [want["choices"][index]]}, f"choice {index}")
 
 
+def test_a_draft_model_guesses_on_rank_0(models: Models, tmp_path: Path) -> None:
+    """The draft model runs on rank 0 alone, whole; every rank verifies its guesses."""
+    echo = conversation(7, "repeat: " + " ".join(WORDS * 2))
+    draft = ("--draft-model", str(models["qwen3"]))
+    one = served(tmp_path, models["llama"], *draft)
+    try:
+        want = ask(one, echo, max_tokens=32)
+    finally:
+        stop_server(one)
+    two = served(tmp_path, models["llama"], "--ranks", "2", *draft)
+    try:
+        got = ask(two, echo, max_tokens=32)
+        assert metric(two, "mlxgate_engine_drafted_tokens_total") > 0
+    finally:
+        stop_server(two)
+    assert got["choices"][0]["message"] == want["choices"][0]["message"]
+
+
 def test_a_cancel_mid_prefill_on_two_ranks(llama_pair: tuple[RunningServer, RunningServer]) -> None:
     """A client that leaves while its long prompt prefills chunk by chunk: every rank drops it
     between chunks and keeps what it prefilled; the same request again resumes there, and
@@ -278,7 +296,7 @@ def rank_process(launcher: RunningServer, rank: int) -> int:
 
 @pytest.mark.parametrize("fault", ["killed", "stalled"])
 def test_a_dead_or_stalled_rank_fails_the_server_within_ten_seconds(
-    fault: str, models: dict[str, Path], tmp_path: Path
+    fault: str, models: Models, tmp_path: Path
 ) -> None:
     """Health 503, the open stream ends with an error event, the launch exits non-zero."""
     server = served(tmp_path, models["llama"], "--ranks", "2", "--rank-timeout", "5")
@@ -312,9 +330,7 @@ def test_a_dead_or_stalled_rank_fails_the_server_within_ten_seconds(
         stop_server(server)
 
 
-def test_a_rank_that_cannot_load_its_shard_stops_the_launch(
-    models: dict[str, Path], tmp_path: Path
-) -> None:
+def test_a_rank_that_cannot_load_its_shard_stops_the_launch(models: Models, tmp_path: Path) -> None:
     """Three ranks cannot split the tiny llama's 4 attention heads: every rank says so, and the
     launch ends with an error."""
     command = [sys.executable, "-m", "mlxgate", "serve", "--model", str(models["llama"])]
