@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -97,14 +98,23 @@ def _drafts_of(plan: list[Any] | None) -> Drafts | None:
     return Drafts(np.array(plan[0], dtype=np.int64), np.array(plan[1], dtype=np.int64))
 
 
-def _tokens(plan: list[Any]) -> np.ndarray:
-    return np.array(plan, dtype=np.uint32)
+def _step_plan(step: tuple[np.ndarray, np.ndarray, list[int], list[int]]) -> list[Any]:
+    tokens, kept, finished, cancelled = step
+    return [tokens.tolist(), kept.tolist(), finished, cancelled]
 
 
-def _ends(ended: list[tuple[int, FinishReason]]) -> tuple[list[int], list[int]]:
-    """The streams a step ended: those that finished, those whose clients left."""
-    finished = [sid for sid, why in ended if why != FinishReason.CANCELLED]
-    return finished, [sid for sid, why in ended if why == FinishReason.CANCELLED]
+def _step_of(plan: list[Any]) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
+    tokens, kept, finished, cancelled = plan
+    return np.array(tokens, dtype=np.uint32), np.array(kept, dtype=np.int64), finished, cancelled
+
+
+def _emitted(
+    slot_ids: np.ndarray, tokens: np.ndarray, kept: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The (stream id, token id) pairs a step emits, each row's in order: its tokens up to
+    and including the last kept (free slots' tokens go nowhere)."""
+    emitted = (np.arange(tokens.shape[1]) <= kept[:, None]) & (slot_ids != FREE)[:, None]
+    return np.broadcast_to(slot_ids[:, None], tokens.shape)[emitted], tokens[emitted]
 
 
 def _choice(request: GenerationRequest, index: int) -> GenerationRequest:
@@ -578,7 +588,9 @@ class Engine:
         self.metrics.requests_cancelled += dropped + int(ended.sum())
 
     def _decode(self) -> None:
-        """One token per running row, or more for rows whose guesses the step confirms."""
+        """One token per running row, or more for rows whose guesses the step confirms: one pass
+        (a verify pass over the guesses), then rank 0 samples and tells the router, and every
+        rank learns the tokens and which streams ended."""
         batch = self._batch
         speculation = self.speculation
         drafts = None
@@ -586,32 +598,24 @@ class Engine:
             drafts = self.lockstep.share(
                 lambda: speculation.drafts(batch.stream_ids), _drafts_plan, _drafts_of
             )
-        if drafts is None:
-            logits = self._adapter.decode(
-                batch.inputs, batch.caches, self._scaled_rows(), self._rope_deltas()
-            )
-            tokens = self.lockstep.share(
-                lambda: self._sample(logits), np.ndarray.tolist, _tokens, evaluated=logits
-            )
-            kept = np.zeros(len(tokens), dtype=np.int64)
-        else:
-            tokens, kept = self._verify(drafts)
-        inputs = mx.array(tokens[np.arange(len(tokens)), kept])  # each row's last token
         slot_ids = batch.stream_ids
-        # Free slots were computed too: their tokens go nowhere.
-        self._sampler.advance(inputs)
-        batch.advance(inputs)
-        if speculation is not None:
-            self._guessed(speculation, slot_ids, drafts, kept, tokens)
-        if sampled := self._sampler.logprobs(batch.stream_ids):
-            self.router.logprobs(sampled)
-        # Each row's emitted tokens in order: the router ends a stream at the first that ends it.
-        emitted = (np.arange(tokens.shape[1]) <= kept[:, None]) & (slot_ids != FREE)[:, None]
-        token_ids = tokens[emitted]
-        stream_ids = np.broadcast_to(slot_ids[:, None], tokens.shape)[emitted]
-        finished, cancelled = self.lockstep.share(
-            lambda: _ends(self.router.step(stream_ids, token_ids))
+        scaled, deltas = self._scaled_rows(), self._rope_deltas()
+        sample: Callable[[], tuple[np.ndarray, np.ndarray]]
+        if drafts is None:
+            logits = self._adapter.decode(batch.inputs, batch.caches, scaled, deltas)
+            sample = functools.partial(self._sample, logits)
+        else:
+            guesses = mx.array(drafts.tokens.astype(np.uint32))
+            fed = mx.concatenate([batch.inputs[:, None], guesses], axis=1)
+            logits = self._adapter.verify(fed, batch.caches, scaled, deltas)
+            sample = functools.partial(self._sample_positions, logits, drafts)
+        took = functools.partial(self._took, slot_ids, drafts)
+        tokens, kept, finished, cancelled = self.lockstep.share(
+            lambda: self._emit(slot_ids, *took(*sample())), _step_plan, _step_of, evaluated=logits
         )
+        if not self.lockstep.leader:
+            took(tokens, kept)
+        stream_ids, token_ids = _emitted(slot_ids, tokens, kept)
         self.metrics.decode_tokens += len(token_ids)
         rows = self._rows
         for stream_id, token in zip(stream_ids.tolist(), token_ids.tolist(), strict=True):
@@ -624,37 +628,51 @@ class Engine:
         if self._gone:
             self._drop_cancelled()
 
-    def _verify(self, drafts: Drafts) -> tuple[np.ndarray, np.ndarray]:
-        """One pass over every row's input token and its guesses: the tokens sampled at each
-        position [slots, width] and how many guesses each row keeps; the caches keep just those."""
-        batch = self._batch
-        guesses = mx.array(drafts.tokens.astype(np.uint32))
-        inputs = mx.concatenate([batch.inputs[:, None], guesses], axis=1)
-        logits = self._adapter.verify(
-            inputs, batch.caches, self._scaled_rows(), self._rope_deltas()
-        )
-        tokens, kept = self.lockstep.share(
-            lambda: self._sample_positions(logits, drafts),
-            lambda sampled: (sampled[0].tolist(), sampled[1].tolist()),
-            lambda sampled: (_tokens(sampled[0]), np.array(sampled[1], dtype=np.int64)),
-            evaluated=logits,
-        )
-        self._sampler.keep(kept)
-        batch.rewind(kept, drafts.width)
+    def _took(
+        self, slot_ids: np.ndarray, drafts: Drafts | None, tokens: np.ndarray, kept: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """What a step's tokens change (`kept`: the guesses each row keeps): the caches, the
+        samplers, the next inputs, the guessing state. (On rank 0 before the router hears of
+        them: a stream it ends has its step counted.)"""
+        batch, speculation = self._batch, self.speculation
+        if drafts is not None:
+            self._sampler.keep(kept)
+            batch.rewind(kept, drafts.width)  # the caches keep the kept guesses only
+        inputs = mx.array(tokens[np.arange(len(tokens)), kept])  # each row's last token
+        # Free slots were computed too: their tokens go nowhere.
+        self._sampler.advance(inputs)
+        batch.advance(inputs)
+        if speculation is not None:
+            self._guessed(speculation, slot_ids, drafts, kept, tokens)
         return tokens, kept
 
-    def _sample(self, logits: mx.array) -> np.ndarray:
-        """Each row's next token [slots, 1]."""
+    def _sample(self, logits: mx.array) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's next token [slots, 1] (and no guesses kept)."""
         inputs = self._sampler.sample(logits, self._batch.samplers, self.vocabulary)
         mx.eval(inputs)
-        return np.array(inputs)[:, None]
+        tokens = np.array(inputs)[:, None]
+        return tokens, np.zeros(len(tokens), dtype=np.int64)
 
     def _sample_positions(self, logits: mx.array, drafts: Drafts) -> tuple[np.ndarray, np.ndarray]:
-        """The tokens sampled at each position of a verify pass, and the guesses each row keeps."""
+        """The tokens sampled at each position of a verify pass [slots, width], and how many
+        guesses each row keeps."""
         tokens = self._sampler.sample_positions(
             logits, drafts.counts, self._batch.samplers, self.vocabulary
         )
         return tokens, drafts.kept(tokens)
+
+    def _emit(
+        self, slot_ids: np.ndarray, tokens: np.ndarray, kept: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
+        """The step's tokens to the router (their log-probabilities first); with them, the
+        streams it finished and those whose clients left."""
+        if sampled := self._sampler.logprobs(slot_ids):
+            self.router.logprobs(sampled)
+        # Each row's emitted tokens in order: the router ends a stream at the first that ends it.
+        stream_ids, token_ids = _emitted(slot_ids, tokens, kept)
+        ended = self.router.step(stream_ids, token_ids)
+        finished = [sid for sid, why in ended if why != FinishReason.CANCELLED]
+        return tokens, kept, finished, [sid for sid, why in ended if why == FinishReason.CANCELLED]
 
     def _scaled_rows(self) -> ScaledRows:
         return self._batch.scaled if self._adapter.switched_rope else True
