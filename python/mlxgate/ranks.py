@@ -241,9 +241,9 @@ def follow(config: Config) -> None:
 def launch_local(ranks: int, argv: list[str]) -> int:
     """`mlxgate serve --ranks N`: N ranks of this command on this machine, over the ring backend
     on loopback, started as `mlx.launch --backend ring -n N` starts them (its hostfile and
-    MLX_RANK). Once one ends (rank 0, or another with an error), the rest get STOP_AFTER_S to
-    end on their own, then are stopped. Returns the first exit code that is not 0 (mlx.launch
-    itself exits 0 whatever its ranks did).
+    MLX_RANK), each computing on its N-th of the cores. Once one ends (rank 0, or another with
+    an error), the rest get STOP_AFTER_S to end on their own, then are stopped. Returns the
+    first exit code that is not 0 (mlx.launch itself exits 0 whatever its ranks did).
     """
     ports = _free_ports(ranks)
     with tempfile.NamedTemporaryFile(
@@ -251,8 +251,11 @@ def launch_local(ranks: int, argv: list[str]) -> int:
     ) as f:
         json.dump([[f"127.0.0.1:{port}"] for port in ports], f)
     command = [sys.executable, "-m", "mlxgate", *argv]
+    # The ranks share this machine's cores: each computes on its share of them.
+    threads = str(max(1, (os.cpu_count() or 1) // ranks))
+    env = {"MLXGATE_KERNEL_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, **os.environ}
     processes = [
-        subprocess.Popen(command, env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": f.name})
+        subprocess.Popen(command, env={**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": f.name})
         for rank in range(ranks)
     ]
 

@@ -44,7 +44,7 @@ from mlxgate.engine.kv_memory import KVMemory, default_budget
 from mlxgate.engine.lockstep import Lockstep, RanksDiverged
 from mlxgate.engine.metrics import EngineMetrics
 from mlxgate.engine.policy import StepPolicy
-from mlxgate.engine.prefill import Pending, Prefill
+from mlxgate.engine.prefill import Pending, Prefill, StepPrefill
 from mlxgate.engine.prefix_cache import PrefixCache, entry_bytes
 from mlxgate.engine.sampling import Sampler
 from mlxgate.engine.settings import EngineSettings
@@ -58,6 +58,9 @@ log = logging.getLogger("mlxgate.engine")
 
 # How often an engine with nothing to do but wait for vision towers looks for cancels.
 VISION_POLL_S = 0.05
+# Across ranks, the times a prefill pass checks for cancels (each check a collective; one
+# process checks after every layer).
+STOP_CHECKS_ACROSS_RANKS = 4
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,6 +70,27 @@ class _Row:
     pending: Pending  # as it was admitted (or resumed)
     sampler: Sampler
     tokens: list[int]  # its prompt and the tokens decoded since: its caches hold all but the last
+
+
+@dataclasses.dataclass
+class _Intake:
+    """What happens between two steps (`Engine._intake`)."""
+
+    running: bool  # False once the engine stops
+    taken: list[Pending]  # admitted since
+    cancelled: list[int]  # streams whose clients left
+    stalled: list[int]  # streams unread past the stall timeout (the router has ended them)
+    state: list[int]  # rank 0's digest of its engine, to check the others' against
+    preempted: list[int] = dataclasses.field(default_factory=list)
+
+    def plan(self) -> list[Any]:
+        taken = [_planned(pending) for pending in self.taken]
+        return [self.running, taken, self.cancelled, self.stalled, self.state, self.preempted]
+
+    @classmethod
+    def of(cls, plan: list[Any]) -> _Intake:
+        running, taken, cancelled, stalled, state, preempted = plan
+        return cls(running, [_following(p) for p in taken], cancelled, stalled, state, preempted)
 
 
 def _planned(pending: Pending) -> list[Any]:
@@ -169,6 +193,8 @@ class Engine:
             self._adapter = ModelAdapter(self.model, kv_bits, self.settings.kv_group_size)
         if kv_bits:
             log.info("quantized KV cache: %s", self._adapter.check_quantized_kv())
+        if self.lockstep.ranks > 1:
+            self._adapter.stop_every = max(1, len(self._adapter.layers) // STOP_CHECKS_ACROSS_RANKS)
         # An engine around a bare model (tests, benchmarks) has no tokenizer, and no grammars.
         tokenizer = loaded.tokenizer
         self.vocabulary = (
@@ -261,7 +287,7 @@ class Engine:
         window = served.window(prompt_tokens, request.max_tokens) if served else context
         scaled = window > (served.native if served else context)
         # One lookup for every choice: a match is immutable, and each start copies its caches.
-        # (With ranks, every rank looks up as the engine takes the request: `_take_incoming`.)
+        # (With ranks, every rank looks up as the engine takes the request in: `_intake`.)
         match = (
             self.prefix_cache.lookup(request.cache_keys(), variant=int(scaled))
             if self.lockstep.ranks == 1
@@ -306,12 +332,20 @@ class Engine:
             budget = int(s.kv_memory_gb * 2**30)
         else:
             budget = default_budget(mx.get_active_memory(), s.prefix_cache_mb << 20)
-        return self.lockstep.share(
-            lambda: KVMemory.of(caches, budget), dataclasses.astuple, lambda v: KVMemory(*v)
+        own = KVMemory.of(caches, budget)
+        memory = self.lockstep.share(lambda: own, dataclasses.astuple, lambda v: KVMemory(*v))
+        # Shards of the same size (tensor parallel) store entries of the same size: each rank
+        # measures its own. Otherwise (pipeline parallel: runs of layers) rank 0's sizes count.
+        own_sizes = (own.token_bytes, own.fixed_bytes)
+        self._shared_sizes = self.lockstep.any(
+            (memory.token_bytes, memory.fixed_bytes) != own_sizes
         )
+        return memory
 
     def _measure(self, caches: list[Any]) -> int:
-        """A prefix cache entry's bytes: rank 0's, on every rank (so their evictions agree)."""
+        """A prefix cache entry's bytes: the same on every rank (so their evictions agree)."""
+        if not self._shared_sizes:
+            return entry_bytes(caches)
         return self.lockstep.share(lambda: entry_bytes(caches))
 
     def start(self) -> None:
@@ -357,7 +391,7 @@ class Engine:
                         self._wakeup.wait(timeout=VISION_POLL_S)
             worked = False
             try:
-                if not self._take_incoming():
+                if not self._intake():
                     break
                 worked = self._has_work()
                 with self._turn():
@@ -408,26 +442,20 @@ class Engine:
             self.speculation.reset()
 
     def _step(self) -> None:
-        self._drop_cancelled()
         self._update_gauges()
         prefill, policy = self.prefill, self.policy
         if not (prefill.waiting or len(self._batch)):
             return
         started = time.perf_counter()
-        self._keep_budget()
         decoding = len(self._batch)
         if decoding:
             self._decode()
             policy.decoded(time.perf_counter() - started)
         if prefill.waiting:
             prefill_started = time.perf_counter()
-            budget, allowance_s, kv_room = self.lockstep.share(
-                lambda: self._prefill_budget(decoding)
-            )
-            prefilled = prefill.run(budget, allowance_s, len(self._batch), kv_room)
+            prefilled = prefill.run(lambda: self._prefill_budget(decoding), len(self._batch))
             policy.prefilled(prefilled, time.perf_counter() - prefill_started)
         prefill.ping()
-        self._cancel_stalled()
         if len(self._rows) > len(self._batch):
             running = self._batch.running_ids
             self._rows = {sid: self._rows[sid] for sid in running if sid in self._rows}
@@ -442,7 +470,7 @@ class Engine:
         self._update_gauges()
         m.kv_bytes = self._batch.kv_bytes() + prefill.held_bytes()  # once a step: not cheap
 
-    def _prefill_budget(self, decoding: int) -> tuple[int, float | None, int]:
+    def _prefill_budget(self, decoding: int) -> StepPrefill:
         """This step's prefill: its token budget, its time allowance, the KV memory it may take."""
         policy, prefill = self.policy, self.prefill
         allowance_s = policy.allowance_s(decoding, len(prefill.waiting))
@@ -451,11 +479,9 @@ class Engine:
         kv_room = self.kv_memory.budget - self._batch.kv_bytes() - prefill.held_bytes()
         return budget, allowance_s, kv_room
 
-    def _cancel_stalled(self) -> None:
-        """The engine never waits for a reader: a stream unread past the stall timeout is ended."""
-        stalled = self.lockstep.share(
-            lambda: self.router.fail_stalled(self.settings.stall_timeout_s)
-        )
+    def _drop_stalled(self, stalled: list[int]) -> None:
+        """The engine never waits for a reader: a stream unread past the stall timeout is ended
+        (by the router, which names them)."""
         for stream_id in stalled:
             log.warning("stream %d: client stopped reading; cancelling its generation", stream_id)
         if stalled:
@@ -467,17 +493,11 @@ class Engine:
         self.metrics.queue_depth = len(self.prefill.waiting)
         self.metrics.running = len(self._batch)
 
-    def _keep_budget(self) -> None:
+    def _keep_budget(self) -> list[int]:
         """Preempt the youngest decoding sequences while the batch's caches, their growth in the
-        next step and the prompts in prefill would outgrow the KV memory budget. The oldest
-        always goes on (a prompt that cannot fit alone was refused at admission). (Rank 0's
-        choice, on every rank.)"""
-        preempted = self.lockstep.share(self._preempt_over_budget)
-        if not self.lockstep.leader:
-            for stream_id in preempted:
-                self._preempt(self._rows[stream_id])
-
-    def _preempt_over_budget(self) -> list[int]:
+        next step and the prompts in prefill would outgrow the KV memory budget; returns their
+        stream ids. The oldest always goes on (a prompt that cannot fit alone was refused at
+        admission)."""
         memory, batch = self.kv_memory, self._batch
         width = 1 + (self.settings.max_draft_tokens if self.speculation is not None else 0)
         preempted: list[int] = []
@@ -530,32 +550,45 @@ class Engine:
         self._gone.update(self.lockstep.share(lambda: self.router.cancelled()))
         return self._gone
 
-    def _take_incoming(self) -> bool:
-        """Queue the admitted requests; False once the engine stops. (With ranks: rank 0's
-        requests on every rank, and its state to check theirs against.)"""
-        if self.lockstep.ranks == 1:
-            with self._wakeup:
-                while self._incoming:
-                    self.prefill.waiting.append(self._incoming.popleft())
-            return self._running.is_set()
-        state = self._digest()
-        running, taken, leader_state = self.lockstep.share(
-            lambda: (self._running.is_set(), self._queued(), state),
-            lambda plan: (plan[0], [_planned(p) for p in plan[1]], plan[2]),
-            lambda plan: (plan[0], [_following(p) for p in plan[1]], plan[2]),
-        )
-        if leader_state != state:
+    def _intake(self) -> bool:
+        """Between two steps: take the admitted requests in, drop the streams whose clients left
+        or stopped reading, keep the KV memory budget; False once the engine stops. (With ranks,
+        rank 0 decides and the others are told, in one share, with its state to check theirs.)"""
+        state = self._digest() if self.lockstep.ranks > 1 else []
+        intake = self.lockstep.share(lambda: self._decide_intake(state), _Intake.plan, _Intake.of)
+        if intake.state != state:
             raise RanksDiverged(
                 f"rank {self.lockstep.rank}'s engine state {state} is not rank 0's "
-                f"{leader_state}: the ranks no longer run the same schedule"
+                f"{intake.state}: the ranks no longer run the same schedule"
             )
-        for pending in taken:
-            # Every rank looks up at the same point of the schedule (not at admission).
-            pending.match = self.prefix_cache.lookup(
-                pending.request.cache_keys(), variant=int(pending.scaled)
-            )
+        if not self.lockstep.leader:
+            self._take(intake)
+            for stream_id in intake.preempted:
+                self._preempt(self._rows[stream_id])
+        return intake.running
+
+    def _decide_intake(self, state: list[int]) -> _Intake:
+        intake = _Intake(
+            self._running.is_set(),
+            self._queued(),
+            self.router.cancelled(),
+            self.router.fail_stalled(self.settings.stall_timeout_s),
+            state,
+        )
+        self._take(intake)
+        intake.preempted = self._keep_budget()
+        return intake
+
+    def _take(self, intake: _Intake) -> None:
+        for pending in intake.taken:
+            if self.lockstep.ranks > 1:  # every rank looks up at the same point of the schedule
+                pending.match = self.prefix_cache.lookup(
+                    pending.request.cache_keys(), variant=int(pending.scaled)
+                )
             self.prefill.waiting.append(pending)
-        return running
+        self._gone.update(intake.cancelled)
+        self._drop_cancelled()
+        self._drop_stalled(intake.stalled)
 
     def _queued(self) -> list[Pending]:
         with self._wakeup:
@@ -576,11 +609,9 @@ class Engine:
         ]
 
     def _drop_cancelled(self) -> None:
-        gone = self._poll_cancelled()
+        gone = self._gone
         if not gone:
             return
-        # A request cancelled as soon as it was admitted may still be incoming.
-        self._take_incoming()
         self._gone = set()
         dropped = self.prefill.drop(gone)
         ended = np.isin(self._batch.stream_ids, list(gone))
@@ -624,9 +655,7 @@ class Engine:
             self.metrics.requests_finished += len(finished)
             self._keep_replies(finished)
             batch.drop(np.isin(batch.stream_ids, finished))
-        self._gone.update(cancelled)
-        if self._gone:
-            self._drop_cancelled()
+        self._gone.update(cancelled)  # dropped as the next step starts
 
     def _took(
         self, slot_ids: np.ndarray, drafts: Drafts | None, tokens: np.ndarray, kept: np.ndarray

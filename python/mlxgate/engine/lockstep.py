@@ -1,4 +1,4 @@
-"""The engine's ranks in lockstep: one model across processes (models/ranks.py), one schedule.
+"""The engine's ranks in lockstep: one model across processes (ranks.py), one schedule.
 
 With a model sharded over ranks (tensor or pipeline parallel), every rank must make the same
 model calls in the same order on caches of the same shape, or the collective ops inside the
@@ -57,8 +57,12 @@ class Lockstep:
         collectives run on every rank before the value is shared)."""
         return decide()
 
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank."""
+        return flag
+
     def failed(self, message: str) -> None:
-        """This rank cannot go on: the group fails (models/ranks.py)."""
+        """This rank cannot go on: the group fails (ranks.py)."""
 
 
 class RankGroup(Lockstep):
@@ -105,6 +109,11 @@ class RankGroup(Lockstep):
         self.share_s += time.perf_counter() - started
         self.shares += 1
         return value
+
+    def any(self, flag: bool) -> bool:
+        flags = mx.distributed.all_sum(mx.array([int(flag)]), group=self.group)
+        mx.eval(flags)
+        return bool(np.array(flags)[0] > 0)
 
     def failed(self, message: str) -> None:
         self.on_failure(message)

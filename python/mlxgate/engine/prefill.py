@@ -128,6 +128,9 @@ class PromptGroup:
     caches: list[Any]  # per layer, batch caches
 
 
+# A step's prefill: its budget of prompt tokens, its time allowance, the KV memory it may take.
+StepPrefill = tuple[int, float | None, int | None]
+
 # Joins prefilled sequences (every choice of each) to the decode batch: the rows and, per
 # layer, a batch cache holding their prompts.
 Join = Callable[[list[Pending], list[Any]], None]
@@ -177,17 +180,17 @@ class Prefill:
         # Taken from the queue by this step's prefill and not yet in the batch.
         self.joining: list[Pending] = []
 
-    def run(
-        self, budget: int, allowance_s: float | None, running: int, kv_room: int | None = None
-    ) -> int:
-        """Prefill up to `budget` prompt tokens beside `running` decoding rows, the prompts with
-        the least left first; returns how many. `kv_room`: the bytes of the KV memory budget that
-        new prefills may take (None: no budget).
-
-        With streams decoding (`allowance_s` set), a prompt already in prefill takes one chunk
-        sized from its previous pass, out of what is left of the allowance.
-        """
-        self.waiting, held = self._ranked()
+    def run(self, plan: Callable[[], StepPrefill], running: int) -> int:
+        """Prefill beside `running` decoding rows, the prompts with the least left first, as
+        much as `plan()` allows: a budget of prompt tokens; a time allowance (with streams
+        decoding: a prompt in prefill takes one chunk sized from its previous pass, out of what
+        is left of it); the bytes of the KV memory budget that new prefills may take (None: no
+        budget). Returns the prompt tokens prefilled. (With ranks: rank 0's plan and order.)"""
+        for pending in self.waiting:
+            if pending.caches is None and (pending.held or pending.sampler is not None):
+                self._look_again(pending)
+        (budget, allowance_s, kv_room), order = self.lockstep.share(lambda: (plan(), self._order()))
+        self.waiting, held = self._ranked(order)
         try:
             return self._prefill(budget, allowance_s, running, kv_room)
         finally:
@@ -302,13 +305,17 @@ class Prefill:
     def _started(self) -> bool:
         return any(p.caches is not None for p in self.waiting)
 
-    def _ranked(self) -> tuple[deque[Pending], list[Pending]]:
-        """The waiting sequences in the order this step serves them (`policy.rank`), and apart,
-        those that wait for another one's prefill of their prefix."""
-        for pending in self.waiting:
-            if pending.caches is None and (pending.held or pending.sampler is not None):
-                self._look_again(pending)
-        ranked = self._rank()
+    def _order(self) -> list[int]:
+        """The waiting sequences' stream ids in the order this step serves them (`policy.rank`)."""
+        now = time.monotonic()
+        ranked = sorted(self.waiting, key=lambda p: self.policy.rank(p.rest, now - p.submitted_at))
+        return [pending.stream_id for pending in ranked]
+
+    def _ranked(self, order: list[int]) -> tuple[deque[Pending], list[Pending]]:
+        """The waiting sequences in `order`, and apart, those that wait for another one's
+        prefill of their prefix (or for their images)."""
+        by_id = {pending.stream_id: pending for pending in self.waiting}
+        ranked = [by_id[stream_id] for stream_id in order]
         ready: deque[Pending] = deque()
         held: list[Pending] = []
         for index, pending in enumerate(ranked):
@@ -320,20 +327,6 @@ class Prefill:
             else:
                 ready.append(pending)
         return ready, held
-
-    def _rank(self) -> list[Pending]:
-        """The waiting sequences in `policy.rank` order (rank 0's order, on every rank)."""
-        now = time.monotonic()
-        by_id = {p.stream_id: p for p in self.waiting}
-        order = self.lockstep.share(
-            lambda: [
-                p.stream_id
-                for p in sorted(
-                    self.waiting, key=lambda p: self.policy.rank(p.rest, now - p.submitted_at)
-                )
-            ]
-        )
-        return [by_id[stream_id] for stream_id in order]
 
     def _look_again(self, pending: Pending) -> None:
         """The prefix cache may hold more of the prompt than at admission: the prefill it waited

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -78,6 +79,9 @@ class ModelAdapter:
             list(layers) if isinstance(layers, list) and not pipelined else []
         )
         self._check = _make_stoppable(self.layers)
+        # How many layers a prefill runs between two stop checks (engine/lockstep.py: across
+        # ranks a check costs a collective).
+        self.stop_every = 1
         self._rope_rows = rope_switch.rows_of(model)
 
     def make_cache(self) -> list[Any]:
@@ -183,7 +187,7 @@ class ModelAdapter:
         after a layer; the caches are then partly filled and of no use. (`inputs`: a vision
         model's embeddings and positions for the tokens.)"""
         self._scale(scaled)
-        self._check.should_stop = should_stop
+        self._check.should_stop = _every(should_stop, self.stop_every)
         try:
             self.backbone(tokens, cache=caches, **self._backbone_inputs(tokens, caches, inputs))
         except _Stopped:
@@ -223,6 +227,14 @@ def _backbone(model: nn.Module) -> nn.Module:
         ):
             return module
     return model
+
+
+def _every(check: Callable[[], bool] | None, layers: int) -> Callable[[], bool] | None:
+    """`check`, asked after every `layers`-th layer only."""
+    if check is None or layers == 1:
+        return check
+    count = itertools.count(1)
+    return lambda: next(count) % layers == 0 and check()
 
 
 class _Stopped(Exception):
