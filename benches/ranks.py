@@ -15,7 +15,9 @@ accept drafts no real model does). Each server takes, after a warm-up request, C
 greedy streamed clients in a closed loop. Both ranks share the same cores, so this measures
 the overhead of ranks, not a speed-up: output tok/s of each and their ratio, the mean engine
 step (busy seconds / steps from /metrics), and for 2 ranks the seconds rank 0 spent sharing
-its plan per engine step (`mlxgate_rank_share_seconds`), against a target of 1 ms.
+its plan per engine step (`mlxgate_rank_share_seconds`), against a target of 1 ms. Before the
+servers and after them, two bare processes share a plan in a loop (`RankGroup.share`, no model):
+the collective's own cost, apart from a rank waiting for the other to finish its part of a step.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -192,6 +196,42 @@ def measure_server(
     return measures
 
 
+def share_loop(shares: int) -> None:
+    """One rank of `share_latency`'s pair: prints its mean seconds a share."""
+    import mlx.core as mx
+
+    from mlxgate.engine.lockstep import RankGroup
+
+    group = RankGroup(mx.distributed.init(strict=True))
+    plan = {"running": list(range(32)), "taken": [], "state": "0123456789abcdef" * 4}
+    for _ in range(shares // 10):
+        group.share(lambda: plan)
+    before = group.share_s
+    for _ in range(shares):
+        group.share(lambda: plan)
+    print((group.share_s - before) / shares)
+
+
+def share_latency(shares: int = 2000) -> float:
+    """Seconds one share takes between 2 ranks with no model and no engine (rank 0's): the
+    collective's own cost on this machine as it is now."""
+    ports = [free_port(), free_port()]
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as hostfile:
+        json.dump([[f"127.0.0.1:{port}"] for port in ports], hostfile)
+        hostfile.flush()
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--share-loop", str(shares)],
+                env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": hostfile.name},
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
+        outputs = [process.communicate(timeout=300)[0] for process in ranks]
+    return float(outputs[0].split()[-1])
+
+
 def mean(values: list[float]) -> float:
     return statistics.mean(values)
 
@@ -200,7 +240,9 @@ def spread(values: list[float], digits: int) -> str:
     return ", ".join(f"{v:.{digits}f}" for v in values)
 
 
-def report(measures: list[Measure], args: argparse.Namespace, elapsed_s: float) -> list[str]:
+def report(
+    measures: list[Measure], share_alone_s: list[float], args: argparse.Namespace, elapsed_s: float
+) -> list[str]:
     lines = [
         f"# Two ranks: the engine's synchronisation ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
@@ -245,6 +287,12 @@ def report(measures: list[Measure], args: argparse.Namespace, elapsed_s: float) 
         )
     lines += [
         "",
+        "A share with no model (2 processes sharing a plan of 32 rows in a loop, before the "
+        "servers and after them): "
+        + ", ".join(f"{1000 * s:.3f} ms" for s in share_alone_s)
+        + ". Share / step over shares / step in the table above is the same figure "
+        "within serving.",
+        "",
         "## Each scenario",
         "",
         "Load: the machine's 1-minute load average as the scenario ended (other work on the "
@@ -279,7 +327,11 @@ def main() -> None:
         "per core in each rank)",
     )
     parser.add_argument("--out", type=Path, default=BENCHES / "results")
+    parser.add_argument("--share-loop", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.share_loop:
+        share_loop(args.share_loop)
+        return
 
     started = time.monotonic()
     measures: list[Measure] = []
@@ -290,12 +342,16 @@ def main() -> None:
             model_dir = Path(work) / "model"
             log(f"writing the model to {model_dir}")
             write_model(model_dir, args.group_size)
+            share_alone_s = [share_latency()]
+            log(f"a share with no model: {1000 * share_alone_s[0]:.3f} ms")
             for round_ in range(1, args.rounds + 1):
                 for ranks in (1, 2):
                     measures += measure_server(model_dir, ranks, round_, args, logs)
+            share_alone_s.append(share_latency())
+            log(f"a share with no model: {1000 * share_alone_s[-1]:.3f} ms")
     finally:
         stop_all()
-    publish(report(measures, args, time.monotonic() - started), args.out, "ranks")
+    publish(report(measures, share_alone_s, args, time.monotonic() - started), args.out, "ranks")
 
 
 if __name__ == "__main__":
