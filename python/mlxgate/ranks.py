@@ -118,7 +118,11 @@ def sharder(mlx_group: mx.distributed.Group, pipeline: bool) -> Callable[[nn.Mod
                 f"choose a number of ranks that divides them"
                 + (", or --pipeline" if hasattr(getattr(model, "model", None), "pipeline") else "")
             )
-        model.shard(mlx_group)
+        try:
+            model.shard(mlx_group)
+        except ValueError as exc:
+            raise ValueError(f"tensor parallel cannot cut it over {size} ranks: {exc}") from exc
+        return
 
     return shard
 
@@ -212,10 +216,10 @@ def follow(config: Config) -> None:
     joined = group()
     assert joined is not None
     rank = joined.rank()
-    check_config(config)
-    chosen = configured(config)
-    spec = next(spec for spec in chosen.specs if spec.name == chosen.default)
     try:
+        check_config(config)
+        chosen = configured(config)
+        spec = next(spec for spec in chosen.specs if spec.name == chosen.default)
         loaded = models.load(
             spec.source,
             trust_remote_code=config.trust_remote_code,
@@ -233,8 +237,7 @@ def follow(config: Config) -> None:
     log.info("rank %d of %d: %s, following rank 0", rank, joined.size(), loaded.describe_context())
     watch(lockstep, config.rank_timeout)
     engine.start()
-    assert engine._thread is not None
-    engine._thread.join()
+    engine.wait()
     log.info("rank %d: rank 0 stopped; exiting", rank)
 
 

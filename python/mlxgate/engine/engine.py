@@ -363,6 +363,11 @@ class Engine:
         self.prefix_cache.close()
         self._fail_streams(ErrorKind.UNAVAILABLE, "the server is shutting down")
 
+    def wait(self) -> None:
+        """Until the engine's thread ends (another rank's engine: when rank 0's stops)."""
+        if self._thread is not None:
+            self._thread.join()
+
     def abandon(self, message: str) -> None:
         """End every stream with `message` and admit no more, from any thread: the group of
         ranks this engine leads has failed (ranks.py), and its thread may never return."""
