@@ -8,7 +8,6 @@ context is NATIVE tokens, so that prompts go past it cheaply.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,13 +17,12 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import tiny_models
 from test_architectures import CHUNK
 from tiny_engine import STEPS, Served, assert_same, prompts, reference
-from tiny_models import config as tiny_config
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from conftest import REPO, RunningServer, free_port, start_server, stop_server
-from forced import write_tokenizer
 from mlxgate import models
 from mlxgate.models.context import ContextLengthError
 
@@ -34,19 +32,7 @@ SCALED = 4 * NATIVE
 
 def model_dir(parent: Path, arch: str, **config: Any) -> Path:
     """A random-weight `arch` model directory (qwen3's tokenizer) whose own context is NATIVE."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
-    cfg = {**tiny_config(arch), "max_position_embeddings": NATIVE, **config}
-    model_class, args_class = _get_classes(cfg)
-    mx.random.seed(0)
-    model = model_class(args_class.from_dict(cfg))
-    directory = write_tokenizer("qwen3", parent / arch)
-    (directory / "config.json").write_text(json.dumps(cfg))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(directory / "model.safetensors"), weights)  # type: ignore[arg-type]
-    return directory
+    return tiny_models.directory(parent, arch, max_position_embeddings=NATIVE, **config)
 
 
 def mlx_lm_model(directory: Path, rope_scaling: dict[str, Any] | None = None) -> Any:

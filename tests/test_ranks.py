@@ -27,7 +27,6 @@ import pytest
 import tiny_models
 
 from conftest import RunningServer, free_port, metric, start_server, stop_server
-from forced import write_tokenizer
 
 TIES = 1e-4
 QWEN3_VOCAB = 151936
@@ -50,23 +49,6 @@ WORDS = [
     "boxes",
 ]
 SYSTEM = "You are a terse assistant. " * 6  # a shared prefix past the prefix cache's minimum
-
-
-def model_dir(parent: Path, arch: str) -> Path:
-    """A random-weight `arch` model directory with the qwen3 tokenizer (and its vocabulary)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
-    config = {**tiny_models.config(arch), "vocab_size": QWEN3_VOCAB}
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(0)
-    model = model_class(args_class.from_dict(config))
-    directory = write_tokenizer("qwen3", parent / arch)
-    (directory / "config.json").write_text(json.dumps(config))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(directory / "model.safetensors"), weights)  # type: ignore[arg-type]
-    return directory
 
 
 def conversation(index: int, user: str | None = None) -> list[dict[str, str]]:
@@ -135,7 +117,7 @@ class Models(dict[str, Path]):
         self.parent = parent
 
     def __missing__(self, arch: str) -> Path:
-        self[arch] = model_dir(self.parent, arch)
+        self[arch] = tiny_models.directory(self.parent, arch, vocab_size=QWEN3_VOCAB)
         return self[arch]
 
 
@@ -192,25 +174,30 @@ def test_the_embedded_model_on_three_ranks_answers_as_one_process(
 CHUNKED = ("--max-prefill-chunk", "32", "--min-prefill-chunk", "32", "--max-prefill-tokens", "32")
 
 
-@pytest.fixture(scope="module")
-def llama_pair(
-    models: Models, tmp_path_factory: pytest.TempPathFactory
+@pytest.fixture(scope="module", params=["tensor", "pipeline"])
+def pair(
+    request: pytest.FixtureRequest, models: Models, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[RunningServer, RunningServer]]:
-    """The tiny llama in one process and on two ranks, prefilling in small chunks."""
-    tmp = tmp_path_factory.mktemp("llama-pair")
-    one = served(tmp, models["llama"], *CHUNKED)
-    two = served(tmp, models["llama"], "--ranks", "2", *CHUNKED)
+    """A tiny model in one process and on two ranks, prefilling in small chunks: the llama
+    tensor parallel, deepseek_v3 pipelined."""
+    tmp = tmp_path_factory.mktemp("pair")
+    if request.param == "tensor":
+        model, how = models["llama"], ()
+    else:
+        model, how = models["deepseek_v3"], ("--pipeline",)
+    one = served(tmp, model, *CHUNKED)
+    two = served(tmp, model, "--ranks", "2", *how, *CHUNKED)
     yield one, two
     stop_server(two)
     stop_server(one)
 
 
 def test_speculation_grammars_and_choices_on_two_ranks(
-    llama_pair: tuple[RunningServer, RunningServer],
+    pair: tuple[RunningServer, RunningServer],
 ) -> None:
     """Prompt lookup guesses on rank 0 and every rank verifies them; a grammar's masks are
     rank 0's; each of n choices decodes on every rank."""
-    one, two = llama_pair
+    one, two = pair
     echo = conversation(3, "repeat: " + " ".join(WORDS * 3))
     drafted = metric(two, "mlxgate_engine_drafted_tokens_total")
     want, got = ask(one, echo, max_tokens=48), ask(two, echo, max_tokens=48)
@@ -257,11 +244,33 @@ def test_a_draft_model_guesses_on_rank_0(models: Models, tmp_path: Path) -> None
     assert got["choices"][0]["message"] == want["choices"][0]["message"]
 
 
-def test_a_cancel_mid_prefill_on_two_ranks(llama_pair: tuple[RunningServer, RunningServer]) -> None:
+def test_preemptions_on_two_ranks(models: Models, tmp_path: Path) -> None:
+    """A KV memory budget too small for 16 at once: rank 0 preempts the youngest rows, every
+    rank keeps their keys/values in its prefix cache, and they resume as one process's do."""
+    budget = ("--kv-memory-gb", "0.002")
+    want, _ = sixteen_at_once(served(tmp_path, models["llama"], *budget))
+    got, preempted = sixteen_at_once(served(tmp_path, models["llama"], "--ranks", "2", *budget))
+    assert preempted > 0, "the budget made rank 0 preempt"
+    for index, (mine, theirs) in enumerate(zip(got, want, strict=True)):
+        assert_same_tokens(mine, theirs, f"{index} of 16 at once")
+
+
+def sixteen_at_once(server: RunningServer) -> tuple[list[dict[str, Any]], float]:
+    """16 answers of 40 tokens asked at once, and the preemptions they took; stops the server."""
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            asked = pool.map(lambda i: graded(server, conversation(i), max_tokens=40), range(16))
+            answers = list(asked)
+        return answers, metric(server, "mlxgate_engine_preemptions_total")
+    finally:
+        stop_server(server)
+
+
+def test_a_cancel_mid_prefill_on_two_ranks(pair: tuple[RunningServer, RunningServer]) -> None:
     """A client that leaves while its long prompt prefills chunk by chunk: every rank drops it
     between chunks and keeps what it prefilled; the same request again resumes there, and
     answers as one process does."""
-    one, two = llama_pair
+    one, two = pair
     long = conversation(6, "summarize: " + " ".join(WORDS * 150))
     request = {"model": "m", "messages": long, "max_tokens": 8, "stream": True}
     cancelled = metric(two, "mlxgate_engine_requests_cancelled_total")

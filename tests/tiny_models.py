@@ -8,6 +8,8 @@ short enough for prompts to cross it.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -213,3 +215,21 @@ def twins(arch: str, quantization: str | None = None) -> tuple[Any, Any]:
     reference.update(served.parameters())
     mx.eval(reference.parameters())
     return served, reference
+
+
+def directory(parent: Path, arch: str, **overrides: Any) -> Path:
+    """A random-weight `arch` model directory, `parent / arch`, with qwen3's tokenizer files
+    (`overrides`: config.json's fields to change; its vocabulary is VOCAB unless given)."""
+    from mlx.utils import tree_flatten
+
+    from forced import write_tokenizer
+
+    cfg = {**config(arch), **overrides}
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_class(args_class.from_dict(cfg))
+    written = write_tokenizer("qwen3", parent / arch)
+    (written / "config.json").write_text(json.dumps(cfg))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(written / "model.safetensors"), weights)  # type: ignore[arg-type]
+    return written

@@ -8,7 +8,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -48,6 +50,11 @@ from mlxgate.registry import (
     default_memory_budget,
     read_specs,
 )
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+
+    from mlxgate.models import LoadedModel
 
 log = logging.getLogger("mlxgate")
 
@@ -290,28 +297,35 @@ def build_app(config: Config, drain: Drain | None = None) -> App:
     return App(registry, config, drain)
 
 
-def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> ServedModel:
-    """Load `spec`'s model (and its draft model) and start its engine; launched as rank 0 of
-    several, its shard and the engine that leads the others (ranks.py)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+def load_model(
+    spec: ModelSpec, config: Config, shard: Callable[[nn.Module], None] | None = None
+) -> LoadedModel:
+    """`spec`'s model as `config` serves it (`shard`: this rank's part of it, ranks.py)."""
+    from mlxgate import models
 
-    from mlxgate import models, ranks
-
-    started = time.monotonic()
-    group = ranks.group()
-    lockstep = None
-    if group is not None:
-        lockstep = RankGroup(group)
-    loaded = models.load(
+    return models.load(
         spec.source,
         trust_remote_code=config.trust_remote_code,
         context_length=spec.context_length,
         rope_scaling=spec.rope_scaling,
         weights=config.weights,
         cpu_kernels=not config.no_cpu_kernels,
-        shard=ranks.sharder(group, config.pipeline) if group is not None else None,
+        shard=shard,
     )
+
+
+def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> ServedModel:
+    """Load `spec`'s model (and its draft model) and start its engine; launched as rank 0 of
+    several, its shard and the engine that leads the others (ranks.py)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlxgate import models
+
+    started = time.monotonic()
+    group = ranks.group()
+    lockstep = RankGroup(group) if group is not None else None
+    loaded = load_model(spec, config, ranks.sharder(group, config.pipeline) if group else None)
     tokenizer = loaded.tokenizer
     vocab = Vocab.from_token_strings(
         tokenizer.token_strings(), tokenizer.vocab_kind, sorted(tokenizer.special_ids)

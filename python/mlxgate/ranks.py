@@ -11,8 +11,9 @@ other ranks run the same engine in lockstep (engine/lockstep.py), told every dec
 A rank that dies or stops answering fails the group: rank 0 answers /health with 503, ends
 every stream with an error event and exits non-zero; the others exit too. A dead peer shows as
 an error in the next collective; a stalled one as silence: a watchdog per rank fails the group
-once no share has completed for `--rank-timeout` seconds (the engine shares something at least
-every second, idle or not, and between layers while prefilling).
+once the others have not answered for `--rank-timeout` seconds (the engine shares something
+at least every second, idle or not, and a few times a pass while prefilling; rank 0's own work
+between shares does not count).
 """
 
 from __future__ import annotations
@@ -165,6 +166,8 @@ def watch(lockstep: RankGroup, timeout_s: float) -> None:
     def run() -> None:
         while True:
             time.sleep(min(0.25, timeout_s / 4))
+            if lockstep.stopped:
+                return
             silent = time.monotonic() - lockstep.alive_at
             if silent > timeout_s and not lockstep.deciding:
                 lockstep.failed(
@@ -204,8 +207,8 @@ def leader_failed(engine: Engine, message: str) -> None:
 def follow(config: Config) -> None:
     """A rank other than 0: load its shard, then run the engine as rank 0 says, until it
     stops. Exits non-zero if the group fails."""
-    from mlxgate import logs, models
-    from mlxgate.app import configured
+    from mlxgate import logs
+    from mlxgate.app import configured, load_model
     from mlxgate.engine.engine import Engine
     from mlxgate.engine.lockstep import RankGroup
 
@@ -220,15 +223,7 @@ def follow(config: Config) -> None:
         check_config(config)
         chosen = configured(config)
         spec = next(spec for spec in chosen.specs if spec.name == chosen.default)
-        loaded = models.load(
-            spec.source,
-            trust_remote_code=config.trust_remote_code,
-            context_length=spec.context_length,
-            rope_scaling=spec.rope_scaling,
-            weights=config.weights,
-            cpu_kernels=not config.no_cpu_kernels,
-            shard=sharder(joined, config.pipeline),
-        )
+        loaded = load_model(spec, config, sharder(joined, config.pipeline))
     except Exception as exc:
         sys.exit(f"mlxgate rank {rank}: cannot load its shard: {exc}")
     lockstep = RankGroup(joined)

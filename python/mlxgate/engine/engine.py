@@ -409,6 +409,7 @@ class Engine:
                     return
             if worked:
                 self._tidy_heap()
+        self.lockstep.stopped = True
 
     def _has_work(self) -> bool:
         return bool(self._incoming or self.prefill.waiting or len(self._batch))

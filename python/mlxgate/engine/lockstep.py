@@ -42,6 +42,7 @@ class Lockstep:
     leader = True
     rank = 0
     ranks = 1
+    stopped = False  # the engine has stopped (and shares no more)
 
     def share(
         self,
