@@ -244,28 +244,6 @@ def test_a_draft_model_guesses_on_rank_0(models: Models, tmp_path: Path) -> None
     assert got["choices"][0]["message"] == want["choices"][0]["message"]
 
 
-def test_preemptions_on_two_ranks(models: Models, tmp_path: Path) -> None:
-    """A KV memory budget too small for 16 at once: rank 0 preempts the youngest rows, every
-    rank keeps their keys/values in its prefix cache, and they resume as one process's do."""
-    budget = ("--kv-memory-gb", "0.002")
-    want, _ = sixteen_at_once(served(tmp_path, models["llama"], *budget))
-    got, preempted = sixteen_at_once(served(tmp_path, models["llama"], "--ranks", "2", *budget))
-    assert preempted > 0, "the budget made rank 0 preempt"
-    for index, (mine, theirs) in enumerate(zip(got, want, strict=True)):
-        assert_same_tokens(mine, theirs, f"{index} of 16 at once")
-
-
-def sixteen_at_once(server: RunningServer) -> tuple[list[dict[str, Any]], float]:
-    """16 answers of 40 tokens asked at once, and the preemptions they took; stops the server."""
-    try:
-        with ThreadPoolExecutor(16) as pool:
-            asked = pool.map(lambda i: graded(server, conversation(i), max_tokens=40), range(16))
-            answers = list(asked)
-        return answers, metric(server, "mlxgate_engine_preemptions_total")
-    finally:
-        stop_server(server)
-
-
 def test_a_cancel_mid_prefill_on_two_ranks(pair: tuple[RunningServer, RunningServer]) -> None:
     """A client that leaves while its long prompt prefills chunk by chunk: every rank drops it
     between chunks and keeps what it prefilled; the same request again resumes there, and
