@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"mlxgate: {refused}")
     from mlxgate import ranks
 
+    ranks.end_with_launcher()
     if config.ranks > 1 and not ranks.launched():
         sys.exit(ranks.launch_local(config.ranks, argv))
     if ranks.launched() and ranks.rank_of_process() != 0:

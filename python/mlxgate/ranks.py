@@ -14,6 +14,9 @@ an error in the next collective; a stalled one as silence: a watchdog per rank f
 once the others have not answered for `--rank-timeout` seconds (the engine shares something
 at least every second, idle or not, and a few times a pass while prefilling; rank 0's own work
 between shares does not count).
+
+The ranks `--ranks N` starts end with their launcher, killed or not (parent_watch.py), and rank
+0's granian worker ends with rank 0.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ FOLLOWER_PATIENCE = 12
 FOLLOWER_MIN_S = 60.0
 # `--ranks N`: seconds the other ranks get to end on their own once one has.
 STOP_AFTER_S = 5.0
+# `--ranks N`: the launcher's pid, in each rank it starts (which ends when the launcher does).
+LAUNCHER_PID = "MLXGATE_LAUNCHER_PID"
 
 
 # Why this rank's group failed, once it has (rank 0's /health says it).
@@ -68,6 +73,15 @@ def rank_of_process() -> int:
         if value := os.environ.get(name):
             return int(value)
     return 0
+
+
+def end_with_launcher() -> None:
+    """A rank `--ranks N` started ends the moment its launcher does (the rest of the group would
+    otherwise serve on, or wait for a rank 0 that is gone)."""
+    if pid := os.environ.pop(LAUNCHER_PID, None):
+        from mlxgate import parent_watch
+
+        parent_watch.exit_with(int(pid))
 
 
 def group() -> mx.distributed.Group | None:
@@ -239,9 +253,10 @@ def follow(config: Config) -> None:
 def launch_local(ranks: int, argv: list[str]) -> int:
     """`mlxgate serve --ranks N`: N ranks of this command on this machine, over the ring backend
     on loopback, started as `mlx.launch --backend ring -n N` starts them (its hostfile and
-    MLX_RANK), each computing on its N-th of the cores. Once one ends (rank 0, or another with
-    an error), the rest get STOP_AFTER_S to end on their own, then are stopped. Returns the
-    first exit code that is not 0 (mlx.launch itself exits 0 whatever its ranks did).
+    MLX_RANK), each computing on its N-th of the cores, each ending with this process. Once one
+    ends (rank 0, or another with an error), the rest get STOP_AFTER_S to end on their own,
+    then are stopped. Returns the first exit code that is not 0 (mlx.launch itself exits 0
+    whatever its ranks did).
     """
     ports = _free_ports(ranks)
     with tempfile.NamedTemporaryFile(
@@ -252,6 +267,7 @@ def launch_local(ranks: int, argv: list[str]) -> int:
     # The ranks share this machine's cores: each computes on its share of them.
     threads = str(max(1, (os.cpu_count() or 1) // ranks))
     env = {"MLXGATE_KERNEL_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, **os.environ}
+    env[LAUNCHER_PID] = str(os.getpid())
     processes = [
         subprocess.Popen(command, env={**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": f.name})
         for rank in range(ranks)
