@@ -124,7 +124,7 @@ fn batch_in(wire: Wire, stops: &[&str], stream: bool, markup: Option<Arc<MarkupS
     let mut router = Router::new(vocab, 1 << 20);
     let spec = spec_in(wire, stream, stops, markup);
     let readers = (0..STREAMS as u64)
-        .map(|id| router.open(&[id], &spec, USAGE, u64::MAX).unwrap())
+        .map(|id| router.open(&[id], &spec, USAGE, u64::MAX, None).unwrap())
         .collect();
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let tokens = (0..64)
@@ -206,7 +206,7 @@ fn bench_open_finish(c: &mut Criterion) {
             || Router::<()>::new(vocab.clone(), 1 << 20),
             |mut router| {
                 let reader = router
-                    .open(&[1], &spec(true, &[], None), USAGE, u64::MAX)
+                    .open(&[1], &spec(true, &[], None), USAGE, u64::MAX, None)
                     .unwrap();
                 let (mut ended, mut wake) = (Vec::new(), Vec::new());
                 for t in 1..=10 {

@@ -5,6 +5,7 @@ pub mod detok;
 pub mod error;
 pub mod events;
 pub mod jsonscan;
+pub mod loop_guard;
 pub mod markup;
 pub mod router;
 pub mod sse;

@@ -12,6 +12,7 @@ use crate::error::CoreError;
 use crate::events::{
     DialectParams, ErrorKind, Finish, FinishReason, PromptUsage, Protocol, TokenLogprob, TopLogprob,
 };
+use crate::loop_guard::LoopGuard;
 use crate::markup::{MarkupParser, MarkupSpec, PieceKind, Pieces, ToolSchemas};
 use crate::stop::StopMatcher;
 use crate::vocab::Vocab;
@@ -42,6 +43,9 @@ enum TokenEnd {
     EndTurn,
     /// The last token `max_tokens` allows: rendered, then the stream ends.
     MaxTokens,
+    /// The token with which the reply fell into a loop (the loop guard): rendered, then the
+    /// stream ends.
+    Repeating,
 }
 
 /// A sampled token's log-probability and its likeliest alternatives `(token id, logprob)`, for a
@@ -104,6 +108,8 @@ struct Stream<W> {
     output_tokens: u64,
     max_tokens: u64,
     eos_ids: Box<[u32]>,
+    /// Only for requests that have it: ends the stream once its reply repeats itself.
+    loop_guard: Option<Box<LoopGuard>>,
 }
 
 impl<W> Router<W> {
@@ -133,7 +139,8 @@ impl<W> Router<W> {
     /// Opens a response as `spec` says, for a prompt of `usage` that may add `max_tokens` tokens:
     /// one stream per id in `stream_ids` (its choices; several only where the dialect has `n`),
     /// all writing one channel. Frames due at once (Anthropic's `message_start`, OpenAI's role
-    /// chunk) are queued now.
+    /// chunk) are queued now. With `loop_span`, each stream has a loop guard of that span (see
+    /// [`LoopGuard`]): a reply that repeats itself ends ([`Finish::Repetition`]).
     ///
     /// With markup, text is split into text, thinking and tool calls before stop sequences see
     /// it (so stops match visible text only); the parser starts as if it had read the prefill,
@@ -144,6 +151,7 @@ impl<W> Router<W> {
         spec: &StreamSpec,
         usage: PromptUsage,
         max_tokens: u64,
+        loop_span: Option<u32>,
     ) -> Result<Arc<Channel<W>>, CoreError> {
         let count = stream_ids.len();
         if count == 0 || (count > 1 && !spec.dialect.has_choices()) {
@@ -207,6 +215,7 @@ impl<W> Router<W> {
                 output_tokens: 0,
                 max_tokens: max_tokens.max(1),
                 eos_ids: spec.eos_ids.clone().into_boxed_slice(),
+                loop_guard: loop_span.map(|span| Box::new(LoopGuard::new(span))),
             };
             self.streams.insert(stream_id, stream);
         }
@@ -250,10 +259,13 @@ impl<W> Router<W> {
             };
             stream.output_tokens += 1;
             stream.channel.count_token();
+            let looping = |guard: &mut LoopGuard| guard.push(token_id);
             let code = if stream.eos_ids.contains(&token_id) {
                 TokenEnd::EndTurn
             } else if stream.output_tokens >= stream.max_tokens {
                 TokenEnd::MaxTokens
+            } else if stream.loop_guard.as_deref_mut().is_some_and(looping) {
+                TokenEnd::Repeating
             } else {
                 TokenEnd::Running
             };
@@ -286,6 +298,7 @@ impl<W> Router<W> {
                 (Some(index), _) => Some(Finish::StopSequence(stream.stop.stop(index))),
                 (None, TokenEnd::EndTurn) => Some(Finish::EndTurn),
                 (None, TokenEnd::MaxTokens) => Some(Finish::MaxTokens),
+                (None, TokenEnd::Repeating) => Some(Finish::Repetition),
                 (None, TokenEnd::Running) => None,
             };
             let reason = finish.map(Finish::reason);
@@ -531,6 +544,7 @@ fn step_markup<W>(
         (Some(index), _) => Some(Finish::StopSequence(stop.stop(index))),
         (None, TokenEnd::EndTurn) => Some(Finish::EndTurn),
         (None, TokenEnd::MaxTokens) => Some(Finish::MaxTokens),
+        (None, TokenEnd::Repeating) => Some(Finish::Repetition),
         (None, TokenEnd::Running) => None,
     };
     // After a complete tool call the client must run it, however generation ended; a call cut
@@ -694,6 +708,18 @@ mod tests {
         stops: &[&str],
         max_tokens: u64,
     ) -> Result<Arc<Channel<u32>>, CoreError> {
+        open_guarded(r, id, stream, stops, max_tokens, None)
+    }
+
+    /// The same, with a loop guard of `loop_span` tokens.
+    fn open_guarded(
+        r: &mut TestRouter,
+        id: u64,
+        stream: bool,
+        stops: &[&str],
+        max_tokens: u64,
+        loop_span: Option<u32>,
+    ) -> Result<Arc<Channel<u32>>, CoreError> {
         let spec = StreamSpec {
             dialect: DialectParams::Anthropic(AnthropicParams {
                 model: "m".into(),
@@ -714,7 +740,7 @@ mod tests {
             prompt_tokens: 3,
             cached_tokens: 0,
         };
-        r.open(&[id], &spec, usage, max_tokens)
+        r.open(&[id], &spec, usage, max_tokens, loop_span)
     }
 
     fn read_all(ch: &Channel<u32>) -> String {
@@ -768,6 +794,24 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_guarded_reply_that_repeats_itself_ends() {
+        let mut r = TestRouter::new(vocab(), 1 << 20);
+        let guarded = open_guarded(&mut r, 1, false, &[], 1000, Some(12)).unwrap();
+        let unguarded = open(&mut r, 2, false, &[], 1000).unwrap();
+        let mut ended = NONE;
+        for _ in 0..10 {
+            ended.extend(step(&mut r, &[1, 1, 2, 2], &[1, 2, 1, 2]).0);
+        }
+        // " Hi there" four times takes 8 tokens; the guard wants 12 and at least 4 cycles.
+        assert_eq!(ended, vec![(1, FinishReason::Repetition)]);
+        assert_eq!(guarded.tokens(), 12);
+        let body = read_all(&guarded);
+        // An agent would ask for more after max_tokens: Anthropic's end is an end of turn.
+        assert!(body.contains(r#""stop_reason":"end_turn""#), "{body}");
+        assert_eq!(unguarded.outcome().end, "running");
+    }
+
     fn open_openai(r: &mut TestRouter, id: u64, stream: bool, stops: &[&str]) -> Arc<Channel<u32>> {
         let spec = StreamSpec {
             dialect: DialectParams::OpenAi(crate::events::openai::OpenAiParams {
@@ -785,7 +829,8 @@ mod tests {
             eos_ids: vec![0],
             tools: Arc::default(),
         };
-        r.open(&[id], &spec, PromptUsage::default(), 100).unwrap()
+        r.open(&[id], &spec, PromptUsage::default(), 100, None)
+            .unwrap()
     }
 
     fn open_choices(r: &mut TestRouter, ids: &[u64], stream: bool) -> Arc<Channel<u32>> {
@@ -809,7 +854,7 @@ mod tests {
             prompt_tokens: 4,
             cached_tokens: 0,
         };
-        r.open(ids, &spec, usage, 100).unwrap()
+        r.open(ids, &spec, usage, 100, None).unwrap()
     }
 
     #[test]
@@ -938,11 +983,11 @@ mod tests {
             tools: Arc::default(),
         };
         assert!(matches!(
-            r.open(&[10, 11], &spec, PromptUsage::default(), 5),
+            r.open(&[10, 11], &spec, PromptUsage::default(), 5, None),
             Err(CoreError::Choices { count: 2, .. })
         ));
         assert!(matches!(
-            r.open(&[9], &spec, PromptUsage::default(), 5),
+            r.open(&[9], &spec, PromptUsage::default(), 5, None),
             Err(CoreError::DuplicateStream(9))
         ));
     }
@@ -1234,7 +1279,7 @@ mod tests {
                 prompt_tokens: 1,
                 cached_tokens: 0,
             };
-            let ch = r.open(&[id], &spec, usage, u64::MAX).unwrap();
+            let ch = r.open(&[id], &spec, usage, u64::MAX, None).unwrap();
             for tok in [5, 1, 2, 3, 4] {
                 assert_eq!(step(&mut r, &[id], &[tok]).0, NONE);
             }

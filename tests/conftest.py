@@ -30,7 +30,12 @@ STARTED: list[Server] = []
 
 def start_server(tmp_dir: Path, *extra_args: str, timeout_s: float = 120.0) -> RunningServer:
     """`mlxgate serve` with `extra_args` on a free port, its output in `tmp_dir`; an error that
-    stops it from starting carries the log."""
+    stops it from starting carries the log. Greedy for a request that sets no temperature
+    (`--sampling-defaults server`), so that answers are the same every run, unless
+    `extra_args` chooses (test_agent_defaults.py and test_sampling_defaults.py serve the
+    model's own defaults, as `make serve` does)."""
+    if "--sampling-defaults" not in extra_args:
+        extra_args = ("--sampling-defaults", "server", *extra_args)
     port = free_port()
     server = Server(
         "mlxgate",

@@ -24,8 +24,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
-from tiny_engine import Served, assert_same, prompts, reference, wait_until
-from tiny_models import VOCAB, build, quantized, twins
+from tiny_engine import Oracle, Served, assert_same, guessing, prompts, reference, wait_until
+from tiny_models import build, quantized, twins
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from conftest import REPO, free_port, start_server, stop_server
@@ -39,30 +39,6 @@ from mlxgate.engine.speculation import Lookup, continuation
 STEPS = 24
 
 
-class Oracle:
-    """Guesses each sequence's reference continuation, every `spoil`-th position wrong (where,
-    depends on the prompt's length)."""
-
-    def __init__(self, spoil: int = 5) -> None:
-        self.spoil = spoil
-        self.answers: dict[tuple[int, ...], list[int]] = {}
-
-    def expect(self, prompt: list[int], tokens: list[int]) -> None:
-        self.answers[tuple(prompt)] = tokens
-
-    def __call__(self, tokens: np.ndarray, k: int) -> np.ndarray:
-        for prompt, answer in self.answers.items():
-            if tuple(tokens[: len(prompt)].tolist()) == prompt:
-                done = len(tokens) - len(prompt)
-                guess = np.array(answer[done : done + k], dtype=np.int64)
-                phase = len(prompt)  # rows keep different numbers of guesses in one pass
-                for i in range(len(guess)):
-                    if (done + i + phase) % self.spoil == self.spoil - 1:
-                        guess[i] = (guess[i] + 1) % VOCAB
-                return guess
-        return np.zeros(0, dtype=np.int64)
-
-
 TARGETS = [
     ("llama", None),
     ("llama", "affine"),
@@ -74,15 +50,9 @@ TARGETS = [
 
 @pytest.fixture(params=TARGETS, ids=lambda p: p[0] if p[1] is None else f"{p[0]}-4bit")
 def tiny(request: pytest.FixtureRequest) -> Iterator[tuple[Served, Any, Oracle]]:
-    arch, quantization = request.param
-    served_model, reference_model = twins(arch, quantization)
     # Every row guesses, however many decode: verify passes of 16 rows at once.
-    served = Served(served_model, max_prefill_chunk=16, speculation_max_rows=64, prefix_cache_mb=0)
-    oracle = Oracle()
-    assert served.engine.speculation is not None
-    served.engine.speculation.propose = oracle
-    yield served, reference_model, oracle
-    served.engine.stop()
+    with guessing(*request.param) as tiny:
+        yield tiny
 
 
 def test_guessed_tokens_change_no_greedy_token(tiny: tuple[Served, Any, Oracle]) -> None:

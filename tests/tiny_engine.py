@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -31,12 +33,14 @@ class Expected:
     logprobs: list[np.ndarray]
 
 
-def reference(model: Any, prompt: list[int], steps: int = STEPS) -> Expected:
+def reference(model: Any, prompt: list[int], steps: int = STEPS, **options: Any) -> Expected:
+    """mlx-lm's greedy tokens (`options`: more of `generate_step`'s, such as its logits
+    processors) and the log-probabilities it chose them from."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     out = Expected([], [])
-    for token, logprobs in generate_step(mx.array(prompt), model, max_tokens=steps):
+    for token, logprobs in generate_step(mx.array(prompt), model, max_tokens=steps, **options):
         out.tokens.append(int(token))
         out.logprobs.append(np.array(logprobs.astype(mx.float32)))
     return out
@@ -54,6 +58,47 @@ def assert_same(got: list[int], want: Expected, what: str) -> None:
             )
             return
     assert len(got) == len(want.tokens), f"{what}: {len(got)} tokens, mlx-lm {len(want.tokens)}"
+
+
+class Oracle:
+    """Guesses each sequence's reference continuation, every `spoil`-th position wrong (where,
+    depends on the prompt's length)."""
+
+    def __init__(self, spoil: int = 5) -> None:
+        self.spoil = spoil
+        self.answers: dict[tuple[int, ...], list[int]] = {}
+
+    def expect(self, prompt: list[int], tokens: list[int]) -> None:
+        self.answers[tuple(prompt)] = tokens
+
+    def __call__(self, tokens: np.ndarray, k: int) -> np.ndarray:
+        for prompt, answer in self.answers.items():
+            if tuple(tokens[: len(prompt)].tolist()) == prompt:
+                done = len(tokens) - len(prompt)
+                guess = np.array(answer[done : done + k], dtype=np.int64)
+                phase = len(prompt)  # rows keep different numbers of guesses in one pass
+                for i in range(len(guess)):
+                    if (done + i + phase) % self.spoil == self.spoil - 1:
+                        guess[i] = (guess[i] + 1) % VOCAB
+                return guess
+        return np.zeros(0, dtype=np.int64)
+
+
+@contextmanager
+def guessing(arch: str, quantization: str | None = None) -> Iterator[tuple[Served, Any, Oracle]]:
+    """A tiny `arch` model served with every row guessing from an oracle (verify passes of up to
+    64 rows at once), the same weights for mlx-lm, and the oracle."""
+    from tiny_models import twins
+
+    served_model, reference_model = twins(arch, quantization)
+    served = Served(served_model, max_prefill_chunk=16, speculation_max_rows=64, prefix_cache_mb=0)
+    oracle = Oracle()
+    assert served.engine.speculation is not None
+    served.engine.speculation.propose = oracle
+    try:
+        yield served, reference_model, oracle
+    finally:
+        served.engine.stop()
 
 
 class Served:
@@ -77,7 +122,8 @@ class Served:
         )
         self.engine.start()
 
-    def submit(self, prompt: list[int], steps: int = STEPS) -> Reader:
+    def submit(self, prompt: list[int], steps: int = STEPS, **request: Any) -> Reader:
+        """`request`: more of GenerationRequest's fields (its sampling, say)."""
         spec = StreamSpec.anthropic(
             model="tiny",
             message_id="msg_t",
@@ -85,7 +131,7 @@ class Served:
             stop_sequences=[],
             reply=Reply(eos_ids=[]),
         )
-        return self.engine.admit(GenerationRequest(prompt, spec, steps))
+        return self.engine.admit(GenerationRequest(prompt, spec, steps, **request))
 
     @staticmethod
     def result(reader: Reader, timeout_s: float = 120.0) -> tuple[list[int], dict[str, Any]]:

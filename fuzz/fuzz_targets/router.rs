@@ -202,7 +202,8 @@ fuzz_target!(|input: &[u8]| {
         prompt_tokens: 5,
         cached_tokens: 1,
     };
-    let channel = router.open(&[1], &spec, usage, 64).unwrap();
+    // A loop guard short enough for repeated input bytes to trip it.
+    let channel = router.open(&[1], &spec, usage, 64, Some(16)).unwrap();
     let ids: Vec<u32> = input[3 + stop_len..]
         .iter()
         .map(|&b| u32::from(b) % tokens.len() as u32)

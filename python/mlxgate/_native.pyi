@@ -140,6 +140,8 @@ class FinishReason:
     """The generation ended after at least one complete tool call."""
     CANCELLED: ClassVar[FinishReason]
     """The reader went away."""
+    REPETITION: ClassVar[FinishReason]
+    """The loop guard ended a reply that repeats itself."""
     def __int__(self) -> int: ...
 
 @final
@@ -397,11 +399,15 @@ class Router:
         cached_tokens: int = 0,
         cached_from: str = "",
         max_tokens: int,
+        loop_span: int = 0,
     ) -> Reader:
         """Open a response as `spec` says for an admitted prompt of `prompt_tokens` (of which
         `cached_tokens` came from the prefix cache's tier `cached_from`: "memory", "disk" or
         "in-flight") that may add `max_tokens` tokens per stream: one stream, or one per id for
         the choices of OpenAI's `n`, all read by the one reader. Frames due at once are queued.
+        With `loop_span` (tokens), each stream's loop guard ends a reply whose last `loop_span`
+        tokens or more repeat one cycle (of at most 256 tokens, at least 4 times), reported as
+        FinishReason.REPETITION.
         Raises NativeError if an id is already open, for several ids in a dialect without
         choices, or for another tier."""
 

@@ -75,7 +75,6 @@ class App:
         self.resumable = Resumable(config.resume_window) if config.resume_window > 0 else None
         services = Services(
             models=models,
-            default_sampling=SamplingParams(config.temperature, config.top_p, config.top_k),
             config=config,
             max_output_tokens=config.max_output_tokens,
             resumable=self.resumable,
@@ -352,6 +351,7 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
             models.architecture(draft.model),
             models.precision(draft.model),
         )
+    sampling, sampling_sources = SamplingParams.layered(sampling_layers(spec, config, loaded))
     if loaded.vision is not None and turns is None:
         turns = Turns()  # its vision tower's blocks and its engine's steps take turns
     turn = functools.partial(turns.turn, spec.name) if turns else contextlib.nullcontext
@@ -382,7 +382,7 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
     engine.start()
     log.info(
         "model %s: %s, %s, %s, context %s, takes %s, tool calls %s, reasoning %s, kernels: %s "
-        "(%s); the prefix cache reuses %s; loaded in %.1fs",
+        "(%s); the prefix cache reuses %s; sampling defaults: %s; loaded in %.1fs",
         spec.name,
         models.architecture(loaded.model),
         layout.describe(),
@@ -394,6 +394,7 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
         loaded.kernels,
         loaded.source,
         layout.reuse(),
+        described_sampling(sampling, sampling_sources),
         time.monotonic() - started,
     )
     return ServedModel(
@@ -405,7 +406,39 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
         cache_bytes=lambda: engine.metrics.kv_bytes + engine.prefix_cache.nbytes,
         metrics=EngineCollector(engine),
         vision=loaded.vision,
+        sampling=sampling,
+        sampling_sources=sampling_sources,
     )
+
+
+# The flags that set sampling defaults (SamplingParams' names).
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "repetition_penalty", "repetition_context_size")
+
+
+def sampling_layers(
+    spec: ModelSpec, config: Config, loaded: LoadedModel
+) -> list[tuple[str, dict[str, float]]]:
+    """Where a served model's sampling defaults come from, first to last: its --models-config
+    table, the flags given, then (unless --sampling-defaults server) the model's own."""
+    flags = {name: getattr(config, name) for name in SAMPLING_FLAGS}
+    layers = [
+        ("--models-config", dict(spec.sampling)),
+        ("the flags", {name: value for name, value in flags.items() if value is not None}),
+    ]
+    if config.sampling_defaults == "model":
+        layers.append((loaded.sampling_source, dict(loaded.sampling)))
+    return layers
+
+
+def described_sampling(sampling: SamplingParams, sources: dict[str, str]) -> str:
+    """The defaults a model samples with, for the start-up line: "temperature 0.2, ... (from
+    where)", or greedy."""
+    if not sources:
+        return "greedy (mlxgate's own)"
+    by_source: dict[str, list[str]] = {}
+    for name, source in sources.items():
+        by_source.setdefault(source, []).append(f"{name} {getattr(sampling, name)}")
+    return "; ".join(f"{', '.join(values)} ({source})" for source, values in by_source.items())
 
 
 def _chosen(name: str, setting: str) -> str:

@@ -124,12 +124,37 @@ class Config:
         choices=("auto", *REASONING_FORMATS),
         default_text="auto: detected from the chat template",
     )
-    # The Anthropic API no longer has these fields; OpenAI requests may set them.
-    temperature: float = setting(
-        0.0, "sampling temperature for requests that set none; 0 is greedy"
+    # For a request that sets none; above the model's own defaults (sampling_defaults).
+    temperature: float | None = setting(
+        None,
+        "sampling temperature for requests that set none; 0 is greedy",
+        default_text="the model's own (--sampling-defaults), else 0",
     )
-    top_p: float = setting(1.0, "top-p for requests that set none")
-    top_k: int = setting(0, "top-k for requests that set none; 0 = off")
+    top_p: float | None = setting(
+        None, "top-p for requests that set none", default_text="the model's own, else 1 (off)"
+    )
+    top_k: int | None = setting(
+        None, "top-k for requests that set none", default_text="the model's own, else 0 (off)"
+    )
+    repetition_penalty: float | None = setting(
+        None,
+        "mlx-lm's repetition penalty for requests that set none: a recent token's logit divided "
+        "by it (multiplied, if negative); 0 or 1 is off",
+        default_text="the model's own, else off; the embedded model: 1.1",
+    )
+    repetition_context_size: int | None = setting(
+        None,
+        "how many of the last tokens (prompt, then reply) the repetition penalty counts",
+        metavar="N",
+        default_text="the model's own, else 20",
+    )
+    sampling_defaults: str = setting(
+        "model",
+        "what a request that leaves a sampling parameter unset gets: model: the model's own "
+        "(its generation_config.json, a GGUF's general.sampling keys, the embedded model's "
+        "card), under the flags above and --models-config; server: the flags alone",
+        choices=("model", "server"),
+    )
     engine: EngineSettings = field(default_factory=EngineSettings)
     api_key: str | None = setting(
         None,

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 from mlxgate import chat
 from mlxgate._native import ErrorKind
 from mlxgate.api.errors import ApiError
-from mlxgate.engine import Generator
+from mlxgate.engine import Generator, SamplingParams
 
 log = logging.getLogger("mlxgate")
 
@@ -65,10 +65,24 @@ class ModelSpec:
     draft_model: str | None = None
     pinned: bool = False  # loaded at start-up, never unloaded
     ttl_s: float = 0.0  # idle seconds before it is unloaded; 0: it stays
+    # Sampling defaults its table sets (SamplingParams' names): above the flags and its own.
+    sampling: tuple[tuple[str, float | int], ...] = ()
 
+
+# The sampling defaults a table of --models-config may set.
+SAMPLING_KEYS: dict[str, type | tuple[type, ...]] = {
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": int,
+    "repetition_penalty": (int, float),
+    "repetition_context_size": int,
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+}
 
 # What a table of --models-config may set, and the type each takes.
 _TABLE_KEYS: dict[str, type | tuple[type, ...]] = {
+    **SAMPLING_KEYS,
     "source": str,
     "aliases": list,
     "context_length": int,
@@ -185,6 +199,7 @@ def _read_tables(path: Path, base: ModelSpec, ttl_s: float) -> tuple[list[ModelS
         _, source = _name_and_source(table["source"])
         settings = {key: table[key] for key in _TABLE_KEYS if key in table}
         settings.pop("source")
+        sampling = tuple((key, settings.pop(key)) for key in SAMPLING_KEYS if key in settings)
         if settings.pop("default", False):
             default = name
         specs.append(
@@ -194,6 +209,7 @@ def _read_tables(path: Path, base: ModelSpec, ttl_s: float) -> tuple[list[ModelS
                 source=source,
                 aliases=tuple(settings.pop("aliases", ())),
                 ttl_s=float(settings.pop("ttl", ttl_s)),
+                sampling=sampling,
                 **settings,
             )
         )
@@ -232,6 +248,9 @@ class ServedModel:
     metrics: Collector | None = None  # what /metrics shows of its engine
     # How its prompts take images (a vision-language model); None: it reads text only.
     vision: VisionPrompts | None = None
+    # What a request that leaves a sampling parameter unset gets, and where each came from.
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling_sources: dict[str, str] = field(default_factory=dict)
 
     def footprint(self) -> int:
         return self.weights_bytes + self.cache_bytes()
@@ -487,7 +506,15 @@ class ModelRegistry:
         entry = self._by_name[name]
         served = entry.served
         context = served.context_length if served is not None else entry.spec.context_length
-        return {"state": str(entry.state), "context_length": context, "pinned": entry.forever()}
+        status: dict[str, Any] = {
+            "state": str(entry.state),
+            "context_length": context,
+            "pinned": entry.forever(),
+        }
+        if served is not None:
+            status["sampling_defaults"] = served.sampling.defaults()
+            status["sampling_defaults_from"] = served.sampling_sources
+        return status
 
     def _holds(self, entry: ModelEntry) -> int:
         if entry.served is not None:

@@ -251,7 +251,7 @@ impl AnthropicStream {
         self.close_block(out);
         let (stop_reason, stop_sequence) = match finish {
             _ if self.params.compaction && finish != Finish::MaxTokens => ("compaction", None),
-            Finish::EndTurn => ("end_turn", None),
+            Finish::EndTurn | Finish::Repetition => ("end_turn", None),
             Finish::MaxTokens => ("max_tokens", None),
             Finish::StopSequence(stop) => ("stop_sequence", Some(stop)),
             // Only the server's search was called: the client sends the reply back to go on.

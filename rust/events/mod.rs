@@ -16,6 +16,10 @@ pub enum Finish<'a> {
     StopSequence(&'a str),
     /// The generation ended after at least one complete tool call.
     ToolUse,
+    /// The loop guard ended a reply that repeats itself. The agents' dialects write it as an
+    /// end of turn: an agent continues a length stop (Claude Code asks three times, then fails)
+    /// or gives up on it (Codex); Chat Completions as a length stop.
+    Repetition,
 }
 
 impl Finish<'_> {
@@ -25,6 +29,7 @@ impl Finish<'_> {
             Self::MaxTokens => FinishReason::MaxTokens,
             Self::StopSequence(_) => FinishReason::StopSequence,
             Self::ToolUse => FinishReason::ToolUse,
+            Self::Repetition => FinishReason::Repetition,
         }
     }
 }
@@ -42,6 +47,8 @@ pub enum FinishReason {
     ToolUse,
     /// The reader went away.
     Cancelled,
+    /// The loop guard ended a reply that repeats itself.
+    Repetition,
 }
 
 /// What went wrong, in no dialect's words: each dialect's encoder names it and picks its HTTP

@@ -328,7 +328,7 @@ impl OpenAiStream {
     pub fn finish_choice(&mut self, finish: Finish<'_>, out: &mut Vec<u8>, choice: &mut Vec<u8>) {
         let finish_reason = match finish {
             Finish::EndTurn | Finish::StopSequence(_) => "stop",
-            Finish::MaxTokens => "length",
+            Finish::MaxTokens | Finish::Repetition => "length",
             Finish::ToolUse => "tool_calls",
         };
         if self.params.stream {

@@ -33,6 +33,7 @@ pub enum PyFinishReason {
     STOP_SEQUENCE,
     TOOL_USE,
     CANCELLED,
+    REPETITION,
 }
 
 impl From<FinishReason> for PyFinishReason {
@@ -43,6 +44,7 @@ impl From<FinishReason> for PyFinishReason {
             FinishReason::StopSequence => Self::STOP_SEQUENCE,
             FinishReason::ToolUse => Self::TOOL_USE,
             FinishReason::Cancelled => Self::CANCELLED,
+            FinishReason::Repetition => Self::REPETITION,
         }
     }
 }

@@ -163,8 +163,10 @@ impl PyRouter {
     /// Opens a response as `spec` says for an admitted prompt: one stream, or one per id for
     /// the choices of OpenAI's `n`, all read by the one reader. Raises if an id is open.
     #[pyo3(signature = (
-        stream_ids, spec, *, prompt_tokens, cached_tokens = 0, cached_from = "", max_tokens
+        stream_ids, spec, *, prompt_tokens, cached_tokens = 0, cached_from = "", max_tokens,
+        loop_span = 0
     ))]
+    #[allow(clippy::too_many_arguments)] // the Python keyword arguments
     fn open(
         &self,
         stream_ids: &Bound<'_, PyAny>,
@@ -173,6 +175,7 @@ impl PyRouter {
         cached_tokens: u64,
         cached_from: &str,
         max_tokens: u64,
+        loop_span: u32,
     ) -> PyResult<PyReader> {
         let tier = if cached_from.is_empty() {
             ""
@@ -187,9 +190,13 @@ impl PyRouter {
             Ok(stream_id) => vec![stream_id],
             Err(_) => extract_ints(stream_ids)?,
         };
-        let channel = self
-            .lock()
-            .open(&stream_ids, &spec.get().inner, usage, max_tokens)?;
+        let channel = self.lock().open(
+            &stream_ids,
+            &spec.get().inner,
+            usage,
+            max_tokens,
+            (loop_span > 0).then_some(loop_span),
+        )?;
         if !tier.is_empty() {
             channel.cached(cached_tokens, tier);
         }

@@ -126,6 +126,7 @@ fn reason_name(reason: FinishReason) -> &'static str {
         FinishReason::StopSequence => "stop_sequence",
         FinishReason::ToolUse => "tool_use",
         FinishReason::Cancelled => "cancelled",
+        FinishReason::Repetition => "repetition",
     }
 }
 
@@ -204,7 +205,9 @@ fn run(fixture: &Fixture) -> Vec<u8> {
         cached_tokens: open.cached_tokens,
     };
     let id = open.stream_id;
-    let reader = router.open(&[id], &spec, usage, open.max_tokens).unwrap();
+    let reader = router
+        .open(&[id], &spec, usage, open.max_tokens, None)
+        .unwrap();
     let mut out = Vec::new();
     drain(&reader, &mut out);
     let (mut ended, mut wake) = (Vec::new(), Vec::new());

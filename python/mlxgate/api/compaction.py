@@ -88,6 +88,14 @@ class Summarizing:
     def speculative_decoding(self) -> bool:
         return self.request.speculative_decoding
 
+    @property
+    def temperature(self) -> float | None:
+        return self.request.temperature
+
+    @property
+    def loop_guard(self) -> bool | None:
+        return self.request.loop_guard
+
     def output_tokens(self) -> int | None:
         return self.request.output_tokens()
 

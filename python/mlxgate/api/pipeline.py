@@ -25,6 +25,7 @@ from mlxgate.api.http import (
     start_event_stream,
 )
 from mlxgate.api.images import load_images, marked
+from mlxgate.api.requests import loop_guarded
 from mlxgate.config import Config
 from mlxgate.engine import (
     AdmissionError,
@@ -83,7 +84,6 @@ class Services:
     """What a dialect is built with: the served models and the settings."""
 
     models: ModelRegistry
-    default_sampling: SamplingParams
     # The server's settings, for the ones only one dialect reads.
     config: Config
     max_output_tokens: int | None = None
@@ -130,6 +130,10 @@ class Asked(Named, Protocol):
     def stream(self) -> bool: ...
     @property
     def speculative_decoding(self) -> bool: ...
+    @property
+    def temperature(self) -> float | None: ...
+    @property
+    def loop_guard(self) -> bool | None: ...
 
     def output_tokens(self) -> int | None:
         """The most tokens the reply may have, as asked; None: as many as fit."""
@@ -232,11 +236,12 @@ class Pipeline:
             rendered.ids,
             spec(rendered.reply, served.name),
             max_tokens=output_limit(services, request.output_tokens()),
-            sampling=request.sampling(services.default_sampling),
+            sampling=request.sampling(served.sampling),
             grammar=constraint(rendered, grammar),
             speculate=request.speculative_decoding,
             choices=choices,
             images=rendered.images,
+            loop_guard=loop_guarded(request.loop_guard, request.temperature),
         )
         try:
             return served.engine.admit(generation)

@@ -1,8 +1,9 @@
-"""What the dialects' request models share: a body parsed into one, the server's sampling
-defaults under it, a reply format's grammar."""
+"""What the dialects' request models share: a body parsed into one, the served model's sampling
+defaults under it, the loop guard's default, a reply format's grammar."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, TypeVar
 
 import orjson
@@ -47,20 +48,20 @@ def validate(model: type[Model], payload: dict[str, Any]) -> Model:
 def sampling(
     defaults: SamplingParams,
     *,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
     seed: int | None = None,
     logprobs: int | None = None,
+    **given: Any,
 ) -> SamplingParams:
-    """The request's sampling, the server's defaults where it says nothing."""
-    return SamplingParams(
-        temperature=defaults.temperature if temperature is None else temperature,
-        top_p=defaults.top_p if top_p is None else top_p,
-        top_k=defaults.top_k if top_k is None else top_k,
-        seed=seed,
-        logprobs=logprobs,
-    )
+    """The request's sampling: what it `given` (SamplingParams' names; None where it says
+    nothing), the served model's defaults for the rest."""
+    chosen = {name: value for name, value in given.items() if value is not None}
+    return dataclasses.replace(defaults, seed=seed, logprobs=logprobs, **chosen)
+
+
+def loop_guarded(asked: bool | None, temperature: float | None) -> bool:
+    """Whether a reply gets the loop guard: as the request asks (mlxgate's own `loop_guard`),
+    else unless it chose greedy decoding itself (`temperature: 0`: exact tokens, as asked)."""
+    return asked if asked is not None else temperature != 0.0
 
 
 def reply_grammar(kind: str, schema: dict[str, Any] | None, param: str) -> Grammar | None:

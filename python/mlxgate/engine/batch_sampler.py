@@ -1,6 +1,9 @@
-"""Sampling a decode batch's next tokens: one row per slot, grammar masks and log-probabilities.
+"""Sampling a decode batch's next tokens: one row per slot, penalties, grammar masks and
+log-probabilities.
 
 Each row samples with its own `Sampler` (engine/sampling.py); greedy rows share one argmax. A
+row with penalties has them applied first (engine/penalties.py; at each position of a verify
+pass, as if its guesses before it were kept), and counts the tokens it goes on with (`seen`). A
 row held to a grammar chooses among the tokens its matcher allows (engine/constraints.py), and
 its matcher moves on once the step's tokens are known (`advance`).
 """
@@ -17,6 +20,7 @@ import numpy as np
 from mlxgate.engine.batch import FREE
 from mlxgate.engine.constraints import Vocabulary
 from mlxgate.engine.contract import SamplingParams
+from mlxgate.engine.penalties import penalized
 from mlxgate.engine.sampling import Sampler
 
 # A row's log-probabilities as `Router.logprobs` takes them: (stream id, token id, logprob,
@@ -41,7 +45,14 @@ class BatchSampler:
         self, logits: mx.array, samplers: Sequence[Sampler], vocabulary: Vocabulary | None = None
     ) -> mx.array:
         """Next token per row (`samplers`: per slot): one argmax for greedy rows, per-row samplers
-        for the others; rows with a grammar choose among the tokens it allows."""
+        for the others; rows with penalties have them applied, rows with a grammar choose among
+        the tokens it allows."""
+        rows = [(i, s.penalties, ()) for i, s in enumerate(samplers) if s.penalties is not None]
+        return self._sample(penalized(logits, rows), samplers, vocabulary)
+
+    def _sample(
+        self, logits: mx.array, samplers: Sequence[Sampler], vocabulary: Vocabulary | None
+    ) -> mx.array:
         self._matchers = [
             (i, s.matcher_in(vocabulary, logits.shape[-1]))
             for i, s in enumerate(samplers)
@@ -66,16 +77,19 @@ class BatchSampler:
     def sample_positions(
         self,
         logits: mx.array,
+        guesses: np.ndarray,
         counts: np.ndarray,
         samplers: Sequence[Sampler],
         vocabulary: Vocabulary | None = None,
     ) -> np.ndarray:
-        """For a verify pass (`logits`: [slots, positions, vocab]; `counts`: per slot, the
-        positions after the first it guessed): the token each row's sampler samples at every
-        position [slots, positions]. Position 0 is sampled as a decode step samples (grammars and
-        log-probabilities included: rows with those do not guess); the rest only for rows that
-        guessed. Sampled rows' keys move on by `keep`, once the kept guesses are known."""
-        first = self.sample(logits[:, 0, :], samplers, vocabulary)
+        """For a verify pass (`logits`: [slots, positions, vocab]; `guesses`: [slots, positions
+        - 1], the tokens it fed after each row's input; `counts`: per slot, how many of them it
+        guessed): the token each row's sampler samples at every position [slots, positions].
+        Position 0 is sampled as a decode step samples (grammars and log-probabilities included:
+        rows with those do not guess); the rest only for rows that guessed. Sampled rows' keys
+        move on by `keep`, once the kept guesses are known."""
+        logits = _penalized_positions(logits, guesses, counts, samplers)
+        first = self._sample(logits[:, 0, :], samplers, vocabulary)
         guessing = np.flatnonzero(counts).tolist()
         self._ahead = [(i, samplers[i]) for i in guessing if not samplers[i].params.greedy]
         later = mx.argmax(logits[:, 1:, :], axis=-1).astype(mx.uint32)
@@ -99,6 +113,12 @@ class BatchSampler:
             sampler.keep(int(kept[i]))
         self._ahead = []
 
+    def seen(self, samplers: Sequence[Sampler], tokens: np.ndarray, kept: np.ndarray) -> None:
+        """Each slot went on with `tokens[slot, : kept[slot] + 1]`: what its penalties count."""
+        for i, sampler in enumerate(samplers):
+            if sampler.penalties is not None:
+                sampler.penalties.seen(tokens[i, : int(kept[i]) + 1].tolist())
+
     def advance(self, tokens: mx.array) -> None:
         """Each slot feeds `tokens[slot]` next: the grammars of the last `sample` consume it."""
         token_ids = np.array(tokens, copy=False)
@@ -111,6 +131,24 @@ class BatchSampler:
         if self._logprobs is None:
             return []
         return self._logprobs.entries(stream_ids)
+
+
+def _penalized_positions(
+    logits: mx.array, guesses: np.ndarray, counts: np.ndarray, samplers: Sequence[Sampler]
+) -> mx.array:
+    """A verify pass's `logits` with each row's penalties at each position it samples: at
+    position j, as if its first j guesses were kept (a kept guess is the token sampled there, so
+    the tokens equal a decode step's)."""
+    slots, width, vocab = logits.shape
+    rows = [
+        (i * width + j, sampler.penalties, guesses[i, :j].tolist())
+        for i, sampler in enumerate(samplers)
+        if sampler.penalties is not None
+        for j in range(int(counts[i]) + 1)
+    ]
+    if not rows:
+        return logits
+    return penalized(logits.reshape(slots * width, vocab), rows).reshape(slots, width, vocab)
 
 
 @dataclass(frozen=True)

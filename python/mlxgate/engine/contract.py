@@ -8,6 +8,7 @@ dialect's words: each API dialect maps them in its own table.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
@@ -26,10 +27,62 @@ class SamplingParams:
     # logits the token was sampled from (after temperature and any grammar, before top-k/top-p).
     # None: nothing is computed.
     logprobs: int | None = None
+    # mlx-lm's penalties (engine/penalties.py), each over the last `*_context_size` tokens (of
+    # the prompt and reply for repetition, of the reply for presence and frequency); 0 is off.
+    # Repetition divides a seen token's positive logit by the penalty (1 changes nothing);
+    # presence and frequency subtract from it, once or per time.
+    repetition_penalty: float = 0.0
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @classmethod
+    def layered(
+        cls, layers: Sequence[tuple[str, Mapping[str, float]]]
+    ) -> tuple[SamplingParams, dict[str, str]]:
+        """Defaults made of `layers` (where they come from, what they set), first to last: the
+        first layer that sets a field gives it, mlxgate's own default the rest. Returns them and
+        where each set one came from; a value out of range is a ValueError naming its layer."""
+        chosen: dict[str, float] = {}
+        sources: dict[str, str] = {}
+        for source, values in layers:
+            for name, value in values.items():
+                if name in chosen:
+                    continue
+                if not _IN_RANGE[name](value):
+                    raise ValueError(f"{source}: {name} = {value} is out of range")
+                chosen[name], sources[name] = value, source
+        return cls(**chosen), sources  # type: ignore[arg-type]
+
+    def defaults(self) -> dict[str, float]:
+        """What these say a request that sets nothing samples with (not its seed or logprobs)."""
+        return {name: getattr(self, name) for name in _IN_RANGE}
+
+    @property
+    def penalized(self) -> bool:
+        repetition = self.repetition_penalty not in (0.0, 1.0)
+        return repetition or bool(self.presence_penalty or self.frequency_penalty)
+
+
+# What a default may be, per field.
+_IN_RANGE: dict[str, Callable[[float], bool]] = {
+    "temperature": lambda v: v >= 0,
+    "top_p": lambda v: 0 < v <= 1,
+    "top_k": lambda v: v >= 0 and v == int(v),
+    "repetition_penalty": lambda v: v >= 0,
+    "presence_penalty": lambda v: -2 <= v <= 2,
+    "frequency_penalty": lambda v: -2 <= v <= 2,
+    **{
+        f"{penalty}_context_size": lambda v: v >= 1 and v == int(v)
+        for penalty in ("repetition", "presence", "frequency")
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -70,6 +123,9 @@ class GenerationRequest:
     # a seed, choice i samples with seed + i (n identical samples would be no choice).
     choices: int = 1
     images: PromptImages | None = None  # a vision model's images in the prompt
+    # End the reply once it repeats a short cycle of tokens many times (the router's loop
+    # guard: rust/loop_guard.rs).
+    loop_guard: bool = False
 
     def cache_keys(self, ids: list[int] | None = None) -> list[int]:
         """What the prefix cache knows `ids` (the prompt, or the prompt and tokens after it) by:

@@ -310,6 +310,7 @@ class Engine:
                 cached_tokens=cached,
                 cached_from=match.tier if match is not None else "",
                 max_tokens=min(request.max_tokens or window, window - prompt_tokens),
+                loop_span=self.settings.loop_guard_tokens if request.loop_guard else 0,
             )
             if together:
                 choices[0].siblings = choices[1:]
@@ -673,6 +674,7 @@ class Engine:
         if drafts is not None:
             self._sampler.keep(kept)
             batch.rewind(kept, drafts.width)  # the caches keep the kept guesses only
+        self._sampler.seen(batch.samplers, tokens, kept)
         inputs = mx.array(tokens[np.arange(len(tokens)), kept])  # each row's last token
         # Free slots were computed too: their tokens go nowhere.
         self._sampler.advance(inputs)
@@ -692,7 +694,7 @@ class Engine:
         """The tokens sampled at each position of a verify pass [slots, width], and how many
         guesses each row keeps."""
         tokens = self._sampler.sample_positions(
-            logits, drafts.counts, self._batch.samplers, self.vocabulary
+            logits, drafts.tokens, drafts.counts, self._batch.samplers, self.vocabulary
         )
         return tokens, drafts.kept(tokens)
 
@@ -707,6 +709,10 @@ class Engine:
         stream_ids, token_ids = _emitted(slot_ids, tokens, kept)
         ended = self.router.step(stream_ids, token_ids)
         finished = [sid for sid, why in ended if why != FinishReason.CANCELLED]
+        if looped := [sid for sid, why in ended if why == FinishReason.REPETITION]:
+            self.metrics.loop_stops += len(looped)
+            for stream_id in looped:
+                log.info("the loop guard ended stream %d: its reply repeats itself", stream_id)
         return tokens, kept, finished, [sid for sid, why in ended if why == FinishReason.CANCELLED]
 
     def _scaled_rows(self) -> ScaledRows:
@@ -761,7 +767,10 @@ class Engine:
         if self.speculation is not None:
             for p in joining:
                 self.speculation.start(p.stream_id, p.request)
-        samplers = [p.sampler or Sampler(p.request.sampling, p.request.grammar) for p in joining]
+        samplers = [
+            p.sampler or Sampler(p.request.sampling, p.request.grammar, p.request.prompt_ids)
+            for p in joining
+        ]
         for p, sampler in zip(joining, samplers, strict=True):
             self._rows[p.stream_id] = _Row(p, sampler, list(p.request.prompt_ids))
         self._batch.add(

@@ -110,6 +110,7 @@ class EngineMetrics:
     )
     requests_finished = Count("requests that finished generating")
     requests_cancelled = Count("requests whose client went away")
+    loop_stops = Count("replies the loop guard ended because they repeated themselves")
     verify_passes = Count("speculative decoding: decode steps that checked guessed tokens")
     drafted_tokens = Count(
         "speculative decoding: tokens guessed (by prompt lookup or a draft model)"

@@ -1,4 +1,5 @@
-"""Token sampling from next-token logits: greedy, temperature, top-k, top-p, per-request seed."""
+"""Token sampling from next-token logits: greedy, temperature, top-k, top-p, per-request seed (the
+penalties before them: engine/penalties.py)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,23 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from mlxgate.engine.constraints import Grammar, Vocabulary
 from mlxgate.engine.contract import SamplingParams
+from mlxgate.engine.penalties import Penalties
 
 
 class Sampler:
     """Samples one sequence's next token; holds its own PRNG key so seeds are per request, and
-    the matcher of its grammar, if it has one (made on its first step: engine/constraints.py)."""
+    the matcher of its grammar, if it has one (made on its first step: engine/constraints.py),
+    and the recent tokens its penalties count (`prompt_ids`: the prompt they start from)."""
 
-    def __init__(self, params: SamplingParams, grammar: Grammar | None = None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        grammar: Grammar | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> None:
         self.params = params
         self.grammar = grammar
+        self.penalties = Penalties.of(params, prompt_ids or [])
         self.matcher: llguidance.LLMatcher | None = None
         self._key = mx.random.key(params.seed) if params.seed is not None else None
         self._ahead: list[mx.array] = []  # the key after each position of the last `ahead`

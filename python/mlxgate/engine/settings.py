@@ -68,6 +68,13 @@ class EngineSettings:
         "cannot fit even alone is refused",
         default_text="half the machine's memory after the weights, less the prefix cache's",
     )
+    loop_guard_tokens: int = setting(
+        384,
+        "end a reply once its last N tokens or more repeat one cycle of at most 256 tokens at "
+        "least 4 times (Chat Completions: length; Anthropic and Responses: the turn ended); not "
+        "for a request that asks for temperature 0 (or loop_guard: false); 0 turns it off",
+        metavar="N",
+    )
     kv_bits: int = setting(
         0,
         "keep attention keys/values quantized to 8 or 4 bits: 0.28x or 0.16x the bytes of float32 "

@@ -4,7 +4,7 @@ every one through mlx-lm's own loader and tokenizer (a GGUF file converted once,
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from mlxgate.models import context, vision, yarn
+from mlxgate.models import context, sampling_defaults, vision, yarn
 from mlxgate.models.adapter import install_kernels
 from mlxgate.models.context import ServedContext
 from mlxgate.models.tokenizer import ChatTokenizer
@@ -36,6 +36,9 @@ class LoadedModel:
     context: ServedContext | None = None  # how context_length relates to the model's own
     kernels: str = "MLX's own"  # what runs its matmuls, norms and ropes on the CPU
     vision: VisionPrompts | None = None  # how its prompts take images (a vision model)
+    # What its files recommend for sampling (models/sampling_defaults.py), and which files.
+    sampling: dict[str, float | int] = field(default_factory=dict)
+    sampling_source: str = "generation_config.json"
 
     def describe_context(self) -> str:
         return self.context.describe() if self.context else str(self.context_length)
@@ -176,7 +179,10 @@ def _load(
 ) -> LoadedModel:
     if spec is None:
         path = default_model_path()
-        return _load_gguf(DEFAULT_MODEL, path, dequantize_to, context_length, rope_scaling, shard)
+        loaded = _load_gguf(DEFAULT_MODEL, path, dequantize_to, context_length, rope_scaling, shard)
+        loaded.sampling = {**loaded.sampling, **sampling_defaults.EMBEDDED}
+        loaded.sampling_source = "the embedded model's card"
+        return loaded
 
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
@@ -193,7 +199,10 @@ def _load(
             raise ValueError("a vision-language model is served by one process (no ranks)")
         model, tokenizer, prompts, length = vision.load(path, context_length)
         name = spec if source.startswith("huggingface:") else path.name
-        return LoadedModel(name, model, tokenizer, length, source, vision=prompts)
+        sampling = sampling_defaults.of_directory(path)
+        return LoadedModel(
+            name, model, tokenizer, length, source, vision=prompts, sampling=sampling
+        )
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not an mlx-lm model directory (no config.json)")
@@ -201,7 +210,7 @@ def _load(
             path, context_length, rope_scaling, trust_remote_code, dequantize_to, shard
         )
         name = spec if source.startswith("huggingface:") else path.name
-        return _loaded(name, model, tokenizer, served, source)
+        return _loaded(name, model, tokenizer, served, source, path)
     raise FileNotFoundError(
         f"--model {spec!r}: not a .gguf file, a model directory or an org/repo id"
     )
@@ -217,13 +226,22 @@ def _load_gguf(
 ) -> LoadedModel:
     from mlxgate.models.gguf import converted
 
+    directory = converted(path)
     model, tokenizer, served = _load_directory(
-        converted(path), context_length, rope_scaling, False, dequantize_to, shard
+        directory, context_length, rope_scaling, False, dequantize_to, shard
     )
-    return _loaded(name, model, tokenizer, served, str(path))
+    loaded = _loaded(name, model, tokenizer, served, str(path), directory)
+    loaded.sampling_source = "the GGUF's general.sampling keys"
+    return loaded
 
 
 def _loaded(
-    name: str, model: nn.Module, tokenizer: ChatTokenizer, served: ServedContext, source: str
+    name: str,
+    model: nn.Module,
+    tokenizer: ChatTokenizer,
+    served: ServedContext,
+    source: str,
+    directory: Path,
 ) -> LoadedModel:
-    return LoadedModel(name, model, tokenizer, served.length, source, served)
+    sampling = sampling_defaults.of_directory(directory)
+    return LoadedModel(name, model, tokenizer, served.length, source, served, sampling=sampling)

@@ -135,6 +135,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=0)
     # mlxgate's own: false keeps this request out of speculative decoding (same tokens, no guesses)
     speculative_decoding: bool = True
+    # mlxgate's own: end a reply that repeats itself (default: unless temperature is 0)
+    loop_guard: bool | None = None
 
     def output_tokens(self) -> int:
         return self.max_tokens

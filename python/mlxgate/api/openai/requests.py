@@ -116,17 +116,33 @@ class _Sampling(_Lenient):
     top_k: int | None = Field(default=None, ge=0)
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=16)  # choices, each its own sequence (prefilled once)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # mlx_lm.server's: mlx-lm's multiplicative penalty (0 or 1: off), and how many of the last
+    # tokens (prompt, then reply) each penalty counts (engine/penalties.py)
+    repetition_penalty: float | None = Field(default=None, ge=0.0)
+    repetition_context_size: int | None = Field(default=None, ge=1)
+    presence_context_size: int | None = Field(default=None, ge=1)
+    frequency_context_size: int | None = Field(default=None, ge=1)
     # mlxgate's own: false keeps this request out of speculative decoding (same tokens, no guesses)
     speculative_decoding: bool = True
+    # mlxgate's own: end a reply that repeats itself (default: unless temperature is 0)
+    loop_guard: bool | None = None
 
     def sampling(self, defaults: SamplingParams) -> SamplingParams:
         return sampling(
             defaults,
+            seed=self.seed,
+            logprobs=self.alternatives(),
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
-            logprobs=self.alternatives(),
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            repetition_context_size=self.repetition_context_size,
+            presence_context_size=self.presence_context_size,
+            frequency_context_size=self.frequency_context_size,
         )
 
     def alternatives(self) -> int | None:

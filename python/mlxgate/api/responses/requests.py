@@ -78,6 +78,8 @@ class ResponsesRequest(_Lenient):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # mlxgate's own: false keeps this request out of speculative decoding (same tokens, no guesses)
     speculative_decoding: bool = True
+    # mlxgate's own: end a reply that repeats itself (default: unless temperature is 0)
+    loop_guard: bool | None = None
     stream: bool = False
     store: bool = True  # OpenAI's default
     previous_response_id: str | None = None

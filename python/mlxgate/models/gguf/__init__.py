@@ -3,7 +3,8 @@
 The directory is what mlx-lm loads: `config.json` from the file's metadata (architectures.py),
 the tensors under mlx-lm's names (tensors.py: blocks as MLX's affine quantization where that is
 exact, else float32), and the tokenizer transformers builds from the file's metadata
-(`tokenizer.json`, its config and chat template). It is keyed by the file's path, size and
+(`tokenizer.json`, its config and chat template), and `generation_config.json` from its
+`general.sampling.*` keys if it has them. It is keyed by the file's path, size and
 modification time (and the transformers version), so a changed file is converted again.
 """
 
@@ -22,7 +23,17 @@ from typing import Any
 log = logging.getLogger("mlxgate")
 
 # Part of the cache key: a change to what convert() writes converts every file again.
-CONVERSION_VERSION = 3
+CONVERSION_VERSION = 4
+
+# llama.cpp's sampling keys (`general.sampling.*`) as generation_config.json names them
+# (models/sampling_defaults.py).
+SAMPLING_KEYS = {
+    "temp": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "penalty_repeat": "repetition_penalty",
+    "penalty_last_n": "repetition_context_size",
+}
 
 
 def cache_dir() -> Path:
@@ -106,8 +117,28 @@ def convert(path: Path, out: Path) -> None:
             weights[name] = mx.array(unpermute(arch, stem, array, meta))
     settings = config(path, meta, arch, weights, ropes)
     write_tokenizer(meta, out)
+    if sampling := generation_config(meta):
+        (out / "generation_config.json").write_text(json.dumps(sampling, indent=2))
     (out / "config.json").write_text(json.dumps(settings, indent=2))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+def generation_config(meta: dict[str, Any]) -> dict[str, float | int]:
+    """The file's recommended sampling (`general.sampling.*`), as generation_config.json says it.
+    llama.cpp's `penalty_last_n` of 0 turns the penalty off, -1 counts the whole context."""
+    found = {
+        ours: meta[f"general.sampling.{theirs}"]
+        for theirs, ours in SAMPLING_KEYS.items()
+        if f"general.sampling.{theirs}" in meta
+    }
+    last_n = found.get("repetition_context_size")
+    if last_n == 0:
+        found.pop("repetition_penalty", None)
+        found.pop("repetition_context_size")
+    elif last_n is not None and last_n < 0:
+        arch = meta.get("general.architecture")
+        found["repetition_context_size"] = int(meta.get(f"{arch}.context_length", 4096))
+    return found
 
 
 def write_tokenizer(meta: dict[str, Any], out: Path) -> None:
