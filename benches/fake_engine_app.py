@@ -4,7 +4,7 @@
 
 `--router rust` runs mlxgate's Router; `python` the pure-Python path in pure_python_stream.py.
 Everything else (granian, the ASGI app, request parsing and prompt rendering, the readers'
-asyncio side in mlxgate.streams) is the product's own code. `--gate N` holds the first streams
+asyncio side in mlxgate.api.reader) is the product's own code. `--gate N` holds the first streams
 until N are open, so the clients measure N concurrent streams rather than a ramp.
 """
 
@@ -32,7 +32,8 @@ from mlxgate._native import ErrorKind, Reader, Router
 from mlxgate.app import App
 from mlxgate.config import Config
 from mlxgate.engine import EngineStopped, GenerationRequest, PromptTooLong
-from mlxgate.registry import ModelRegistry, ServedModel
+from mlxgate.registry import ModelRegistry
+from mlxgate.served import ServedModel
 
 ROUTER_ENV = "STREAM_BENCH_ROUTER"
 GATE_ENV = "STREAM_BENCH_GATE"

@@ -9,7 +9,7 @@ engine thread's call is what is timed; between rounds the event loop delivers, a
 takes its frames.
 
 Two reader states, both common under load. `waiting`: every reader is parked, like an asyncio
-task awaiting its next frame, with its loop's one `wake_all` (as `mlxgate.streams` parks them);
+task awaiting its next frame, with its loop's one `wake_all` (as `mlxgate.api.reader` parks them);
 the Rust router wakes them all with one `call_soon_threadsafe`, the Python path hands the whole
 step to the loop with one `call_soon_threadsafe` (its wakes run on the loop, untimed). `behind`:
 no reader is parked (each still has frames to send), so frames only queue.
@@ -29,7 +29,7 @@ from pure_python_stream import PyRouter, mlx_lm_tokenizer
 from stream_workload import GENERATED_TEXT, STOP_SEQUENCES, Workload, load_workload
 
 from mlxgate._native import FinishReason, Reply, Router, StreamSpec
-from mlxgate.streams import wake_all_for
+from mlxgate.api.reader import wake_all_for
 
 STREAM_COUNTS = [1, 32, 256]
 PATHS = ["rust", "python"]

@@ -215,7 +215,7 @@ def broken_render(*args: Any, **kwargs: Any) -> None:
 
 async def broken_after_first_frames(reader: Any) -> AsyncIterator[tuple[bytes, int]]:
     """Stands in for `mlxgate.api.delivery.events`: a bug after the response's headers."""
-    from mlxgate.streams import events
+    from mlxgate.api.reader import events
 
     async for taken in events(reader):
         yield taken

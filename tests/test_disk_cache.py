@@ -46,7 +46,7 @@ def first_run(model: Any, directory: Path, prompt: list[int] = PROMPT) -> list[i
 def block_files(directory: Path, model: Any, prompt: list[int]) -> list[Path]:
     """The files of `prompt`'s blocks, in order."""
     engine = served(model, directory).engine
-    disk = engine.prefix_cache.disk
+    disk = engine.disk_cache
     assert disk is not None
     names = disk._block_names(np.asarray(prompt, dtype=np.int32), 0)
     engine.stop()
@@ -84,7 +84,7 @@ def test_a_restarted_engine_reuses_what_the_last_one_wrote_exactly(
     assert tokens == cold
     if dtype is None:  # (bfloat16 rounds mlx-lm's one pass and our chunks apart)
         assert_same(tokens, reference(reference_model, PROMPT), "from disk")
-    disk = engine.prefix_cache.disk
+    disk = engine.disk_cache
     assert disk is not None and disk.stats.hit_tokens == prefix
     if engine.layout.cuttable:
         # Another prompt that shares the first block only: block 0 is shared.
@@ -149,7 +149,7 @@ def test_a_damaged_block_is_not_used_and_the_output_is_exact(
     alone = Served(model)
     assert beside_tokens == alone.generate(beside)[0]
     alone.engine.stop()
-    disk = engine.prefix_cache.disk
+    disk = engine.disk_cache
     assert disk is not None
     assert (disk.stats.damaged_files, disk.stats.hit_tokens) == (1, BLOCK_TOKENS)
     engine.stop()  # the prompt's blocks written again
@@ -206,7 +206,7 @@ def test_the_directory_keeps_to_its_size_least_recently_used_first(tmp_path: Pat
     assert again.generate(PROMPT[: BLOCK_TOKENS + 5])[1]["cache_read_input_tokens"] == BLOCK_TOKENS
     again.generate(other)
     again.engine.stop()
-    disk = again.engine.prefix_cache.disk
+    disk = again.engine.disk_cache
     assert disk is not None
     assert not stranger.exists() and files[0].exists() and not files[1].exists()
     assert (disk.stats.files, disk.stats.bytes) == (3, 3 * block)

@@ -22,8 +22,10 @@ import pytest
 from agents import run_claude_code
 from conftest import RunningServer, metric, start_server, stop_server
 from forced import answer, forced_model_dir
+from mlxgate.api.requests import keep_alive_seconds
 from mlxgate.models import DEFAULT_MODEL, stored_bytes
-from mlxgate.registry import ModelSpec, Turns, keep_alive_seconds, read_specs
+from mlxgate.serving import Turns
+from mlxgate.specs import ModelSpec, read_specs
 
 SCRIPT = "I am the scripted model."
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -26,7 +26,7 @@ from mlxgate._native import (
     StreamSpec,
     Vocab,
 )
-from mlxgate.streams import chunks
+from mlxgate.api.reader import chunks
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 INPUTS = sorted(p for p in FIXTURES.glob("*.json") if not p.name.endswith(".body.json"))
@@ -577,7 +577,7 @@ class CountingLoop(asyncio.SelectorEventLoop):
 
 
 def test_chunks_one_threadsafe_call_per_step() -> None:
-    """Readers parked by mlxgate.streams share their loop's wake_all: one wake per step."""
+    """Readers parked by mlxgate.api.reader share their loop's wake_all: one wake per step."""
     router = Router(text_vocab())
     ids = list(range(1, 33))
     readers: list[Reader] = []

@@ -19,12 +19,12 @@ import pytest
 import tiny_models
 
 from conftest import RunningServer, metric, start_server, stop_server
-from mlxgate.app import sampling_layers
 from mlxgate.config import Config
 from mlxgate.engine import SamplingParams
 from mlxgate.models import LoadedModel, sampling_defaults
 from mlxgate.models.gguf import generation_config
-from mlxgate.registry import ModelSpec
+from mlxgate.serving import sampling_layers
+from mlxgate.specs import ModelSpec
 
 QWEN3_VOCAB = 151936
 # A poem the embedded model, greedy, writes as one stanza over and over.

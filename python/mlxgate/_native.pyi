@@ -347,7 +347,7 @@ class Reader:
         the waiters of every reader it wakes at that moment (one step, or one fail, close, ping
         or cancel) that parked with this same `wake_all` object. So readers of one event loop
         should share one `wake_all` that hands the list to `loop.call_soon_threadsafe`
-        (`mlxgate.streams.wake_all_for`): then one step wakes them all with one call. A
+        (`mlxgate.api.reader.wake_all_for`): then one step wakes them all with one call. A
         `wake_all` that raises is reported as unraisable (sys.unraisablehook); the step goes
         on."""
 

@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     if config.ranks > 1 and not ranks.launched():
         sys.exit(ranks.launch_local(config.ranks, argv))
     if ranks.launched() and ranks.rank_of_process() != 0:
-        ranks.follow(config)
+        from mlxgate import serving
+
+        serving.follow_rank_0(config)
         return
     from mlxgate.server import serve
 

@@ -16,7 +16,8 @@ from prometheus_client.registry import Collector
 from mlxgate.engine import Engine
 from mlxgate.engine.disk_cache import DiskStats
 from mlxgate.engine.lockstep import RankGroup
-from mlxgate.registry import ModelRegistry, State
+from mlxgate.registry import ModelRegistry
+from mlxgate.served import State
 
 
 class ModelsCollector(Collector):
@@ -136,7 +137,7 @@ class EngineCollector(Collector):
         yield from self._prefix_cache_tiers()
 
     def _prefix_cache_tiers(self) -> Iterator[Metric]:
-        disk = self.engine.prefix_cache.disk
+        disk = self.engine.disk_cache
         stats = DiskStats()
         if disk is not None:
             with disk.lock:

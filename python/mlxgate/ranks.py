@@ -218,38 +218,6 @@ def leader_failed(engine: Engine, message: str) -> None:
     exit_failed(message, FAIL_GRACE_S)
 
 
-def follow(config: Config) -> None:
-    """A rank other than 0: load its shard, then run the engine as rank 0 says, until it
-    stops. Exits non-zero if the group fails."""
-    from mlxgate import logs
-    from mlxgate.app import configured, load_model
-    from mlxgate.engine.engine import Engine
-    from mlxgate.engine.lockstep import RankGroup
-
-    logs.configure(config.log_level, config.log_format)
-    # Rank 0 leads a shutdown (it drains, then its engine stops every rank's).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    joined = group()
-    assert joined is not None
-    rank = joined.rank()
-    try:
-        check_config(config)
-        chosen = configured(config)
-        spec = next(spec for spec in chosen.specs if spec.name == chosen.default)
-        loaded = load_model(spec, config, sharder(joined, config.pipeline))
-    except Exception as exc:
-        sys.exit(f"mlxgate rank {rank}: cannot load its shard: {exc}")
-    lockstep = RankGroup(joined)
-    lockstep.on_failure = lambda message: exit_failed(f"rank {rank}: {message}")
-    engine = Engine(loaded, SilentRouter(), config.engine, lockstep=lockstep)  # type: ignore[arg-type]
-    log.info("rank %d of %d: %s, following rank 0", rank, joined.size(), loaded.describe_context())
-    watch(lockstep, config.rank_timeout)
-    engine.start()
-    engine.wait()
-    log.info("rank %d: rank 0 stopped; exiting", rank)
-
-
 def launch_local(ranks: int, argv: list[str]) -> int:
     """`mlxgate serve --ranks N`: N ranks of this command on this machine, over the ring backend
     on loopback, started as `mlx.launch --backend ring -n N` starts them (its hostfile and

@@ -5,10 +5,9 @@ generation, or, with `--resume-window`, leaves it to the window (api/resumable.p
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from mlxgate._native import Dialect, ErrorKind, Reader
+from mlxgate._native import Dialect, Reader
 from mlxgate.api.http import (
     END,
     Receive,
@@ -19,7 +18,7 @@ from mlxgate.api.http import (
     start_event_stream,
     unless_disconnected,
 )
-from mlxgate.streams import events
+from mlxgate.api.reader import frames
 
 if TYPE_CHECKING:
     from mlxgate.api.resumable import Resumable
@@ -55,17 +54,3 @@ async def respond(
 
     await unless_disconnected(receive, [reader], relay())
     await send(END)
-
-
-async def frames(reader: Reader, dialect: Dialect) -> AsyncIterator[tuple[bytes, int]]:
-    """The response's frames as the engine queues them, each chunk with its last event's id. A
-    failure on the way ends them with the dialect's error event: the status line is out."""
-    last_id = 0
-    try:
-        async for data, last_id in events(reader):
-            yield data, last_id
-    except Exception:
-        log.exception("stream %d failed after its headers were sent", reader.stream_id)
-        reader.cancel()
-        message = "the stream failed inside the server (the server log has details)"
-        yield dialect.error_events(ErrorKind.INTERNAL, message, last_id + 1)

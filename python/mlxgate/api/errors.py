@@ -1,9 +1,11 @@
 """An error answer in any dialect: its kind, message and the headers clients act on. The status
-and the envelope come from the Rust encoders (`Dialect`), the same ones a failing stream uses."""
+and the envelope come from the Rust encoders (`Dialect`), the same ones a failing stream uses.
+The registry's errors (an unknown model, one that cannot load or fit) are worded here too."""
 
 from __future__ import annotations
 
 from mlxgate._native import Dialect, ErrorKind
+from mlxgate.registry import ModelError, ModelTooLarge, NoRoom, UnknownModel
 
 
 class ApiError(Exception):
@@ -45,3 +47,28 @@ class ApiError(Exception):
 
 def invalid(message: str, *, param: str | None = None) -> ApiError:
     return ApiError(ErrorKind.INVALID_REQUEST, message, should_retry=False, param=param)
+
+
+def api_error(error: ApiError | ModelError) -> ApiError:
+    """What to answer for `error`: an ApiError as it is; the registry's errors as the HTTP errors
+    clients act on (a 404 a client should not retry, a 529/503 to retry after)."""
+    match error:
+        case ApiError():
+            return error
+        case UnknownModel(in_body=True):
+            message = str(error)
+            return ApiError(
+                ErrorKind.NOT_FOUND,
+                message,
+                code="model_not_found",
+                param="model",
+                should_retry=False,
+            )
+        case UnknownModel():
+            return ApiError(ErrorKind.NOT_FOUND, str(error), code="model_not_found")
+        case ModelTooLarge():
+            return ApiError(ErrorKind.INVALID_REQUEST, str(error), should_retry=False)
+        case NoRoom():
+            return ApiError(ErrorKind.OVERLOADED, str(error), retry_after_s=error.retry_after_s)
+        case _:
+            return ApiError(ErrorKind.UNAVAILABLE, str(error))

@@ -11,7 +11,7 @@ import orjson
 
 from mlxgate._native import Dialect, Reader
 from mlxgate.api.errors import ApiError
-from mlxgate.streams import chunks
+from mlxgate.api.reader import chunks
 
 log = logging.getLogger("mlxgate")
 

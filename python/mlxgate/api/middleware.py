@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter
 from mlxgate import logs, trace
 from mlxgate._native import Dialect, ErrorKind
 from mlxgate.api.drain import Drain
-from mlxgate.api.errors import ApiError
+from mlxgate.api.errors import ApiError, api_error
 from mlxgate.api.guard import Guard
 from mlxgate.api.http import (
     BODY,
@@ -45,6 +45,7 @@ from mlxgate.api.http import (
     send_error,
 )
 from mlxgate.api.routing import Route
+from mlxgate.registry import ModelError
 
 log = logging.getLogger("mlxgate")
 
@@ -250,7 +251,8 @@ class Envelopes:
         dialect: Dialect = scope[DIALECT]
         try:
             await self.app(scope, receive, send)
-        except ApiError as exc:
+        except (ApiError, ModelError) as caught:
+            exc = api_error(caught)
             if scope.get(EVENT_STREAM):  # (a stream that started while its model loaded)
                 body = exc.body(dialect, stream=True)
                 await send({"type": "http.response.body", "body": body, "more_body": True})

@@ -25,7 +25,7 @@ from mlxgate.api.http import (
     start_event_stream,
 )
 from mlxgate.api.images import load_images, marked
-from mlxgate.api.requests import loop_guarded
+from mlxgate.api.requests import keep_alive_seconds, loop_guarded
 from mlxgate.config import Config
 from mlxgate.engine import (
     AdmissionError,
@@ -37,7 +37,8 @@ from mlxgate.engine import (
     QueueFull,
     SamplingParams,
 )
-from mlxgate.registry import ModelRegistry, ServedModel, keep_alive_seconds
+from mlxgate.registry import ModelRegistry
+from mlxgate.served import ServedModel
 
 if TYPE_CHECKING:
     from mlxgate.api.resumable import Resumable

@@ -1,15 +1,17 @@
 """What the dialects' request models share: a body parsed into one, the served model's sampling
-defaults under it, the loop guard's default, a reply format's grammar."""
+defaults under it, the loop guard's default, a reply format's grammar, a keep_alive duration."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from mlxgate.api.errors import invalid
+from mlxgate._native import ErrorKind
+from mlxgate.api.errors import ApiError, invalid
 from mlxgate.engine import Grammar, GrammarError, SamplingParams
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -62,6 +64,24 @@ def loop_guarded(asked: bool | None, temperature: float | None) -> bool:
     """Whether a reply gets the loop guard: as the request asks (mlxgate's own `loop_guard`),
     else unless it chose greedy decoding itself (`temperature: 0`: exact tokens, as asked)."""
     return asked if asked is not None else temperature != 0.0
+
+
+def keep_alive_seconds(value: float | str | None) -> float | None:
+    """A request's `keep_alive` (Ollama's): seconds, or a duration such as "5m", "1h30m"; a
+    negative one keeps the model loaded until something else unloads it. None: not given."""
+    if value is None or isinstance(value, int | float):
+        return value
+    total, rest = 0.0, value.strip()
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3}
+    for amount, unit in re.findall(r"(-?\d+(?:\.\d+)?)(ms|h|m|s)", rest):
+        total += float(amount) * units[unit]
+    if not re.fullmatch(r"(-?\d+(\.\d+)?(ms|h|m|s))+", rest):
+        raise ApiError(
+            ErrorKind.INVALID_REQUEST,
+            f"keep_alive: {value!r} is not a duration (seconds, or such as 5m, 1h30m, 30s)",
+            param="keep_alive",
+        )
+    return total
 
 
 def reply_grammar(kind: str, schema: dict[str, Any] | None, param: str) -> Grammar | None:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from itertools import islice
 
 from mlxgate._native import Dialect, ErrorKind, Reader, events_after
-from mlxgate.api.delivery import frames
 from mlxgate.api.errors import ApiError, invalid
 from mlxgate.api.http import (
     END,
@@ -26,6 +25,7 @@ from mlxgate.api.http import (
     start_event_stream,
     wait_disconnect,
 )
+from mlxgate.api.reader import frames
 from mlxgate.api.routing import Route, path_tail
 
 log = logging.getLogger("mlxgate")

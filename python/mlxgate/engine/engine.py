@@ -204,17 +204,18 @@ class Engine:
         )
         # Raises UnsupportedCache for a layer cache the engine cannot batch: at start-up.
         self.layout = CacheLayout.of(self._adapter.make_cache())
+        self.disk_cache = disk_cache.configured(
+            self.settings.prefix_cache_dir,
+            self.settings.prefix_cache_disk_gb,
+            loaded,
+            self._adapter.make_cache,
+            self.layout.cuttable,
+        )
         self.prefix_cache = PrefixCache(
             self.settings.prefix_cache_mb << 20,
             cuttable=self.layout.cuttable,
             measure=self._measure,
-            disk=disk_cache.configured(
-                self.settings.prefix_cache_dir,
-                self.settings.prefix_cache_disk_gb,
-                loaded,
-                self._adapter.make_cache,
-                self.layout.cuttable,
-            ),
+            disk=self.disk_cache,
         )
         self.kv_memory = self._kv_memory()
         self.metrics.kv_budget_bytes = self.kv_memory.budget

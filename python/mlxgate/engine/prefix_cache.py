@@ -17,15 +17,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
 
 from mlxgate.engine import cache_kinds
-
-if TYPE_CHECKING:
-    from mlxgate.engine.disk_cache import DiskCache
 
 
 @dataclass(frozen=True)
@@ -49,6 +46,26 @@ class PrefixMatch(Protocol):
         ...
 
     def caches(self) -> list[Any]: ...
+
+
+class DiskTier(Protocol):
+    """What the prefix cache asks of its disk tier (engine/disk_cache.py's `DiskCache`)."""
+
+    def lookup(
+        self,
+        tokens: np.ndarray,
+        variant: int,
+        limit: int,
+        fallback: PrefixMatch | None,
+        longer_than: int = 0,
+    ) -> PrefixMatch | None:
+        """The longest prefix of `tokens` on disk, if longer than `fallback` (memory's match)
+        and `longer_than`."""
+        ...
+
+    def write(self, entry: CacheEntry) -> None: ...
+
+    def close(self, timeout_s: float = 30.0) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -88,7 +105,7 @@ class PrefixCache:
         min_tokens: int = 16,
         *,
         cuttable: bool = True,
-        disk: DiskCache | None = None,
+        disk: DiskTier | None = None,
         measure: Callable[[list[Any]], int] | None = None,
     ) -> None:
         """`measure`: an entry's bytes (its layers' arrays, unless given)."""

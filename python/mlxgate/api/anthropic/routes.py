@@ -24,8 +24,9 @@ from mlxgate.api.pipeline import (
 )
 from mlxgate.api.requests import parse
 from mlxgate.api.routing import Route, path_tail
+from mlxgate.api.service import model_status
 from mlxgate.engine import PromptTooLong
-from mlxgate.registry import ServedModel
+from mlxgate.served import ServedModel
 
 ANTHROPIC = Dialect.ANTHROPIC
 
@@ -138,7 +139,7 @@ class AnthropicAPI:
         created = time.gmtime(self.services.models.created)
         created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", created)
         entry = {"type": "model", "id": name, "display_name": name, "created_at": created_at}
-        return entry | self.services.models.status(name)
+        return entry | model_status(self.services.models, name)
 
     async def list_models(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         names = self.services.models.names

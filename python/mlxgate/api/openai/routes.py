@@ -20,6 +20,7 @@ from mlxgate.api.pipeline import (
 )
 from mlxgate.api.requests import parse
 from mlxgate.api.routing import Route, path_tail
+from mlxgate.api.service import model_status
 from mlxgate.engine import PromptTooLong
 
 OPENAI = Dialect.OPENAI
@@ -96,7 +97,7 @@ class OpenAIAPI:
     def _entry(self, name: str) -> dict[str, Any]:
         created = self.services.models.created
         entry = {"id": name, "object": "model", "created": created, "owned_by": "mlxgate"}
-        return entry | self.services.models.status(name)
+        return entry | model_status(self.services.models, name)
 
     async def list_models(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         entries = [self._entry(name) for name in self.services.models.names]

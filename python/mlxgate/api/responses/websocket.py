@@ -20,14 +20,15 @@ from prometheus_client import CollectorRegistry, Counter
 from mlxgate import logs
 from mlxgate._native import Dialect, ErrorKind, Reader, event_data, websocket_error
 from mlxgate.api.drain import Drain
-from mlxgate.api.errors import ApiError, invalid
+from mlxgate.api.errors import ApiError, api_error, invalid
 from mlxgate.api.guard import Guard
 from mlxgate.api.http import Receive, Scope, Send, refuse_websocket, unless_gone
 from mlxgate.api.middleware import shutting_down, unauthorized
+from mlxgate.api.reader import events
 from mlxgate.api.requests import json_object, validate
 from mlxgate.api.responses.requests import Item, ResponsesRequest
 from mlxgate.api.responses.routes import ResponsesAPI
-from mlxgate.streams import events
+from mlxgate.registry import ModelError
 
 log = logging.getLogger("mlxgate")
 
@@ -162,7 +163,8 @@ class Connection:
         try:
             reader = await self.create(message)
             status = reader.status if reader is not None else 200
-        except ApiError as exc:
+        except (ApiError, ModelError) as caught:
+            exc = api_error(caught)
             status = exc.status(RESPONSES)
             await self.send_error(exc)
         except Exception:

@@ -1,12 +1,17 @@
-"""Awaiting a native response reader from asyncio: each wake takes every frame queued since."""
+"""The asyncio side of a native response reader: awaiting it (each wake takes every frame queued
+since), and its frames as a stream sends them (a failure on the way as the dialect's error
+event)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from mlxgate._native import Reader
+from mlxgate._native import Dialect, ErrorKind, Reader
+
+log = logging.getLogger("mlxgate")
 
 WakeAll = Callable[[list[asyncio.Future[None]]], object]
 
@@ -62,3 +67,17 @@ async def events(reader: Reader) -> AsyncIterator[tuple[bytes, int]]:
         future: asyncio.Future[None] = loop.create_future()
         if reader.park(future, wake_all):
             await future
+
+
+async def frames(reader: Reader, dialect: Dialect) -> AsyncIterator[tuple[bytes, int]]:
+    """The response's frames as the engine queues them, each chunk with its last event's id. A
+    failure on the way ends them with the dialect's error event: the status line is out."""
+    last_id = 0
+    try:
+        async for data, last_id in events(reader):
+            yield data, last_id
+    except Exception:
+        log.exception("stream %d failed after its headers were sent", reader.stream_id)
+        reader.cancel()
+        message = "the stream failed inside the server (the server log has details)"
+        yield dialect.error_events(ErrorKind.INTERNAL, message, last_id + 1)
