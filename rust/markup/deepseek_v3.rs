@@ -29,7 +29,9 @@ static TAGS: SectionTags = SectionTags {
 mod tests {
     use std::sync::Arc;
 
-    use crate::markup::tests::{all_splits, check_splits_and_truncation, p, run, spec};
+    use crate::markup::tests::{
+        all_splits, check_calls_any_split, check_splits_and_truncation, p, run, spec,
+    };
     use crate::markup::PieceKind::{Text, Thinking, ToolArgs, ToolEnd, ToolStart};
 
     #[test]
@@ -48,12 +50,8 @@ mod tests {
             p(ToolArgs, "{}"),
             p(ToolEnd, ""),
         ];
-        for chunks in all_splits(text, 40) {
-            let (got, parser) = run(spec(true, Some("deepseek_v3")), "", &chunks);
-            assert_eq!(got, want, "{chunks:?}");
-            assert_eq!((parser.tool_calls(), parser.truncated()), (2, false));
-        }
-        check_splits_and_truncation(&spec(true, Some("deepseek_v3")), &Arc::default(), text);
+        let spec = spec(true, Some("deepseek_v3"));
+        check_calls_any_split(&spec, &Arc::default(), text, 40, &want, 2);
     }
 
     #[test]

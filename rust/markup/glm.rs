@@ -154,7 +154,7 @@ mod tests {
     use std::sync::Arc;
 
     use crate::markup::schema::ToolSchemas;
-    use crate::markup::tests::{all_splits, check_splits_and_truncation, p, run, run_with, spec};
+    use crate::markup::tests::{check_calls_any_split, p, run, spec};
     use crate::markup::PieceKind::{Text, Thinking, ToolArgs, ToolEnd, ToolStart};
 
     fn tools() -> Arc<ToolSchemas> {
@@ -181,12 +181,7 @@ mod tests {
             p(ToolArgs, r#"{"tags":["a","ü"],"dry":false}"#),
             p(ToolEnd, ""),
         ];
-        for chunks in all_splits(text, 24) {
-            let (got, parser) = run_with(spec(true, Some("glm")), &tools(), "", &chunks);
-            assert_eq!(got, want, "{chunks:?}");
-            assert_eq!((parser.tool_calls(), parser.truncated()), (2, false));
-        }
-        check_splits_and_truncation(&spec(true, Some("glm")), &tools(), text);
+        check_calls_any_split(&spec(true, Some("glm")), &tools(), text, 24, &want, 2);
     }
 
     #[test]

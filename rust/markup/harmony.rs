@@ -1,6 +1,6 @@
 //! gpt-oss harmony: the reply is channel messages; `analysis` is reasoning, `final` (and commentary without a recipient) is text, `to=functions.NAME` is a call.
 
-use super::json_args::{ArgsStatus, JsonArgs};
+use super::json_args::CallArgs;
 use super::tags::{find_first, safe_len, ws_len};
 use super::{Opener, Step, ToolOut, ToolRegion, ToolSyntax};
 
@@ -38,7 +38,7 @@ enum State {
     Thinking,
     /// A call's arguments object.
     Args,
-    /// After a call's arguments, until the message ends.
+    /// After a call's arguments (broken ones ended the call), until the message ends.
     ArgsDone,
     /// The rest of a message nothing is shown of.
     Skip,
@@ -48,7 +48,7 @@ enum State {
 struct Harmony {
     state: State,
     head: String,
-    args: JsonArgs,
+    args: CallArgs,
     /// Whitespace at the start of text between messages is dropped.
     text_started: bool,
 }
@@ -73,7 +73,7 @@ impl Harmony {
                     State::Skip
                 } else {
                     out.start(name);
-                    self.args = JsonArgs::default();
+                    self.args = CallArgs::default();
                     State::Args
                 }
             }
@@ -161,21 +161,15 @@ impl ToolRegion for Harmony {
                         return Step::More(pos);
                     };
                     if self.state == State::ArgsDone {
-                        out.end(true);
+                        self.args.end(out);
                     }
                     pos += self.body_ended(index);
                 }
                 State::Args => {
-                    let (used, status) = self.args.feed(rest, out);
+                    let (used, over) = self.args.feed(rest, out);
                     pos += used;
-                    match status {
-                        ArgsStatus::Open => return Step::More(pos),
-                        ArgsStatus::Done => self.state = State::ArgsDone,
-                        ArgsStatus::Invalid => {
-                            self.args.close(out);
-                            out.end(false);
-                            self.state = State::Skip;
-                        }
+                    if over {
+                        self.state = State::ArgsDone;
                     }
                 }
             }
@@ -184,13 +178,8 @@ impl ToolRegion for Harmony {
     }
 
     fn finish(&mut self, out: &mut ToolOut<'_>) {
-        match self.state {
-            State::Args => {
-                self.args.close(out);
-                out.end(false);
-            }
-            State::ArgsDone => out.end(true),
-            _ => {}
+        if matches!(self.state, State::Args | State::ArgsDone) {
+            self.args.end(out);
         }
         self.state = State::Between;
     }
@@ -200,7 +189,9 @@ impl ToolRegion for Harmony {
 mod tests {
     use std::sync::Arc;
 
-    use crate::markup::tests::{all_splits, check_splits_and_truncation, p, run, spec};
+    use crate::markup::tests::{
+        all_splits, check_calls_any_split, check_splits_and_truncation, p, run, spec,
+    };
     use crate::markup::PieceKind::{Text, Thinking, ToolArgs, ToolEnd, ToolStart};
 
     const CALL: &str = "<|channel|>analysis<|message|>User wants weather. Use get_weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"location\": \"Tōkyō <|x|>\", \"units\": {\"c\": [1, 2]}}";
@@ -217,12 +208,8 @@ mod tests {
             p(ToolEnd, ""),
         ];
         // `<|call|>` is an EOS id: the stream just ends after the arguments.
-        for chunks in all_splits(CALL, 16) {
-            let (got, parser) = run(spec(false, Some("harmony")), "", &chunks);
-            assert_eq!(got, want, "{chunks:?}");
-            assert_eq!((parser.tool_calls(), parser.truncated()), (1, false));
-        }
-        check_splits_and_truncation(&spec(false, Some("harmony")), &Arc::default(), CALL);
+        let spec = spec(false, Some("harmony"));
+        check_calls_any_split(&spec, &Arc::default(), CALL, 16, &want, 1);
     }
 
     #[test]
@@ -267,22 +254,5 @@ mod tests {
         assert!(parser.truncated());
         let (got, _) = run(spec(false, Some("harmony")), "", &["  Just text."]);
         assert_eq!(got, vec![p(Text, "Just text.")]);
-    }
-
-    #[test]
-    fn harmony_prefilled_forced_call() {
-        let (got, _) = run(
-            spec(false, Some("harmony")),
-            "<|channel|>commentary to=functions.Bash <|constrain|>json<|message|>",
-            &["{\"command\"", ": \"ls\"}"],
-        );
-        assert_eq!(
-            got,
-            vec![
-                p(ToolStart, "Bash"),
-                p(ToolArgs, "{\"command\": \"ls\"}"),
-                p(ToolEnd, "")
-            ]
-        );
     }
 }

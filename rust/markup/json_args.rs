@@ -1,4 +1,4 @@
-//! A bare arguments object `{…}` after a call's name (harmony, mistral_v11, kimi_k2, deepseek_v3), streamed as written.
+//! A bare arguments object `{…}` after a call's name (harmony, mistral_v11, kimi_k2, deepseek_v3), streamed as written; the call's end after it (harmony, kimi_k2, deepseek_v3).
 
 use super::ToolOut;
 use crate::jsonscan::{JsonScan, Scan};
@@ -86,5 +86,41 @@ impl JsonArgs {
             State::Done => {}
         }
         state == State::Done
+    }
+
+    /// Ends the call: closes the object if it is still open (the call is then cut short).
+    pub(super) fn end_call(&mut self, out: &mut ToolOut<'_>) {
+        let complete = self.close(out);
+        out.end(complete);
+    }
+}
+
+/// A call's arguments object where a tag of the markup's own ends the call after it (harmony's
+/// message end, kimi_k2's and deepseek_v3's call end): the call ends at that tag, or at once, cut
+/// short, where the object breaks.
+#[derive(Debug, Clone, Default)]
+pub(super) struct CallArgs {
+    args: JsonArgs,
+    ended: bool,
+}
+
+impl CallArgs {
+    /// Reads the object: the bytes used, and whether it is over (if not, all of `s` is used).
+    pub(super) fn feed(&mut self, s: &str, out: &mut ToolOut<'_>) -> (usize, bool) {
+        let (used, status) = self.args.feed(s, out);
+        match status {
+            ArgsStatus::Open => return (used, false),
+            ArgsStatus::Done => {}
+            ArgsStatus::Invalid => self.end(out),
+        }
+        (used, true)
+    }
+
+    /// The call's end tag, or the end of generation: ends the call, unless broken arguments
+    /// already ended it.
+    pub(super) fn end(&mut self, out: &mut ToolOut<'_>) {
+        if !std::mem::replace(&mut self.ended, true) {
+            self.args.end_call(out);
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! The JSON call object `{"name": …, "arguments"|"parameters": {…}}` that hermes, mistral and llama3_json wrap.
+//! The JSON call object `{"name": …, "arguments"|"parameters": {…}}`: one in hermes's tags, a list of them in json_list (mistral, llama3_json).
 
 use super::ToolOut;
 use crate::jsonscan::{is_valid, JsonScan, Scan};

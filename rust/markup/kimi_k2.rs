@@ -1,6 +1,6 @@
 //! Kimi K2 tool calls: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{…}<|tool_call_end|>…<|tool_calls_section_end|>`; the section parser deepseek_v3 shares.
 
-use super::json_args::{ArgsStatus, JsonArgs};
+use super::json_args::CallArgs;
 use super::tags::push_capped;
 use super::tags::{find_first, prefix, safe_len, ws_len, Prefix};
 use super::{Opener, Step, ToolOut, ToolRegion, ToolSyntax};
@@ -63,10 +63,9 @@ enum State {
     FencedPeek,
     FencedName,
     Args,
-    /// After the arguments, up to the call's end (a closing fence is skipped).
+    /// After the arguments (broken ones ended the call), up to the call's end (a closing fence
+    /// is skipped).
     ArgsDone,
-    /// After broken arguments, up to the call's end.
-    Skip,
 }
 
 #[derive(Debug)]
@@ -74,7 +73,7 @@ pub(super) struct Sectioned {
     tags: &'static SectionTags,
     state: State,
     name: String,
-    args: JsonArgs,
+    args: CallArgs,
 }
 
 impl Sectioned {
@@ -83,7 +82,7 @@ impl Sectioned {
             tags,
             state: State::Section,
             name: String::new(),
-            args: JsonArgs::default(),
+            args: CallArgs::default(),
         }
     }
 
@@ -92,7 +91,7 @@ impl Sectioned {
             return false;
         }
         out.start(name);
-        self.args = JsonArgs::default();
+        self.args = CallArgs::default();
         self.state = State::Args;
         true
     }
@@ -176,26 +175,19 @@ impl ToolRegion for Sectioned {
                     pos += at;
                 }
                 State::Args => {
-                    let (used, status) = self.args.feed(rest, out);
+                    let (used, over) = self.args.feed(rest, out);
                     pos += used;
-                    match status {
-                        ArgsStatus::Open => return Step::More(pos),
-                        ArgsStatus::Done => self.state = State::ArgsDone,
-                        ArgsStatus::Invalid => {
-                            self.args.close(out);
-                            out.end(false);
-                            self.state = State::Skip;
-                        }
+                    if !over {
+                        return Step::More(pos);
                     }
+                    self.state = State::ArgsDone;
                 }
-                State::ArgsDone | State::Skip => {
+                State::ArgsDone => {
                     let ends = [tags.call_end, tags.section_end];
                     let Some((at, index)) = find_first(rest, &ends) else {
                         return Step::More(pos + safe_len(rest, &ends));
                     };
-                    if self.state == State::ArgsDone {
-                        out.end(true);
-                    }
+                    self.args.end(out);
                     pos += at;
                     if index == 0 {
                         pos += tags.call_end.len();
@@ -210,13 +202,8 @@ impl ToolRegion for Sectioned {
     }
 
     fn finish(&mut self, out: &mut ToolOut<'_>) {
-        match self.state {
-            State::Args => {
-                let complete = self.args.close(out);
-                out.end(complete);
-            }
-            State::ArgsDone => out.end(true),
-            _ => {}
+        if matches!(self.state, State::Args | State::ArgsDone) {
+            self.args.end(out);
         }
         self.state = State::Section;
     }
@@ -226,7 +213,7 @@ impl ToolRegion for Sectioned {
 mod tests {
     use std::sync::Arc;
 
-    use crate::markup::tests::{all_splits, check_splits_and_truncation, p, run, spec};
+    use crate::markup::tests::{check_calls_any_split, p, run, spec};
     use crate::markup::PieceKind::{Text, Thinking, ToolArgs, ToolEnd, ToolStart};
 
     #[test]
@@ -242,12 +229,8 @@ mod tests {
             p(ToolArgs, "{\"q\": {\"a\": [true]}}"),
             p(ToolEnd, ""),
         ];
-        for chunks in all_splits(text, 30) {
-            let (got, parser) = run(spec(true, Some("kimi_k2")), "", &chunks);
-            assert_eq!(got, want, "{chunks:?}");
-            assert_eq!((parser.tool_calls(), parser.truncated()), (2, false));
-        }
-        check_splits_and_truncation(&spec(true, Some("kimi_k2")), &Arc::default(), text);
+        let spec = spec(true, Some("kimi_k2"));
+        check_calls_any_split(&spec, &Arc::default(), text, 30, &want, 2);
     }
 
     #[test]

@@ -1,70 +1,14 @@
 //! Llama 3.1+ JSON tool calls: a reply that starts with `{"name": …, "parameters": {…}}`, more after `;`.
 
-use super::json_call::{CallParser, CallStatus};
-use super::{Opener, Step, ToolOut, ToolRegion, ToolSyntax};
+use super::json_list::{JsonCallList, ListForm};
+use super::{Opener, ToolSyntax};
 
 pub(super) static SYNTAX: ToolSyntax = ToolSyntax {
     name: "llama3_json",
     opener: Opener::ReplyStart(b'{'),
     tags: &[],
-    region: |_| Box::<Llama3Json>::default(),
+    region: |_| Box::new(JsonCallList::new(ListForm::Bare { separator: b';' })),
 };
-
-#[derive(Debug, Default)]
-struct Llama3Json {
-    state: State,
-    call: CallParser,
-}
-
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-enum State {
-    #[default]
-    Call,
-    /// After a call, expecting `;` and another object, or the end.
-    Next,
-    /// After `;`, expecting `{`.
-    Open,
-}
-
-impl ToolRegion for Llama3Json {
-    fn feed(&mut self, input: &str, out: &mut ToolOut<'_>) -> Step {
-        let mut pos = 0;
-        loop {
-            let rest = &input[pos..];
-            if self.state == State::Call {
-                let (used, status) = self.call.feed(rest, out);
-                pos += used;
-                match status {
-                    CallStatus::Open => return Step::More(pos),
-                    CallStatus::Complete => self.state = State::Next,
-                    CallStatus::Invalid => return Step::Invalid(pos),
-                }
-                continue;
-            }
-            let body = rest.trim_start();
-            pos += rest.len() - body.len();
-            match (self.state, body.as_bytes().first()) {
-                (_, None) => return Step::More(pos),
-                (State::Next, Some(b';')) => {
-                    pos += 1;
-                    self.state = State::Open;
-                }
-                (State::Open, Some(b'{')) => {
-                    self.state = State::Call;
-                    self.call = CallParser::default();
-                    return Step::CallStart(pos);
-                }
-                _ => return Step::End(pos),
-            }
-        }
-    }
-
-    fn finish(&mut self, out: &mut ToolOut<'_>) {
-        if self.state == State::Call && self.call.committed() {
-            self.call.abort(out);
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -63,14 +63,7 @@ impl ToolRegion for MistralV11 {
         loop {
             let rest = &input[pos..];
             match &mut self.state {
-                State::Legacy(region) => {
-                    return match region.feed(rest, out) {
-                        Step::More(n) => Step::More(pos + n),
-                        Step::CallStart(n) => Step::CallStart(pos + n),
-                        Step::End(n) => Step::End(pos + n),
-                        Step::Invalid(n) => Step::Invalid(pos + n),
-                    };
-                }
+                State::Legacy(region) => return region.feed(rest, out).after(pos),
                 State::Name => {
                     if self.name.is_empty() {
                         pos += ws_len(rest);
@@ -138,10 +131,7 @@ impl ToolRegion for MistralV11 {
     fn finish(&mut self, out: &mut ToolOut<'_>) {
         match &mut self.state {
             State::Legacy(region) => region.finish(out),
-            State::Args => {
-                let complete = self.args.close(out);
-                out.end(complete);
-            }
+            State::Args => self.args.end_call(out),
             State::Name | State::CallId => {}
         }
     }
@@ -151,7 +141,7 @@ impl ToolRegion for MistralV11 {
 mod tests {
     use std::sync::Arc;
 
-    use crate::markup::tests::{all_splits, check_splits_and_truncation, p, run};
+    use crate::markup::tests::{check_calls_any_split, p, run};
     use crate::markup::MarkupSpec;
     use crate::markup::PieceKind::{Text, Thinking, ToolArgs, ToolEnd, ToolStart};
 
@@ -176,12 +166,7 @@ mod tests {
             p(ToolArgs, "{\"path\": \"b\"}"),
             p(ToolEnd, ""),
         ];
-        for chunks in all_splits(text, 20) {
-            let (got, parser) = run(spec(), "", &chunks);
-            assert_eq!(got, want, "{chunks:?}");
-            assert_eq!((parser.tool_calls(), parser.truncated()), (2, false));
-        }
-        check_splits_and_truncation(&spec(), &Arc::default(), text);
+        check_calls_any_split(&spec(), &Arc::default(), text, 20, &want, 2);
     }
 
     #[test]

@@ -12,6 +12,7 @@ mod harmony;
 mod hermes;
 mod json_args;
 mod json_call;
+mod json_list;
 mod kimi_k2;
 mod llama3_json;
 mod minimax_m2;
@@ -110,6 +111,19 @@ pub enum Step {
     /// The markup cannot continue here. An uncommitted call's markup comes back as text, a
     /// committed one is ended by [`ToolRegion::finish`]; text follows as written.
     Invalid(usize),
+}
+
+impl Step {
+    /// The same step in an input that starts `offset` bytes earlier: the step of a region nested
+    /// in another (a format that reads another format's calls in its place), as the outer reports it.
+    fn after(self, offset: usize) -> Step {
+        match self {
+            Step::More(n) => Step::More(offset + n),
+            Step::CallStart(n) => Step::CallStart(offset + n),
+            Step::End(n) => Step::End(offset + n),
+            Step::Invalid(n) => Step::Invalid(offset + n),
+        }
+    }
 }
 
 /// Where a tool region writes its calls: the stream's pieces, with the parser's call count.
@@ -732,6 +746,24 @@ mod tests {
         assert_well_formed(&whole, text);
     }
 
+    /// Checks that `text` gives `want`, `calls` calls and none cut short, fed in chunks of every
+    /// size up to `n`, and [`check_splits_and_truncation`].
+    pub(super) fn check_calls_any_split(
+        spec: &Arc<MarkupSpec>,
+        tools: &Arc<ToolSchemas>,
+        text: &str,
+        n: usize,
+        want: &[(PieceKind, String)],
+        calls: u32,
+    ) {
+        for chunks in all_splits(text, n) {
+            let (got, parser) = run_with(spec.clone(), tools, "", &chunks);
+            assert_eq!(got, want, "{chunks:?}");
+            assert_eq!((parser.tool_calls(), parser.truncated()), (calls, false));
+        }
+        check_splits_and_truncation(spec, tools, text);
+    }
+
     pub(super) fn assert_well_formed(pieces: &[(PieceKind, String)], text: &str) {
         let mut args: Option<String> = None;
         for (kind, piece) in pieces {
@@ -810,20 +842,32 @@ mod tests {
 
     #[test]
     fn prefill_forced_tool_call() {
-        let (got, parser) = run(
-            spec(false, Some("hermes")),
-            "<tool_call>\n{\"name\": \"Bash\", \"arguments\": ",
-            &["{\"command\"", ": \"ls\"}", "}\n</tool_call>"],
-        );
-        assert_eq!(
-            got,
-            vec![
-                p(ToolStart, "Bash"),
-                p(ToolArgs, "{\"command\": \"ls\"}"),
-                p(ToolEnd, "")
-            ]
-        );
-        assert_eq!(parser.tool_calls(), 1);
+        // The prompt ends with the call's opening (tool_choice); the reply continues it.
+        let cases: [(&str, &str, &[&str]); 2] = [
+            (
+                "hermes",
+                "<tool_call>\n{\"name\": \"Bash\", \"arguments\": ",
+                &["{\"command\"", ": \"ls\"}", "}\n</tool_call>"],
+            ),
+            (
+                "harmony",
+                "<|channel|>commentary to=functions.Bash <|constrain|>json<|message|>",
+                &["{\"command\"", ": \"ls\"}"],
+            ),
+        ];
+        for (format, prefill, chunks) in cases {
+            let (got, parser) = run(spec(false, Some(format)), prefill, chunks);
+            assert_eq!(
+                got,
+                vec![
+                    p(ToolStart, "Bash"),
+                    p(ToolArgs, "{\"command\": \"ls\"}"),
+                    p(ToolEnd, "")
+                ],
+                "{format}"
+            );
+            assert_eq!(parser.tool_calls(), 1, "{format}");
+        }
     }
 
     #[test]

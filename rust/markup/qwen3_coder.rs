@@ -15,7 +15,7 @@ pub(super) static SYNTAX: ToolSyntax = ToolSyntax {
     region: |tools| Box::new(FunctionXml::new(&TAGS, tools)),
 };
 
-static TAGS: XmlTags = XmlTags {
+pub(super) static TAGS: XmlTags = XmlTags {
     call: "<function=",
     call_end: "</function>",
     param: "<parameter=",
@@ -94,14 +94,7 @@ impl ToolRegion for FunctionXml {
         loop {
             let rest = &input[pos..];
             match &mut self.state {
-                State::Json(region) => {
-                    return match region.feed(rest, out) {
-                        Step::More(n) => Step::More(pos + n),
-                        Step::CallStart(n) => Step::CallStart(pos + n),
-                        Step::End(n) => Step::End(pos + n),
-                        Step::Invalid(n) => Step::Invalid(pos + n),
-                    };
-                }
+                State::Json(region) => return region.feed(rest, out).after(pos),
                 State::Open => {
                     pos += ws_len(rest);
                     let body = &input[pos..];

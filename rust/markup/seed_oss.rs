@@ -1,6 +1,6 @@
 //! Seed-OSS tool calls: `<seed:tool_call>\n<function=NAME>\n<parameter=K>V</parameter>\n</function>\n</seed:tool_call>`.
 
-use super::qwen3_coder::{FunctionXml, XmlTags};
+use super::qwen3_coder::{self, FunctionXml, XmlTags};
 use super::{Opener, ToolSyntax};
 
 pub(super) static SYNTAX: ToolSyntax = ToolSyntax {
@@ -10,13 +10,11 @@ pub(super) static SYNTAX: ToolSyntax = ToolSyntax {
     region: |tools| Box::new(FunctionXml::new(&TAGS, tools)),
 };
 
+/// Qwen3-Coder's function and parameter tags, in a block of Seed-OSS's own.
 static TAGS: XmlTags = XmlTags {
-    call: "<function=",
-    call_end: "</function>",
-    param: "<parameter=",
-    param_end: "</parameter>",
     close: "</seed:tool_call>",
     json_fallback: false,
+    ..qwen3_coder::TAGS
 };
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
-"""What several formats share: the JSON call opening, XML parameter values, message pass-through,
-the tool listing and tool results for templates that render neither."""
+"""What several formats share: the JSON call object and its opening, XML parameter values, message
+pass-through, the tool listing and tool results for templates that render neither."""
 
 from __future__ import annotations
 
@@ -8,6 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 Message = dict[str, Any]
+
+
+def json_call(name: str, arguments: dict[str, Any]) -> str:
+    """One call as the JSON object Hermes, Llama 3 and Mistral write (alone, in tags, in a list)."""
+    return json.dumps({"name": name, "arguments": arguments})
 
 
 def json_call_opening(name: str | None) -> str:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from mlxgate.formats.common import json_call_opening, listed_tools
+from mlxgate.formats.common import json_call, json_call_opening, listed_tools
 from mlxgate.formats.common import tool_response as tool_result
 from mlxgate.formats.common import unchanged as prepare
 
@@ -27,7 +26,7 @@ def detect(template: str) -> bool:
 
 
 def render_call(name: str, arguments: dict[str, Any]) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+    return f"<tool_call>\n{json_call(name, arguments)}\n</tool_call>"
 
 
 def forced_opening(name: str | None) -> str:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
-from mlxgate.formats.common import json_call_opening
+from mlxgate.formats.common import json_call as render_call
+from mlxgate.formats.common import json_call_opening as forced_opening
 from mlxgate.formats.common import no_tool_prompt as tool_prompt
 from mlxgate.formats.common import tool_response as tool_result
 from mlxgate.formats.common import unchanged as prepare
@@ -25,11 +23,3 @@ NAME = "llama3_json"
 
 def detect(template: str) -> bool:
     return "<|python_tag|>" in template or "ipython" in template
-
-
-def render_call(name: str, arguments: dict[str, Any]) -> str:
-    return json.dumps({"name": name, "arguments": arguments})
-
-
-def forced_opening(name: str | None) -> str:
-    return json_call_opening(name)

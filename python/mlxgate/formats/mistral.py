@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from mlxgate.formats.common import json_call_opening
+from mlxgate.formats.common import json_call, json_call_opening
 from mlxgate.formats.common import no_tool_prompt as tool_prompt
 from mlxgate.formats.common import unchanged as prepare
 
@@ -27,7 +26,7 @@ def detect(template: str) -> bool:
 
 
 def render_call(name: str, arguments: dict[str, Any]) -> str:
-    return f"[TOOL_CALLS][{json.dumps({'name': name, 'arguments': arguments})}]"
+    return f"[TOOL_CALLS][{json_call(name, arguments)}]"
 
 
 def forced_opening(name: str | None) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 
 from mlxgate.formats.common import Message
 from mlxgate.formats.common import no_tool_prompt as tool_prompt
+from mlxgate.formats.mistral import tool_result
 
 __all__ = [
     "NAME",
@@ -46,7 +47,3 @@ def prepare(messages: list[Message]) -> list[Message]:
         else:
             out.append(message)
     return out
-
-
-def tool_result(content: str) -> str:
-    return f"[TOOL_RESULTS]{content}[/TOOL_RESULTS]"

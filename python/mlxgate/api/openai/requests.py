@@ -12,6 +12,7 @@ from mlxgate import chat
 from mlxgate.api import custom_tools
 from mlxgate.api.errors import invalid
 from mlxgate.api.images import from_url, mark
+from mlxgate.api.openai_common import tool_choice
 from mlxgate.api.requests import reply_grammar, sampling
 from mlxgate.engine import Grammar, SamplingParams
 from mlxgate.formats.reasoning import FIELD as REASONING
@@ -263,15 +264,7 @@ def _call(call: ToolCall, where: str) -> dict[str, Any]:
     }
 
 
-def _tool_choice(request: ChatCompletionRequest) -> chat.ToolChoice:
-    choice = request.tool_choice
-    if choice is None or choice == "auto":
-        return chat.ToolChoice()
-    if choice == "none":
-        return chat.ToolChoice("none")
-    if choice == "required":
-        return chat.ToolChoice("any")
-    assert isinstance(choice, NamedToolChoice)
+def _named_tool(choice: NamedToolChoice) -> chat.ToolChoice:
     named = choice.custom if choice.type == "custom" else choice.function
     if named is None:
         raise invalid(f"tool_choice: a {choice.type} choice needs its {choice.type} object")
@@ -308,7 +301,7 @@ def conversation(request: ChatCompletionRequest) -> chat.Conversation:
     return chat.Conversation(
         _messages(request, images),
         functions,
-        _tool_choice(request),
+        tool_choice(request.tool_choice, _named_tool),
         structured=request.response_format is not None and request.response_format.type != "text",
         strict_tools=any(t.function and t.function.strict for t in request.tools or []),
         input_grammars=custom_tools.grammars(custom),

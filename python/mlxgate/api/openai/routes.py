@@ -10,25 +10,20 @@ from mlxgate._native import Dialect, ErrorKind, Reply, StreamSpec
 from mlxgate.api.errors import ApiError
 from mlxgate.api.http import Receive, Scope, Send, send_json
 from mlxgate.api.openai.requests import ChatCompletionRequest, CompletionRequest, conversation
+from mlxgate.api.openai_common import admission_errors
 from mlxgate.api.pipeline import (
-    COMMON_ADMISSION_ERRORS,
     AdmissionErrors,
     Pipeline,
     Services,
     SpecFor,
-    prompt_too_long,
 )
 from mlxgate.api.requests import parse
 from mlxgate.api.routing import Route, path_tail
 from mlxgate.api.service import model_status
-from mlxgate.engine import PromptTooLong
 
 OPENAI = Dialect.OPENAI
 
-ADMISSION_ERRORS: AdmissionErrors = {
-    **COMMON_ADMISSION_ERRORS,
-    PromptTooLong: lambda e: prompt_too_long(e, code="context_length_exceeded", param="messages"),
-}
+ADMISSION_ERRORS: AdmissionErrors = admission_errors(prompt_field="messages")
 
 
 class OpenAIAPI:

@@ -15,6 +15,7 @@ from mlxgate._native import compaction_from_encrypted, reasoning_from_encrypted
 from mlxgate.api import compaction, custom_tools
 from mlxgate.api.errors import invalid
 from mlxgate.api.images import from_url, mark
+from mlxgate.api.openai_common import tool_choice
 from mlxgate.api.requests import reply_grammar, sampling
 from mlxgate.engine import Grammar, SamplingParams
 from mlxgate.formats.reasoning import FIELD as REASONING
@@ -211,20 +212,11 @@ def tools(request: ResponsesRequest) -> Tools:
     return Tools(functions, namespaced, served, custom)
 
 
-def _tool_choice(request: ResponsesRequest, tools: Tools) -> chat.ToolChoice:
-    choice = request.tool_choice
-    if choice is None or choice == "auto":
-        return chat.ToolChoice()
-    if choice == "none":
-        return chat.ToolChoice("none")
-    if choice == "required":
-        return chat.ToolChoice("any") if tools.functions else chat.ToolChoice()
-    if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name"):
+def _named_tool(choice: dict[str, Any], tools: Tools) -> chat.ToolChoice:
+    if choice.get("type") == "function" and choice.get("name"):
         return chat.ToolChoice("tool", tools.flat_name(choice["name"], choice.get("namespace")))
-    if isinstance(choice, dict) and choice.get("type") == "custom" and choice.get("name"):
+    if choice.get("type") == "custom" and choice.get("name"):
         return chat.ToolChoice("tool", choice["name"])
-    if isinstance(choice, str):
-        raise invalid(f"tool_choice: {choice!r} is not one of 'auto', 'none', 'required'")
     return chat.ToolChoice()  # a hosted tool or allowed_tools: the model chooses
 
 
@@ -381,7 +373,12 @@ def conversation(request: ResponsesRequest, history: list[Item], tools: Tools) -
     return chat.Conversation(
         messages(request, history, tools, images),
         tools.functions,
-        _tool_choice(request, tools),
+        tool_choice(
+            request.tool_choice,
+            lambda named: _named_tool(named, tools),
+            # No function to call (hosted tools are left out): "required" leaves it to the model.
+            any_callable=bool(tools.functions),
+        ),
         thinking=thinking,
         structured=request.text_format != "text",
         input_grammars=custom_tools.grammars(tools.custom),

@@ -13,25 +13,20 @@ import orjson
 from mlxgate import chat
 from mlxgate._native import Dialect, Reply, StreamSpec
 from mlxgate.api.http import Receive, Scope, Send, send_bytes, send_json
+from mlxgate.api.openai_common import admission_errors
 from mlxgate.api.pipeline import (
-    COMMON_ADMISSION_ERRORS,
     AdmissionErrors,
     Pipeline,
     Services,
-    prompt_too_long,
 )
 from mlxgate.api.requests import parse
 from mlxgate.api.responses.requests import Item, ResponsesRequest, conversation, text, tools
 from mlxgate.api.responses.store import ResponseStore, StoredResponse
 from mlxgate.api.routing import Route, path_tail
-from mlxgate.engine import PromptTooLong
 
 RESPONSES = Dialect.RESPONSES
 
-ADMISSION_ERRORS: AdmissionErrors = {
-    **COMMON_ADMISSION_ERRORS,
-    PromptTooLong: lambda e: prompt_too_long(e, code="context_length_exceeded", param="input"),
-}
+ADMISSION_ERRORS: AdmissionErrors = admission_errors(prompt_field="input")
 
 
 @dataclass(frozen=True)
