@@ -1,10 +1,11 @@
-"""The attention kernel against models/cpu_attention.py's attention (OpenBLAS matmuls around a
-softmax), per layer of the embedded model's shape, in one run: where each is the faster one.
+"""The attention kernel against models/cpu/attention.py's attention in MLX ops (OpenBLAS matmuls
+around a softmax), per layer of the embedded model's shape, in one run: where each is the faster
+one.
 
     .venv/bin/python benches/attention_kernel.py
 
 9 query heads over 3 key heads of 64 features, a causal mask; each case the best of five.
-models/cpu_kernels.py's KERNEL_QUERIES and KERNEL_KEYS come from this table.
+models/cpu/attention.py's KERNEL_QUERIES and KERNEL_KEYS come from this table.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main() -> None:
     import mlx.core as mx
     import mlxgate_kernels
 
-    from mlxgate.models import cpu_attention
+    from mlxgate.models.cpu import attention
 
     def kernel(q: mx.array, k: mx.array, v: mx.array, mask: str | None) -> mx.array:
         return mlxgate_kernels.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
@@ -56,7 +57,7 @@ def main() -> None:
         mask = "causal" if n > 1 else None
         mx.eval(q, k, v)
         ours = best_ms(kernel, q, k, v, mask)
-        theirs = best_ms(cpu_attention.scaled_dot_product_attention, q, k, v, None, 0.125, mask)
+        theirs = best_ms(attention.scaled_dot_product_attention, q, k, v, None, 0.125, mask)
         print(f"| {batch} | {n} | {t} | {ours:.2f} ms | {theirs:.2f} ms | {ours / theirs:.2f}x |")
 
 

@@ -139,7 +139,8 @@ def main() -> None:
     from mlx.utils import tree_flatten
 
     from mlxgate import blas
-    from mlxgate.models import cpu_kernels, precision
+    from mlxgate.models import precision
+    from mlxgate.models.cpu import kernels
 
     models = {name: variant(name) for name in ("before", "after")}
     shapes = [(f"decode, {r} row(s)", r, 1, 64) for r in DECODE_ROWS] + [
@@ -162,7 +163,7 @@ def main() -> None:
         "",
         f"`benches/cpu_profile.py --rounds {args.rounds}`: SmolLM2-135M on this CPU, BLAS "
         f"{blas.blas_in_use()}. Before: {precision(models['before'])}, MLX's ops. After: "
-        f"{precision(models['after'])}, {cpu_kernels.describe()}. Medians over the rounds of "
+        f"{precision(models['after'])}, {kernels.describe()}. Medians over the rounds of "
         "the best of three; the parts are timed alone at the pass's shapes.",
         "",
         f"Memory bandwidth (one thread reading): {rate / 1e9:.1f} GB/s.",

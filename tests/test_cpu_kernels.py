@@ -1,4 +1,4 @@
-"""mlxgate's CPU kernels (kernels/, models/cpu_kernels.py) against the MLX ops they replace.
+"""mlxgate's CPU kernels (kernels/, models/cpu/kernels.py) against the MLX ops they replace.
 
 Each kernel is compared with MLX's own op on random shapes: odd sizes, group edges, 1..65 rows
 (both the dot-product and the sgemm path of the quantized matmul), every scale dtype,
@@ -17,10 +17,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlxgate.models import cpu_kernels  # (conftest imports mlxgate first: OpenBLAS)
+from mlxgate.models.cpu import kernels  # (conftest imports mlxgate first: OpenBLAS)
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.unavailable() is not None, reason=f"{cpu_kernels.unavailable()}"
+    kernels.unavailable() is not None, reason=f"{kernels.unavailable()}"
 )
 
 
@@ -34,7 +34,7 @@ def ext() -> Any:
 def widths() -> list[str]:
     """The instruction sets the kernels can run here: AVX2, and AVX-512 where the CPU has it
     (the extension refuses it elsewhere), so no case is collected that cannot run."""
-    if cpu_kernels.unavailable() is not None:
+    if kernels.unavailable() is not None:
         return ["avx2"]
     import mlxgate_kernels
 
@@ -213,9 +213,9 @@ def test_kernels_go_to_one_instance_not_to_mlx_or_its_siblings() -> None:
     tokens = mx.array([list(range(40))])
     before = sibling(tokens)
 
-    assert cpu_kernels.install(ours)
-    assert cpu_kernels.installed(ours)
-    assert not cpu_kernels.installed(sibling)
+    assert kernels.install(ours)
+    assert kernels.installed(ours)
+    assert not kernels.installed(sibling)
     assert type(sibling.model.layers[0].self_attn) is llama.Attention
     assert mx.quantized_matmul is not None and not hasattr(mx, "__mlxgate__")
     assert "Mlxgate" not in str(type(sibling.model.norm))
@@ -226,8 +226,8 @@ def test_kernels_go_to_one_instance_not_to_mlx_or_its_siblings() -> None:
 
 
 def test_without_the_extension_the_model_keeps_mlx_ops(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_kernels, "_extension", lambda: "this CPU lacks AVX2, FMA or F16C")
+    monkeypatch.setattr(kernels, "_extension", lambda: "this CPU lacks AVX2, FMA or F16C")
     model = tiny_quantized_llama()
-    assert not cpu_kernels.install(model)
-    assert not cpu_kernels.installed(model)
-    assert cpu_kernels.describe() == "MLX's own (this CPU lacks AVX2, FMA or F16C)"
+    assert not kernels.install(model)
+    assert not kernels.installed(model)
+    assert kernels.describe() == "MLX's own (this CPU lacks AVX2, FMA or F16C)"

@@ -120,7 +120,7 @@ def test_rows_of_a_padded_batch_each_follow_their_own_history(tmp_path: Path, ba
     of rows (mlxgate's BandedCache), each row's next token is the one its own tokens give."""
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlxgate.models.banded_cache import BandedCache
+    from mlxgate.engine.banded_cache import BandedCache
 
     model_dir = forced_model_dir(tmp_path, "qwen3", QWEN3_SCRIPTS)
     model = load(str(model_dir), trust_remote_code=True).model

@@ -37,8 +37,8 @@ from mlxgate.api.responses.requests import ResponsesRequest
 from mlxgate.api.responses.requests import conversation as responses_conversation
 from mlxgate.api.responses.requests import tools as responses_tools
 from mlxgate.api.responses.routes import _kept_content
+from mlxgate.api.vision_prompts import VisionPrompts
 from mlxgate.config import Config
-from mlxgate.models.vision import VisionPrompts
 
 if TYPE_CHECKING:
     from mlxgate.app import App

@@ -76,7 +76,7 @@ def test_attention_equals_mlx(rows: int, n: int, t: int, padding: list[int] | No
     import mlx.core as mx
     from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 
-    from mlxgate.models import cpu_attention
+    from mlxgate.models.cpu import attention
 
     queries = mx.random.normal((rows, 9, n, 64), key=mx.random.key(1)) * 3
     keys = mx.random.normal((rows, 3, t, 64), key=mx.random.key(2))
@@ -84,7 +84,7 @@ def test_attention_equals_mlx(rows: int, n: int, t: int, padding: list[int] | No
     mask: Any = None if n == 1 else "causal"
     if padding is not None:
         mask = create_causal_mask(n, offset=t - n, left_padding=mx.array(padding))
-    ours = cpu_attention.scaled_dot_product_attention(queries, keys, values, None, 0.125, mask)
+    ours = attention.scaled_dot_product_attention(queries, keys, values, None, 0.125, mask)
     theirs = scaled_dot_product_attention(queries, keys, values, None, 0.125, mask)  # type: ignore[arg-type]
     # Query rows with no key to attend to (left padding only) are never used; compare the rest.
     used = np.ones((rows, 1, n), dtype=bool) if padding is None else np.asarray(mask).any(-1)
@@ -101,15 +101,13 @@ def test_attention_with_latent_keys_equals_mlx(rows: int, n: int, t: int) -> Non
     import mlx.core as mx
     from mlx_lm.models.base import scaled_dot_product_attention
 
-    from mlxgate.models import cpu_attention
+    from mlxgate.models.cpu import attention
 
     queries = mx.random.normal((rows, 8, n, 48), key=mx.random.key(1))
     keys = mx.random.normal((rows, 1, t, 48), key=mx.random.key(2))
     values = keys[..., :32]
     position_scores = mx.random.normal((rows, 8, n, t), key=mx.random.key(4))
-    ours = cpu_attention.scaled_dot_product_attention(
-        queries, keys, values, None, 0.1, position_scores
-    )
+    ours = attention.scaled_dot_product_attention(queries, keys, values, None, 0.1, position_scores)
     theirs = scaled_dot_product_attention(queries, keys, values, None, 0.1, position_scores)
     assert ours.shape == theirs.shape == (rows, 8, n, 32)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-5)
@@ -119,7 +117,7 @@ def test_swiglu_without_mlx_exp_equals_mlx() -> None:
     import mlx.core as mx
     from mlx_lm.models.activations import swiglu
 
-    from mlxgate.models import fast_exp
+    from mlxgate.models.cpu import fast_exp
 
     extremes = mx.array([-200.0, -80.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 80.0, 200.0])
     gate = mx.concatenate([mx.random.normal((64 * 1536,), key=mx.random.key(4)) * 6, extremes])
@@ -150,8 +148,7 @@ def test_kernels_go_to_one_instance_not_its_module_or_its_siblings() -> None:
     import mlx.core as mx
     from mlx_lm.models import activations, base, llama
 
-    from mlxgate.models import cpu_attention, kernels
-    from mlxgate.models.adapter import install_kernels
+    from mlxgate.models.cpu import attention, install_kernels, rebind
 
     ours, sibling = tiny_llama(), tiny_llama()
     sibling.update(ours.parameters())
@@ -159,8 +156,8 @@ def test_kernels_go_to_one_instance_not_its_module_or_its_siblings() -> None:
     before = sibling(tokens)
 
     install_kernels(ours)
-    assert cpu_attention.installed(ours)
-    assert not cpu_attention.installed(sibling)
+    assert attention.installed(ours)
+    assert not attention.installed(sibling)
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
     assert llama.swiglu is activations.swiglu
     assert type(sibling.model.layers[0].self_attn) is llama.Attention
@@ -176,7 +173,7 @@ def test_kernels_go_to_one_instance_not_its_module_or_its_siblings() -> None:
         return base.scaled_dot_product_attention(*args, **kwargs)
 
     third = tiny_llama()
-    kernels.install(
+    rebind.install(
         third, "scaled_dot_product_attention", base.scaled_dot_product_attention, counted
     )
     mx.eval(third(tokens), sibling(tokens), ours(tokens))
@@ -226,8 +223,8 @@ def test_greedy_decode_through_the_adapter_equals_mlx_lm(smollm: LoadedModel) ->
     from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxgate.models import cpu_attention
     from mlxgate.models.adapter import ModelAdapter
+    from mlxgate.models.cpu import attention
 
     tok = smollm.tokenizer
     prompt = tok.encode(tok.render([{"role": "user", "content": "Name three colors."}]))
@@ -243,7 +240,7 @@ def test_greedy_decode_through_the_adapter_equals_mlx_lm(smollm: LoadedModel) ->
         ),
     )
     plain.update(smollm.model.parameters())
-    assert not cpu_attention.installed(plain)
+    assert not attention.installed(plain)
     expected = [int(token) for token, _ in generate_step(mx.array(prompt), plain, max_tokens=steps)]
 
     # Eight copies of the prompt: enough rows that both kernels run in decode steps too.

@@ -22,9 +22,9 @@ from tiny_engine import Expected, Served, assert_same, wait_until
 
 from mlxgate import chat, models
 from mlxgate._native import Reader, Reply, Router, StreamSpec, Vocab
+from mlxgate.api.vision_prompts import VisionPrompts
 from mlxgate.engine import Engine, EngineSettings, GenerationRequest
 from mlxgate.models import LoadedModel
-from mlxgate.models.vision import VisionPrompts
 
 FAMILIES = sorted(tiny_vlms.FAMILIES)
 STEPS = 8
@@ -49,7 +49,7 @@ class VisionServed:
     @property
     def vision(self) -> VisionPrompts:
         assert self.loaded.vision is not None
-        return self.loaded.vision
+        return VisionPrompts(self.loaded.vision)
 
     def request(self, text: str, images: list[Any]) -> GenerationRequest:
         spec = StreamSpec.anthropic(

@@ -18,8 +18,8 @@ import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlxgate._native import Reader, Reply, Router, StreamSpec, Vocab
 from mlxgate.engine import Engine, EngineSettings, GenerationRequest
 from mlxgate.models import LoadedModel
-from mlxgate.models.adapter import install_kernels
 from mlxgate.models.context import ServedContext
+from mlxgate.models.cpu import install_kernels
 
 # Log-probability gap within which two tokens tie: float32 rounding of different matmul shapes
 # moves logits by ~1e-6; a wrong computation moves them by whole units.

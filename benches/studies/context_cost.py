@@ -202,7 +202,7 @@ def unscaled_twin(loaded: Any) -> Any:
     """The same weights with the model's own rope (what serving 8,192 tokens would run)."""
     from mlx_lm.models import llama
 
-    from mlxgate.models.adapter import install_kernels
+    from mlxgate.models.cpu import install_kernels
 
     args = llama.ModelArgs.from_dict({**vars(loaded.model.args), "rope_scaling": None})
     twin = llama.Model(args)

@@ -116,7 +116,7 @@ def main() -> None:
     from mlxgate._native import Router, Vocab
     from mlxgate.engine import Engine, EngineSettings
     from mlxgate.models import LoadedModel
-    from mlxgate.models.adapter import install_kernels
+    from mlxgate.models.cpu import install_kernels
 
     model = hybrid_model(args.arch)
     install_kernels(model)

@@ -35,7 +35,7 @@ class ConversationError(ValueError):
 
 # An image's place in a conversation's text: its index in `Conversation.images` between two
 # private-use characters. Templates, turn merging and tool results all handle it as text; once
-# rendered, a vision model's own placeholder replaces it (models/vision.py).
+# rendered, a vision model's own placeholder replaces it (api/vision_prompts.py).
 IMAGE_MARK = re.compile("\ue000image (\\d+)\ue001")
 
 

@@ -17,7 +17,7 @@ from mlxgate.engine import Generator, SamplingParams
 from mlxgate.specs import ModelSpec
 
 if TYPE_CHECKING:
-    from mlxgate.models.vision import VisionPrompts
+    from mlxgate.api.vision_prompts import VisionPrompts
 
 
 class State(enum.StrEnum):

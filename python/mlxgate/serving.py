@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from mlxgate import chat, ranks
 from mlxgate._native import Router, Vocab
+from mlxgate.api.vision_prompts import VisionPrompts
 from mlxgate.config import Config
 from mlxgate.engine import Engine, SamplingParams
 from mlxgate.engine.drafter import check_vocabularies
@@ -190,7 +191,7 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
         weights_bytes=sum(array.nbytes for _, array in weights),
         cache_bytes=lambda: engine.metrics.kv_bytes + engine.prefix_cache.nbytes,
         metrics=EngineCollector(engine),
-        vision=loaded.vision,
+        vision=VisionPrompts(loaded.vision) if loaded.vision is not None else None,
         sampling=sampling,
         sampling_sources=sampling_sources,
     )

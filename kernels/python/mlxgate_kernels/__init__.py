@@ -1,4 +1,4 @@
-"""mlxgate's CPU kernels as MLX operations; see mlxgate.models.cpu_kernels for how they serve."""
+"""mlxgate's CPU kernels as MLX operations; see mlxgate.models.cpu for how they serve."""
 
 from mlxgate_kernels._ext import (
     cpu_supported,

@@ -4,7 +4,7 @@ Rows live in bands of similar length, each band one `BatchKVCache` per layer who
 left-padded to the band's width. A 1,500-token row joining rows of 200 tokens starts a band of
 its own: in one shared cache it would pad every row to 1,500 columns (a ~0.3 s copy to join,
 then attention over the padding at every step). All bands go through the model in one call;
-only attention sees them apart (models/banded_cache.py).
+only attention sees them apart (engine/banded_cache.py).
 
 Copying a band's whole KV cache costs ~0.15 s at 32 rows, so rows are slots: a sequence that
 ends leaves its slot (still computed, its tokens ignored) until a joining sequence is written
@@ -29,10 +29,10 @@ import mlx.core as mx
 import numpy as np
 
 from mlxgate.engine import cache_kinds
+from mlxgate.engine.banded_cache import BandedCache
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.contract import SamplingParams
 from mlxgate.engine.sampling import Sampler
-from mlxgate.models.banded_cache import BandedCache
 
 FREE = 0  # the stream id of a free slot (stream ids start at 1)
 # Columns no live row uses (all pad them) before the cache is shifted to drop them: at 32 rows

@@ -54,7 +54,8 @@ from mlx_lm.models.cache import CacheList
 
 from mlxgate.engine import cache_kinds
 from mlxgate.engine.prefix_cache import CacheEntry, PrefixMatch
-from mlxgate.models import LoadedModel, architecture, cpu_kernels
+from mlxgate.models import LoadedModel, architecture
+from mlxgate.models.cpu import kernels
 
 log = logging.getLogger("mlxgate.engine")
 
@@ -103,9 +104,9 @@ def identity(loaded: LoadedModel) -> str:
         loaded.context_length,
         context,
         # What load installed (a ModelAdapter's wrapped layers hide it from
-        # `cpu_kernels.installed`), and whether this machine runs the compiled kernels.
+        # `kernels.installed`), and whether this machine runs the compiled kernels.
         loaded.kernels,
-        cpu_kernels.unavailable() is None,
+        kernels.unavailable() is None,
     ]
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     for (name, p), sample in zip(parameters, samples, strict=True):

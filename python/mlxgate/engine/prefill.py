@@ -514,9 +514,9 @@ class Prefill:
         assert isinstance(adapter, VisionAdapter) and images is not None
         ids = pending.request.prompt_ids
         if images.within(pending.done):
-            pending.features = adapter.positions(ids, images)
+            pending.features = adapter.positions(ids, images.inputs)
         else:  # its cached prefix failed its disk read: the tower after all, here
-            pending.features = adapter.features(ids, images, lambda: False)
+            pending.features = adapter.features(ids, images.inputs, lambda: False)
 
     def _mend(self, pending: Pending) -> None:
         """A torn prefill that goes on (another choice of its prompt leads now): its caches are

@@ -77,7 +77,7 @@ class VisionJobs:
                 started = time.perf_counter()
                 try:
                     job.features = self.adapter.features(
-                        job.ids, job.images, job.is_abandoned, self._turn
+                        job.ids, job.images.inputs, job.is_abandoned, self._turn
                     )
                 except Exception as exc:
                     log.exception("the vision tower failed")

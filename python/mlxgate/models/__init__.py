@@ -13,12 +13,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from mlxgate.models import context, sampling_defaults, vision, yarn
-from mlxgate.models.adapter import install_kernels
 from mlxgate.models.context import ServedContext
+from mlxgate.models.cpu import install_kernels
 from mlxgate.models.tokenizer import ChatTokenizer
 
 if TYPE_CHECKING:
-    from mlxgate.models.vision import VisionPrompts
+    from mlxgate.models.vision import ImageTokens
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # Its own 8,192 tokens hold neither Claude Code's first request (~12.8k tokens) nor Codex's
@@ -35,7 +35,7 @@ class LoadedModel:
     source: str
     context: ServedContext | None = None  # how context_length relates to the model's own
     kernels: str = "MLX's own"  # what runs its matmuls, norms and ropes on the CPU
-    vision: VisionPrompts | None = None  # how its prompts take images (a vision model)
+    vision: ImageTokens | None = None  # how its prompts take images (a vision model)
     # What its files recommend for sampling (models/sampling_defaults.py), and which files.
     sampling: dict[str, float | int] = field(default_factory=dict)
     sampling_source: str = "generation_config.json"
@@ -155,7 +155,7 @@ def load(
     `context_length` (None: the model's own; the embedded default's is DEFAULT_MODEL_CONTEXT)
     past the model's own context is reached by `rope_scaling` ("yarn" or "linear").
     `weights`: "quantized" serves quantized weights as stored, "float32" dequantizes them.
-    `cpu_kernels`: mlxgate's CPU kernels where this machine runs them (models/cpu_kernels.py).
+    `cpu_kernels`: mlxgate's CPU kernels where this machine runs them (models/cpu/).
     `shard`: loads just this rank's part of the model (ranks.py; an mlx-lm model).
     """
     if spec is None and context_length is None:
@@ -181,7 +181,7 @@ def _load(
         path = default_model_path()
         loaded = _load_gguf(DEFAULT_MODEL, path, dequantize_to, context_length, rope_scaling, shard)
         loaded.sampling = {**loaded.sampling, **sampling_defaults.EMBEDDED}
-        loaded.sampling_source = "the embedded model's card"
+        loaded.sampling_source = "the embedded model's table, docs/models.md"
         return loaded
 
     path = Path(spec).expanduser()
@@ -197,12 +197,10 @@ def _load(
     if path.is_dir() and vision.vision_config(path) is not None:
         if shard is not None:
             raise ValueError("a vision-language model is served by one process (no ranks)")
-        model, tokenizer, prompts, length = vision.load(path, context_length)
+        model, tokenizer, images, length = vision.load(path, context_length)
         name = spec if source.startswith("huggingface:") else path.name
         sampling = sampling_defaults.of_directory(path)
-        return LoadedModel(
-            name, model, tokenizer, length, source, vision=prompts, sampling=sampling
-        )
+        return LoadedModel(name, model, tokenizer, length, source, vision=images, sampling=sampling)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not an mlx-lm model directory (no config.json)")

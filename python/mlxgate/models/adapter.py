@@ -14,27 +14,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from mlxgate.models import cpu_attention, cpu_kernels, fast_exp, rope_switch
+from mlxgate.models import rope_switch
+from mlxgate.models.cpu import attention
 from mlxgate.models.rope_switch import ScaledRows
-
-
-def install_kernels(model: nn.Module, native: bool = True) -> str:
-    """Put mlxgate's CPU kernels in place of mlx-lm's in `model` (this instance only): the
-    attention and activation written in MLX ops, and, with `native`, the compiled ones
-    (models/cpu_kernels.py) where this machine runs them. Says what runs the model's matmuls,
-    norms and ropes.
-
-    Before a `ModelAdapter` wraps the layers: a wrapped layer's class no longer shows the
-    globals its own `__call__` uses (mlx-lm's layers leave those calls to their submodules).
-    """
-    cpu_attention.install(model)
-    fast_exp.install(model)
-    if not native:
-        return "MLX's own (--no-cpu-kernels)"
-    if mx.default_device() != mx.cpu:
-        return f"MLX's own ({mx.default_device()})"
-    cpu_kernels.install(model)
-    return cpu_kernels.describe()
 
 
 class ModelAdapter:
@@ -147,7 +129,7 @@ class ModelAdapter:
     @property
     def banded_attention(self) -> bool:
         """Whether the attention attends band by band (takes a `BandedCache`)."""
-        return cpu_attention.installed(self.model)
+        return attention.installed(self.model)
 
     def decode(
         self,

@@ -1,8 +1,8 @@
-"""Vision-language models through mlx-vlm: detected from their config, loaded by mlx-vlm, their
-prompts' images made into the model's image tokens by the model's own processor, and run by the
-engine through `VisionAdapter`.
+"""Vision-language models through mlx-vlm: detected from their config, loaded by mlx-vlm with how
+their prompts take images (`ImageTokens`: the processor, the placeholder, the image token), and
+run by the engine through `VisionAdapter`.
 
-The API side (`VisionPrompts.prompt`, on a worker thread) turns each image mark of a rendered
+The API side (api/vision_prompts.py, on a worker thread) turns each image mark of a rendered
 prompt into the family's placeholder, lets the processor expand it into the image's tokens and
 make its pixel values, and finds each image's span of tokens. The engine side
 (`VisionAdapter`, on the engine thread) runs the vision tower once per prompt, as a step of its
@@ -13,7 +13,6 @@ for Qwen's 3-D rope, its positions), exactly as mlx-vlm's own generation does in
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -27,8 +26,6 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxgate import chat
-from mlxgate.engine.contract import ImageSpan, PromptImages
 from mlxgate.models.adapter import ModelAdapter, _make_stoppable, _Stopped
 from mlxgate.models.rope_switch import ScaledRows
 from mlxgate.models.tokenizer import ChatTokenizer
@@ -64,10 +61,10 @@ def vision_config(path: Path) -> dict[str, Any] | None:
 
 def load(
     path: Path, context_length: int | None
-) -> tuple[nn.Module, ChatTokenizer, VisionPrompts, int]:
-    """mlx-vlm's model and processor from `path`; the chat tokenizer (the processor's chat
-    template, which knows images); and the context served (the model's own unless less is
-    asked: its rope is not scaled)."""
+) -> tuple[nn.Module, ChatTokenizer, ImageTokens, int]:
+    """mlx-vlm's model from `path`; the chat tokenizer (the processor's chat template, which
+    knows images); how its prompts take images (the processor with it); and the context served
+    (the model's own unless less is asked: its rope is not scaled)."""
     from mlx_vlm.utils import load as vlm_load
 
     config = vision_config(path)
@@ -85,114 +82,59 @@ def load(
             "tokens, and its rope is not scaled past it"
         )
     served = context_length or native or 4096
-    return model, tokenizer, VisionPrompts(config, processor, tokenizer), served
+    return model, tokenizer, image_tokens(config, processor, tokenizer), served
 
 
 @dataclass(frozen=True)
-class Prepared:
-    """A prompt's ids and images as the processor made them."""
+class ImageTokens:
+    """How one vision model's prompts take images: its processor, the placeholder its chat
+    template writes for an image, the token its processor repeats for an image's features, and
+    the tokens that stand between the rows of one image's placeholders (Pixtral's row breaks).
+    (api/vision_prompts.py makes a prompt's images into tokens with it.)"""
 
-    ids: list[int]
-    images: PromptImages
-
-
-class VisionPrompts:
-    """How one vision model's prompts take images: its processor, its image placeholder and the
-    token its processor repeats for an image's features."""
-
-    def __init__(self, config: dict[str, Any], processor: Any, tokenizer: ChatTokenizer) -> None:
-        self.model_type: str = config["model_type"]
-        self.processor = processor
-        token = config.get("image_token_id", config.get("image_token_index"))
-        if token is None:
-            text = config.get("text_config") or {}
-            token = text.get("image_token_id", text.get("image_token_index"))
-        if token is None:
-            raise ValueError(f"{self.model_type}: the config names no image token")
-        self.image_token = int(token)
-        # Tokens that stand between the rows of one image's placeholders (Pixtral's row breaks).
-        breaks = [getattr(processor, "image_break_token", None)]
-        vocab = tokenizer.tokenizer
-        self.row_breaks = {i for t in breaks if t and (i := vocab.token_to_id(t)) is not None}
-        self.placeholder = self._placeholder(tokenizer)
-
-    def _placeholder(self, tokenizer: ChatTokenizer) -> str:
-        """What the chat template writes for an image (asked of the template; else the family's)."""
-        content = [
-            {"type": "text", "text": "MLXGATE_BEFORE"},
-            {"type": "image"},
-            {"type": "text", "text": "MLXGATE_AFTER"},
-        ]
-        try:
-            text = tokenizer.render([{"role": "user", "content": content}])
-            between = text[text.index("MLXGATE_BEFORE") + 14 : text.index("MLXGATE_AFTER")]
-        except Exception:  # a template that takes text only, or refuses the probe
-            between = ""
-        if between.strip():
-            return between.strip()
-        if self.model_type in _PLACEHOLDERS:
-            return _PLACEHOLDERS[self.model_type]
-        raise ValueError(f"{self.model_type}: cannot tell how its chat template marks an image")
+    model_type: str
+    processor: Any
+    placeholder: str
+    image_token: int
+    row_breaks: frozenset[int]
 
     def describe(self) -> str:
         return f"text, image (placeholder {self.placeholder!r})"
 
-    def prompt(self, rendered: chat.Prompt, images: list[chat.LoadedImage]) -> chat.Prompt:
-        """`rendered` (its text marking images with `chat.image_mark`) with each mark made into
-        the model's image tokens: the prompt's ids from the model's processor, and its images'
-        spans and inputs."""
-        order: list[chat.LoadedImage] = []
 
-        def placeholder(mark: Any) -> str:
-            order.append(images[int(mark.group(1))])  # (api/images.py `marked` numbered them)
-            return self.placeholder
+def image_tokens(config: dict[str, Any], processor: Any, tokenizer: ChatTokenizer) -> ImageTokens:
+    """What the model's config, processor and chat template say about its images."""
+    model_type: str = config["model_type"]
+    token = config.get("image_token_id", config.get("image_token_index"))
+    if token is None:
+        text = config.get("text_config") or {}
+        token = text.get("image_token_id", text.get("image_token_index"))
+    if token is None:
+        raise ValueError(f"{model_type}: the config names no image token")
+    breaks = [getattr(processor, "image_break_token", None)]
+    vocab = tokenizer.tokenizer
+    row_breaks = frozenset(i for t in breaks if t and (i := vocab.token_to_id(t)) is not None)
+    placeholder = _placeholder(model_type, tokenizer)
+    return ImageTokens(model_type, processor, placeholder, int(token), row_breaks)
 
-        text = chat.IMAGE_MARK.sub(placeholder, rendered.text)
-        if not order:
-            return rendered
-        prepared = self.prepare(text, order)
-        return chat.Prompt(
-            text, prepared.ids, rendered.reply, rendered.call_grammar, prepared.images
-        )
 
-    def prepare(self, text: str, images: Sequence[chat.LoadedImage]) -> Prepared:
-        """The processor's expansion of `text` (one placeholder per image, in order)."""
-        from mlx_vlm.utils import prepare_inputs
-
-        outputs = prepare_inputs(
-            self.processor, images=[i.image for i in images], prompts=[text], padding=False
-        )
-        arrays = {k: np.array(v) for k, v in outputs.items() if isinstance(v, mx.array)}
-        ids = arrays.pop("input_ids").reshape(-1)
-        arrays.pop("attention_mask", None)
-        spans = self._spans(ids)
-        if len(spans) != len(images):
-            raise chat.ConversationError(
-                f"the prompt's {len(images)} images became {len(spans)} runs of image tokens "
-                "(is an image placeholder written in the text?)"
-            )
-        # The same file makes the same pixels here (one processor): its hash and its tokens'
-        # count identify what the model sees, whatever else the prompt holds.
-        keyed = tuple(
-            ImageSpan(start, length, hashlib.sha256(image.digest + length.to_bytes(8)).digest())
-            for (start, length), image in zip(spans, images, strict=True)
-        )
-        return Prepared(ids.tolist(), PromptImages(keyed, arrays))
-
-    def _spans(self, ids: np.ndarray) -> list[tuple[int, int]]:
-        """(start, length) of each image's tokens: runs of the image token, joined across a row
-        break."""
-        positions = np.flatnonzero(ids == self.image_token)
-        spans: list[tuple[int, int]] = []
-        for position in positions.tolist():
-            if spans:
-                start, length = spans[-1]
-                end = start + length
-                if position == end or (position == end + 1 and int(ids[end]) in self.row_breaks):
-                    spans[-1] = (start, position + 1 - start)
-                    continue
-            spans.append((position, 1))
-        return spans
+def _placeholder(model_type: str, tokenizer: ChatTokenizer) -> str:
+    """What the chat template writes for an image (asked of the template; else the family's)."""
+    content = [
+        {"type": "text", "text": "MLXGATE_BEFORE"},
+        {"type": "image"},
+        {"type": "text", "text": "MLXGATE_AFTER"},
+    ]
+    try:
+        text = tokenizer.render([{"role": "user", "content": content}])
+        between = text[text.index("MLXGATE_BEFORE") + 14 : text.index("MLXGATE_AFTER")]
+    except Exception:  # a template that takes text only, or refuses the probe
+        between = ""
+    if between.strip():
+        return between.strip()
+    if model_type in _PLACEHOLDERS:
+        return _PLACEHOLDERS[model_type]
+    raise ValueError(f"{model_type}: cannot tell how its chat template marks an image")
 
 
 @dataclass
@@ -276,15 +218,16 @@ class VisionAdapter(ModelAdapter):
     def features(
         self,
         ids: list[int],
-        images: PromptImages,
+        images: dict[str, Any],
         should_stop: Callable[[], bool],
         turn: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> Features | None:
-        """The whole prompt's (`ids`) inputs, the vision tower run on its images; None if
+        """The whole prompt's (`ids`) inputs, the vision tower run on its images (`images`: the
+        processor's outputs for them, numpy arrays); None if
         `should_stop` said so between two of the tower's parts. Every array evaluated: the
         engine's thread reads them (engine/vision_jobs.py runs this on a thread of its own).
         Each part of the tower (`_tower_parts`) is evaluated within a `turn`."""
-        inputs = {k: mx.array(v) for k, v in images.inputs.items()}
+        inputs = {k: mx.array(v) for k, v in images.items()}
         pixels = inputs.pop("pixel_values", None)
         tokens = mx.array(ids)[None]
         if self._tower_check is not None:
@@ -313,7 +256,7 @@ class VisionAdapter(ModelAdapter):
                 self._tower_check.evaluating = contextlib.nullcontext
         return features
 
-    def positions(self, ids: list[int], images: PromptImages) -> Features:
+    def positions(self, ids: list[int], images: dict[str, Any]) -> Features:
         """The prompt's inputs where its images need not be encoded (they are all in its cached
         prefix): token ids, and for M-RoPE the positions its images' grids make."""
         if not self.m_rope:
@@ -321,7 +264,7 @@ class VisionAdapter(ModelAdapter):
         tokens = mx.array(ids)[None]
         positions, deltas = self.language_model.get_rope_index(
             tokens,
-            mx.array(images.inputs["image_grid_thw"]),
+            mx.array(images["image_grid_thw"]),
             None,
             mx.ones(tokens.shape, dtype=mx.int32),
         )

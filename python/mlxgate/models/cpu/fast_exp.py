@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import activations
 
-from mlxgate.models import kernels
+from mlxgate.models.cpu import rebind
 
 LOG2E = 1.4426950408889634
 # Below this many elements (a few tokens' MLP units) MLX's one kernel launch is cheaper.
@@ -69,4 +69,4 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 def install(model: nn.Module) -> bool:
     """Give `model` (this instance only) this SwiGLU where it uses mlx-lm's (CPU only)."""
-    return kernels.install(model, "swiglu", activations.swiglu, swiglu)
+    return rebind.install(model, "swiglu", activations.swiglu, swiglu)

@@ -4,7 +4,7 @@ A batched KV cache pads every row to the longest: one 1,500-token row among rows
 makes all of them attend over 1,500 columns, every step. Here each band (a consecutive range of
 the batch's rows) is a `BatchKVCache` of its own width. The model runs all rows through its
 projections and MLP together; `update_and_fetch` and `make_mask` answer one entry per band, and
-the attention in `cpu_attention` attends band by band.
+the attention (models/cpu/attention.py, which knows it as a `Banded` cache) attends band by band.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from mlxgate.models.cpu.attention import Banded
 
-class BandedCache:
+
+class BandedCache(Banded):
     def __init__(
         self, bands: Sequence[BatchKVCache], ranges: list[tuple[int, int]], offset: mx.array
     ) -> None:

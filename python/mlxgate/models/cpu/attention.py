@@ -1,4 +1,10 @@
-"""Attention on CPU without MLX's scalar `exp`.
+"""A loaded model's attention on CPU: the one place that decides which attention its layers run.
+
+mlx-lm's layers call its `scaled_dot_product_attention`; on one model instance (`install`,
+through models/cpu/rebind.py) that becomes `kernel_attention` where mlxgate-kernels serve
+(models/cpu/kernels.py: one pass over the keys, where that is faster than the rest), else this
+module's `scaled_dot_product_attention`, which keeps mlx-lm's own where it does not pay off.
+Both attend band by band over a cache kept in bands (`Banded`: engine/banded_cache.py).
 
 MLX's CPU backend computes `exp` one element at a time (~25 ns each), and its CPU
 `mx.fast.scaled_dot_product_attention` is composed of plain ops. At 32 decoding rows and 210
@@ -26,8 +32,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import base
 
-from mlxgate.models import fast_exp, kernels
-from mlxgate.models.banded_cache import BandedCache
+from mlxgate.models.cpu import fast_exp, kernels, rebind
+
+# The global mlx-lm's attention code calls.
+_NAME = "scaled_dot_product_attention"
 
 # Attention scores per layer (batch x heads x queries x keys) from which each way pays off:
 # below MLX_SCORES MLX's own attention has fewer ops to launch, from NUMPY_SCORES on numpy's exp
@@ -36,6 +44,28 @@ MLX_SCORES = 1 << 11
 NUMPY_SCORES = 1 << 18
 
 _TINY = float(np.finfo(np.float32).tiny)  # the row sum of an all-masked row: zeros, not NaN
+
+# Where the attention kernel is faster than `scaled_dot_product_attention` (two OpenBLAS matmuls
+# around a softmax), per layer of the embedded model (9 query heads, 3 key heads, 64 features;
+# benches/attention_kernel.py). With AVX-512 (four query rows sharing each key): everywhere
+# measured, from 0.75x the time at 256 queries and 512 keys to 0.19x at 8k keys. With AVX2
+# only: always for a few queries (decode, verify: 0.48 against 1.09 ms at 32 rows and 200 keys),
+# and for a prefill chunk from ~2k keys on (256 queries: 15 against 31 ms at 2k keys, 58 against
+# 110 at 8k); below that OpenBLAS wins (6 against 3 ms at 512 keys).
+KERNEL_QUERIES = 8
+KERNEL_KEYS = 2048
+
+
+class Banded:
+    """A layer's cache kept in bands of a batch's rows (engine/banded_cache.py's BandedCache):
+    its `update_and_fetch` and `make_mask` give one keys, values and mask per band, `split`
+    cuts the queries the same way, and the attention attends band by band."""
+
+    bands: list[Any]
+
+    def split(self, rows: mx.array) -> list[mx.array]:
+        """`rows` (batch first) cut into the bands' parts."""
+        raise NotImplementedError
 
 
 @partial(mx.compile, shapeless=True)
@@ -80,7 +110,9 @@ def scaled_dot_product_attention(
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    if isinstance(cache, BandedCache):
+    """mlx-lm's `scaled_dot_product_attention` in MLX ops without MLX's `exp` (mlx-lm's own
+    where that does not pay off or apply)."""
+    if isinstance(cache, Banded):
         # Its update_and_fetch and make_mask gave one keys, values and mask per band.
         bands = zip(
             cache.split(queries), keys, values, cache.bands, cast(list[Any], mask), strict=True
@@ -118,9 +150,38 @@ def scaled_dot_product_attention(
     return out.reshape(batch, heads, n, values.shape[-1])  # MLA values are narrower than keys
 
 
-# The attention functions that take a BandedCache: this module's and the native kernel's
-# (models/cpu_kernels.py adds it).
-TAKE_BANDS: list[Any] = [scaled_dot_product_attention]
+def kernel_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: mx.array | str | None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention` with the kernel; a row whose keys are all masked
+    (a padded slot) gives zeros, as `scaled_dot_product_attention`'s does."""
+    if isinstance(cache, Banded):
+        # Its update_and_fetch and make_mask gave one keys, values and mask per band.
+        masks = cast(list[Any], mask)
+        bands = zip(cache.split(queries), keys, values, cache.bands, masks, strict=True)
+        return mx.concatenate(
+            [kernel_attention(q, k, v, c, scale, m, sinks) for q, k, v, c, m in bands]
+        )
+    extension = kernels.extension()
+    if (
+        sinks is not None
+        or hasattr(cache, "bits")  # keys/values as (packed, scales, biases)
+        or not (
+            extension.using_avx512()
+            or queries.shape[2] <= KERNEL_QUERIES
+            or keys.shape[2] >= KERNEL_KEYS
+        )
+    ):
+        return scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
+    return extension.scaled_dot_product_attention(  # type: ignore[no-any-return]
+        queries, keys, values, scale=scale, mask=mask
+    )
 
 
 def _masked(scores: mx.array, mask: mx.array | str, n: int, t: int) -> mx.array:
@@ -145,19 +206,20 @@ def _grouped_mask(mask: mx.array | str, kv_heads: int, n: int, t: int) -> mx.arr
 
 
 def installed(model: nn.Module) -> bool:
-    """Whether `model`'s attention goes through this module or a kernel built on it (and so
-    can take a BandedCache)."""
+    """Whether `model`'s attention goes through this module (and so can take a `Banded` cache)."""
     return any(
-        kernels.installed(model, "scaled_dot_product_attention", attention)
-        for attention in TAKE_BANDS
+        rebind.installed(model, _NAME, attention)
+        for attention in (scaled_dot_product_attention, kernel_attention)
     )
 
 
-def install(model: nn.Module) -> bool:
-    """Route the attention of `model` (this instance only) through this module (CPU only)."""
-    return kernels.install(
-        model,
-        "scaled_dot_product_attention",
-        base.scaled_dot_product_attention,
-        scaled_dot_product_attention,
+def install(model: nn.Module, kernel: bool = True) -> bool:
+    """Route the attention of `model` (this instance only, CPU only) through this module: its
+    `scaled_dot_product_attention`, and with `kernel`, where mlxgate-kernels serve on this
+    machine, `kernel_attention` in front of it. Returns whether any layer took it."""
+    taken = rebind.install(
+        model, _NAME, base.scaled_dot_product_attention, scaled_dot_product_attention
     )
+    if kernel and kernels.unavailable() is None:
+        rebind.install(model, _NAME, scaled_dot_product_attention, kernel_attention)
+    return taken

@@ -1,10 +1,10 @@
-"""Puts an mlxgate kernel in place of an mlx-lm function on one model instance, not in its module.
+"""Puts mlxgate's function in place of an mlx-lm function on one model instance, not in its module.
 
 mlx-lm's model code calls module globals (`scaled_dot_product_attention`, `swiglu`, `mx`).
-Writing our kernel into the module would give it to every model of that architecture in the
+Writing our function into the module would give it to every model of that architecture in the
 process. Here each submodule whose methods use the global gets a subclass whose methods (those
 that use it: `__call__`, `as_linear`...) are the same code run with a copy of the module's
-globals where that one name is bound to the kernel.
+globals where that one name is bound to the replacement.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-# (class, global name, kernel) -> the class whose methods see the kernel under that name.
+# (class, global name, replacement) -> the class whose methods see it under that name.
 _rebound: dict[tuple[type, str, Any], type] = {}
 
 
-def install(model: nn.Module, name: str, original: Any, kernel: Any) -> bool:
-    """Give `model`'s modules that call `original` as the global `name` the `kernel` instead.
+def install(model: nn.Module, name: str, original: Any, replacement: Any) -> bool:
+    """Give `model`'s modules that call `original` as the global `name` the `replacement` instead.
 
     CPU only: elsewhere MLX's own kernels are the fast ones. Returns whether any module took it.
     """
@@ -29,15 +29,16 @@ def install(model: nn.Module, name: str, original: Any, kernel: Any) -> bool:
     taken = False
     for module in model.modules():
         if _bound(type(module), name) is original:
-            module.__class__ = _rebound_class(type(module), name, kernel)
+            module.__class__ = _rebound_class(type(module), name, replacement)
             taken = True
     return taken
 
 
-def installed(model: nn.Module, name: str, kernel: Any) -> bool:
-    """Whether every module of `model` that calls the global `name` calls `kernel`, and one does."""
+def installed(model: nn.Module, name: str, replacement: Any) -> bool:
+    """Whether every module of `model` that calls the global `name` calls `replacement`, and one
+    does."""
     bound = [b for m in model.modules() if (b := _bound(type(m), name)) is not None]
-    return bool(bound) and all(b is kernel for b in bound)
+    return bool(bound) and all(b is replacement for b in bound)
 
 
 def _bound(cls: type, name: str) -> Any:
@@ -62,12 +63,12 @@ def _methods_using(cls: type, name: str) -> dict[str, types.FunctionType]:
     return found
 
 
-def _rebound_class(cls: type, name: str, kernel: Any) -> type:
-    key = (cls, name, kernel)
+def _rebound_class(cls: type, name: str, replacement: Any) -> type:
+    key = (cls, name, replacement)
     if key not in _rebound:
         methods = {}
         for attribute, method in _methods_using(cls, name).items():
-            namespace = {**method.__globals__, name: kernel}
+            namespace = {**method.__globals__, name: replacement}
             rebound = types.FunctionType(
                 method.__code__, namespace, method.__name__, method.__defaults__, method.__closure__
             )

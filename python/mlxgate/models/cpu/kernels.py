@@ -1,0 +1,83 @@
+"""mlxgate's CPU kernels (the `mlxgate-kernels` package, kernels/) on one model instance.
+
+The kernels are MLX primitives written for x86 CPUs with AVX2: a quantized matmul that
+dequantizes MLX's affine 4- and 8-bit weights in registers and reads each weight once for all
+the rows of a step, single-op RMSNorm and RoPE (MLX composes these from ~10 ops each on the
+CPU), and attention in one pass over the keys (MLX's CPU attention is a dozen ops and the whole
+score matrix). A model's modules call the first three as `mx.quantized_matmul`,
+`mx.fast.rms_norm` and `mx.fast.rope` (nn.QuantizedLinear, nn.QuantizedEmbedding, nn.RMSNorm,
+mlx-lm's ropes): each of this model's modules is given a copy of `mlx.core` in which those are
+the kernels (models/cpu/rebind.py), so no other model in the process changes. The attention
+kernel is one of the ways models/cpu/attention.py picks from for the model's attention. Each
+kernel is MLX's own op wherever it does not apply (another device or dtype, 3-bit weights,
+attention sinks...).
+"""
+
+from __future__ import annotations
+
+import platform
+import types
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxgate.models.cpu import rebind
+
+
+@cache
+def _extension() -> Any:
+    """The mlxgate_kernels module, or a string saying why it cannot serve here."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"written for x86-64 CPUs, this is {platform.machine()}"
+    try:
+        import mlxgate_kernels
+    except ImportError as exc:
+        return f"mlxgate-kernels is not installed ({exc}); `make env` builds it"
+    if not mlxgate_kernels.cpu_supported():
+        return "this CPU lacks AVX2, FMA or F16C"
+    return mlxgate_kernels
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot serve on this machine, or None when they can."""
+    found = _extension()
+    return found if isinstance(found, str) else None
+
+
+def extension() -> Any:
+    """The mlxgate_kernels module, where `unavailable()` is None."""
+    return _extension()
+
+
+def describe() -> str:
+    found = _extension()
+    if isinstance(found, str):
+        return f"MLX's own ({found})"
+    return f"mlxgate's AVX2 kernels ({found.threads()} threads)"
+
+
+@cache
+def _mlx_core_with_kernels() -> types.ModuleType:
+    """A copy of `mlx.core` whose quantized_matmul, fast.rms_norm and fast.rope are the kernels."""
+    extension = _extension()
+    fast = types.ModuleType(mx.fast.__name__)
+    fast.__dict__.update(vars(mx.fast))
+    fast.__dict__.update(rms_norm=extension.rms_norm, rope=extension.rope)
+    core = types.ModuleType(mx.__name__)
+    core.__dict__.update(vars(mx))
+    core.__dict__.update(fast=fast, quantized_matmul=extension.quantized_matmul)
+    return core
+
+
+def install(model: nn.Module) -> bool:
+    """Give `model`'s modules the matmul, norm and rope kernels; False (nothing changed) where
+    they cannot serve. (Its attention kernel: models/cpu/attention.py's `install`.)"""
+    if unavailable() is not None:
+        return False
+    return rebind.install(model, "mx", mx, _mlx_core_with_kernels())
+
+
+def installed(model: nn.Module) -> bool:
+    return unavailable() is None and rebind.installed(model, "mx", _mlx_core_with_kernels())
