@@ -42,9 +42,10 @@ SHUTTING_DOWN = "the server is shutting down"
 
 
 class FakeEngine:
-    """A `mlxgate.engine.Generator` standing in for mlxgate's Engine: admits every request and
-    steps all open streams back to back, each replaying the workload text from its own place.
-    The router ends each stream (at max_tokens: the text holds no end-of-turn token)."""
+    """A `mlxgate.engine.GenerationEngine` standing in for mlxgate's Engine: admits every
+    request and steps all open streams back to back, each replaying the workload text from its
+    own place. The router ends each stream (at max_tokens: the text holds no end-of-turn
+    token)."""
 
     def __init__(self, workload: Workload, router: Router, gate: int = 1) -> None:
         self.workload = workload
@@ -156,7 +157,7 @@ def create_app() -> App:
     engine = FakeEngine(workload, router, gate=int(os.environ.get(GATE_ENV, "1")))
     engine.start()
     renderer = chat.Renderer(workload.loaded.tokenizer)
-    # ServedModel takes a Generator: mypy checks FakeEngine against the protocol here.
+    # ServedModel takes a GenerationEngine: mypy checks FakeEngine against the protocol here.
     served = ServedModel(workload.loaded.name, engine, renderer, workload.loaded.context_length)
     return App(ModelRegistry.serving(served), Config.from_env())
 

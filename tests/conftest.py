@@ -14,6 +14,7 @@ import httpx2  # what the anthropic and openai SDKs are built on
 import pytest
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before any test module imports mlx.core)
+from mlxgate.api.reader import events as reader_events
 from mlxgate.bench.spawn import Server, free_port, mlxgate_command
 
 if TYPE_CHECKING:
@@ -214,10 +215,8 @@ def broken_render(*args: Any, **kwargs: Any) -> None:
 
 
 async def broken_after_first_frames(reader: Any) -> AsyncIterator[tuple[bytes, int]]:
-    """Stands in for `mlxgate.api.delivery.events`: a bug after the response's headers."""
-    from mlxgate.api.reader import events
-
-    async for taken in events(reader):
+    """Stands in for `mlxgate.api.reader.events`: a bug after the response's headers."""
+    async for taken in reader_events(reader):
         yield taken
         raise RuntimeError("a bug in the stream writer")
 

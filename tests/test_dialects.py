@@ -25,7 +25,7 @@ from conftest import (
     metric,
 )
 from mlxgate import chat
-from mlxgate.api import delivery
+from mlxgate.api import reader
 from mlxgate.engine import GenerationRequest
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -372,7 +372,7 @@ async def test_unexpected_errors_before_and_after_headers(
     dialect.error(before, "internal")
 
     with monkeypatch.context() as patch:
-        patch.setattr(delivery, "events", broken_after_first_frames)
+        patch.setattr(reader, "events", broken_after_first_frames)
         after = await _post(in_process, dialect, max_tokens=8, stream=True)
     assert after.status_code == 200
     assert after.text.startswith("id: 1\n" + dialect.first_line)

@@ -1,4 +1,5 @@
-"""mlxgate: a local LLM server for MLX models (Anthropic Messages and OpenAI Chat Completions)."""
+"""mlxgate: a local LLM server for MLX models (the Anthropic Messages, OpenAI Chat Completions and
+Responses APIs)."""
 
 import os as _os
 

@@ -33,7 +33,7 @@ from mlxgate.api.resumable import Resumable
 from mlxgate.api.routing import Route
 from mlxgate.api.service import ServiceAPI
 from mlxgate.config import Config
-from mlxgate.engine import Generator
+from mlxgate.engine import GenerationEngine
 from mlxgate.metrics import ModelsCollector
 from mlxgate.registry import ModelRegistry
 from mlxgate.served import ServedModel
@@ -119,7 +119,7 @@ class App:
         await self.asgi(scope, receive, send)
 
     @property
-    def engine(self) -> Generator:
+    def engine(self) -> GenerationEngine:
         """The default model's engine."""
         return self._default().engine
 

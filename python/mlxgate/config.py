@@ -152,7 +152,7 @@ class Config:
         "model",
         "what a request that leaves a sampling parameter unset gets: model: the model's own "
         "(its generation_config.json, a GGUF's general.sampling keys, the embedded model's "
-        "card), under the flags above and --models-config; server: the flags alone",
+        "table), under the flags above and --models-config; server: the flags alone",
         choices=("model", "server"),
     )
     engine: EngineSettings = field(default_factory=EngineSettings)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.registry import Collector
 
 from mlxgate import chat
-from mlxgate.engine import Generator, SamplingParams
+from mlxgate.engine import GenerationEngine, SamplingParams
 from mlxgate.specs import ModelSpec
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class ServedModel:
     """A loaded model: what answering a request needs."""
 
     name: str
-    engine: Generator
+    engine: GenerationEngine
     renderer: chat.Renderer
     context_length: int
     weights_bytes: int = 0  # as MLX holds them

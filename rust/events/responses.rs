@@ -59,30 +59,33 @@ const COMPACTION_PREFIX: &str = "mlxgate-compaction-v1.";
 
 /// The `encrypted_content` of a reasoning item: opaque to the client, the reasoning text to us.
 pub fn encrypted_reasoning(text: &str, out: &mut String) {
-    encrypt(ENCRYPTED_PREFIX, text, out);
+    opaque(ENCRYPTED_PREFIX, text, out);
 }
 
 /// The reasoning text an `encrypted_content` of ours carries; None for anything else.
 pub fn reasoning_from_encrypted(encrypted: &str) -> Option<String> {
-    decrypt(ENCRYPTED_PREFIX, encrypted)
+    from_opaque(ENCRYPTED_PREFIX, encrypted)
 }
 
 /// The `encrypted_content` of a compaction item: the summary, opaque to the client.
 pub fn encrypted_compaction(summary: &str, out: &mut String) {
-    encrypt(COMPACTION_PREFIX, summary, out);
+    opaque(COMPACTION_PREFIX, summary, out);
 }
 
 /// The summary a compaction item of ours carries; None for anything else.
 pub fn compaction_from_encrypted(encrypted: &str) -> Option<String> {
-    decrypt(COMPACTION_PREFIX, encrypted)
+    from_opaque(COMPACTION_PREFIX, encrypted)
 }
 
-fn encrypt(prefix: &str, text: &str, out: &mut String) {
+/// `text` made opaque to a client, not secret: our prefix, then the text in URL-safe base64 (the
+/// API calls the field `encrypted_content`; nothing here is encrypted).
+fn opaque(prefix: &str, text: &str, out: &mut String) {
     out.push_str(prefix);
     URL_SAFE_NO_PAD.encode_string(text, out);
 }
 
-fn decrypt(prefix: &str, encrypted: &str) -> Option<String> {
+/// The text `opaque` made into `encrypted`, if it carries our `prefix`.
+fn from_opaque(prefix: &str, encrypted: &str) -> Option<String> {
     let payload = encrypted.strip_prefix(prefix)?;
     String::from_utf8(URL_SAFE_NO_PAD.decode(payload).ok()?).ok()
 }

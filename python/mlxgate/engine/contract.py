@@ -177,7 +177,7 @@ class EngineStopped(AdmissionError):
         super().__init__("the engine is not running")
 
 
-class Generator(Protocol):
+class GenerationEngine(Protocol):
     """What the API needs of an engine (the real one, or a stand-in in tests and benchmarks)."""
 
     def admit(self, request: GenerationRequest) -> Reader:

@@ -83,27 +83,29 @@ class _Intake:
     state: list[int]  # rank 0's digest of its engine, to check the others' against
     preempted: list[int] = dataclasses.field(default_factory=list)
 
-    def plan(self) -> list[Any]:
-        taken = [_planned(pending) for pending in self.taken]
+    def encode(self) -> list[Any]:
+        taken = [_encoded_pending(pending) for pending in self.taken]
         return [self.running, taken, self.cancelled, self.stalled, self.state, self.preempted]
 
     @classmethod
-    def of(cls, plan: list[Any]) -> _Intake:
-        running, taken, cancelled, stalled, state, preempted = plan
-        return cls(running, [_following(p) for p in taken], cancelled, stalled, state, preempted)
+    def decode(cls, encoded: list[Any]) -> _Intake:
+        running, taken, cancelled, stalled, state, preempted = encoded
+        return cls(
+            running, [_decoded_pending(p) for p in taken], cancelled, stalled, state, preempted
+        )
 
 
-def _planned(pending: Pending) -> list[Any]:
+def _encoded_pending(pending: Pending) -> list[Any]:
     """What another rank needs of an admitted sequence (every choice of it)."""
     request = pending.request
     ids = [choice.stream_id for choice in pending.choices]
     return [ids, request.prompt_ids, request.max_tokens, pending.scaled, request.speculate]
 
 
-def _following(plan: list[Any]) -> Pending:
+def _decoded_pending(encoded: list[Any]) -> Pending:
     """Rank 0's admitted sequence on another rank: what its model calls need (no stream, no
     sampling: rank 0 samples)."""
-    ids, prompt_ids, max_tokens, scaled, speculate = plan
+    ids, prompt_ids, max_tokens, scaled, speculate = encoded
     request = GenerationRequest(
         prompt_ids, cast(StreamSpec, None), max_tokens, speculate=speculate, choices=len(ids)
     )
@@ -112,23 +114,23 @@ def _following(plan: list[Any]) -> Pending:
     return lead
 
 
-def _drafts_plan(drafts: Drafts | None) -> list[Any] | None:
+def _encode_drafts(drafts: Drafts | None) -> list[Any] | None:
     return None if drafts is None else [drafts.counts.tolist(), drafts.tokens.tolist()]
 
 
-def _drafts_of(plan: list[Any] | None) -> Drafts | None:
-    if plan is None:
+def _decode_drafts(encoded: list[Any] | None) -> Drafts | None:
+    if encoded is None:
         return None
-    return Drafts(np.array(plan[0], dtype=np.int64), np.array(plan[1], dtype=np.int64))
+    return Drafts(np.array(encoded[0], dtype=np.int64), np.array(encoded[1], dtype=np.int64))
 
 
-def _step_plan(step: tuple[np.ndarray, np.ndarray, list[int], list[int]]) -> list[Any]:
+def _encode_step(step: tuple[np.ndarray, np.ndarray, list[int], list[int]]) -> list[Any]:
     tokens, kept, finished, cancelled = step
     return [tokens.tolist(), kept.tolist(), finished, cancelled]
 
 
-def _step_of(plan: list[Any]) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
-    tokens, kept, finished, cancelled = plan
+def _decode_step(encoded: list[Any]) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
+    tokens, kept, finished, cancelled = encoded
     return np.array(tokens, dtype=np.uint32), np.array(kept, dtype=np.int64), finished, cancelled
 
 
@@ -152,9 +154,9 @@ def _choice(request: GenerationRequest, index: int) -> GenerationRequest:
 
 
 class Engine:
-    """Owns the model on one thread; implements `Generator`. `admit` returns a stream reader at
-    once and never blocks. The router decides when each stream ends; the engine drops the rows
-    it reports."""
+    """Owns the model on one thread; implements `GenerationEngine`. `admit` returns a stream
+    reader at once and never blocks. The router decides when each stream ends; the engine drops
+    the rows it reports."""
 
     def __init__(
         self,
@@ -563,7 +565,9 @@ class Engine:
         or stopped reading, keep the KV memory budget; False once the engine stops. (With ranks,
         rank 0 decides and the others are told, in one share, with its state to check theirs.)"""
         state = self._digest() if self.lockstep.ranks > 1 else []
-        intake = self.lockstep.share(lambda: self._decide_intake(state), _Intake.plan, _Intake.of)
+        intake = self.lockstep.share(
+            lambda: self._decide_intake(state), _Intake.encode, _Intake.decode
+        )
         if intake.state != state:
             raise RanksDiverged(
                 f"rank {self.lockstep.rank}'s engine state {state} is not rank 0's "
@@ -635,7 +639,7 @@ class Engine:
         drafts = None
         if speculation is not None and len(batch) <= self.settings.speculation_max_rows:
             drafts = self.lockstep.share(
-                lambda: speculation.drafts(batch.stream_ids), _drafts_plan, _drafts_of
+                lambda: speculation.drafts(batch.stream_ids), _encode_drafts, _decode_drafts
             )
         slot_ids = batch.stream_ids
         scaled, deltas = self._scaled_rows(), self._rope_deltas()
@@ -650,7 +654,10 @@ class Engine:
             sample = functools.partial(self._sample_positions, logits, drafts)
         took = functools.partial(self._took, slot_ids, drafts)
         tokens, kept, finished, cancelled = self.lockstep.share(
-            lambda: self._emit(slot_ids, *took(*sample())), _step_plan, _step_of, evaluated=logits
+            lambda: self._emit(slot_ids, *took(*sample())),
+            _encode_step,
+            _decode_step,
+            evaluated=logits,
         )
         if not self.lockstep.leader:
             took(tokens, kept)
