@@ -19,7 +19,11 @@ pub enum CoreError {
         stream_ids: usize,
         token_ids: usize,
     },
-    UnknownToolFormat(String),
+    /// A tool-call format no parser has, and the names of those there are.
+    UnknownToolFormat {
+        name: String,
+        known: Vec<&'static str>,
+    },
     EmptyThinkTag,
     UnknownCompletionKind(String),
     UnknownErrorKind(String),
@@ -54,11 +58,10 @@ impl fmt::Display for CoreError {
                 f,
                 "step arguments differ in length: {stream_ids} stream ids, {token_ids} token ids"
             ),
-            Self::UnknownToolFormat(format) => {
-                write!(f, "unknown tool call format {format:?} (expected ")?;
-                let names = crate::markup::format_names();
-                let last = names.len().saturating_sub(1);
-                for (i, name) in names.enumerate() {
+            Self::UnknownToolFormat { name, known } => {
+                write!(f, "unknown tool call format {name:?} (expected ")?;
+                let last = known.len().saturating_sub(1);
+                for (i, name) in known.iter().enumerate() {
                     let sep = match i {
                         0 => "",
                         _ if i == last => " or ",

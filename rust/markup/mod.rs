@@ -57,7 +57,10 @@ fn syntax_named(name: &str) -> Result<&'static ToolSyntax, CoreError> {
         .iter()
         .copied()
         .find(|syntax| syntax.name == name)
-        .ok_or_else(|| CoreError::UnknownToolFormat(name.to_owned()))
+        .ok_or_else(|| CoreError::UnknownToolFormat {
+            name: name.to_owned(),
+            known: format_names().collect(),
+        })
 }
 
 /// A tool-call format: its name, where its markup starts, and the state that parses the markup.
