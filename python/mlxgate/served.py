@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.registry import Collector
 
-from mlxgate import chat
 from mlxgate.engine import GenerationEngine, SamplingParams
 from mlxgate.specs import ModelSpec
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (types only: `mlxgate --help` and granian's main process load no MLX)
+    from mlxgate import chat
     from mlxgate.api.vision_prompts import VisionPrompts
 
 
