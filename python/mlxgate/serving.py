@@ -8,6 +8,7 @@ serves through here; so does each rank of a model across processes (`serve_model
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -122,14 +123,11 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
     )
     draft = None
     if spec.draft_model is not None:
-        draft = models.load(
-            spec.draft_model,
-            trust_remote_code=config.trust_remote_code,
-            context_length=loaded.context_length,
-            rope_scaling=spec.rope_scaling,
-            weights=config.weights,
-            cpu_kernels=not config.no_cpu_kernels,
+        # At the served model's context, so that its guesses reach as far.
+        draft_spec = dataclasses.replace(
+            spec, source=spec.draft_model, context_length=loaded.context_length
         )
+        draft = load_model(draft_spec, config)
         check_vocabularies(tokenizer.token_strings(), draft.tokenizer.token_strings())
         log.info(
             "draft model %s: %s, %s",

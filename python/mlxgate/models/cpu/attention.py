@@ -24,8 +24,9 @@ tokens of context that attention took 5.5 ms of a layer's ~12 ms. Here it is wri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -113,12 +114,8 @@ def scaled_dot_product_attention(
     """mlx-lm's `scaled_dot_product_attention` in MLX ops without MLX's `exp` (mlx-lm's own
     where that does not pay off or apply)."""
     if isinstance(cache, Banded):
-        # Its update_and_fetch and make_mask gave one keys, values and mask per band.
-        bands = zip(
-            cache.split(queries), keys, values, cache.bands, cast(list[Any], mask), strict=True
-        )
-        return mx.concatenate(
-            [scaled_dot_product_attention(q, k, v, c, scale, m, sinks) for q, k, v, c, m in bands]
+        return _band_by_band(
+            scaled_dot_product_attention, queries, keys, values, cache, scale, mask, sinks
         )
     batch, heads, n, head_dim = queries.shape
     if (
@@ -162,12 +159,7 @@ def kernel_attention(
     """mlx-lm's `scaled_dot_product_attention` with the kernel; a row whose keys are all masked
     (a padded slot) gives zeros, as `scaled_dot_product_attention`'s does."""
     if isinstance(cache, Banded):
-        # Its update_and_fetch and make_mask gave one keys, values and mask per band.
-        masks = cast(list[Any], mask)
-        bands = zip(cache.split(queries), keys, values, cache.bands, masks, strict=True)
-        return mx.concatenate(
-            [kernel_attention(q, k, v, c, scale, m, sinks) for q, k, v, c, m in bands]
-        )
+        return _band_by_band(kernel_attention, queries, keys, values, cache, scale, mask, sinks)
     extension = kernels.extension()
     if (
         sinks is not None
@@ -182,6 +174,22 @@ def kernel_attention(
     return extension.scaled_dot_product_attention(  # type: ignore[no-any-return]
         queries, keys, values, scale=scale, mask=mask
     )
+
+
+def _band_by_band(
+    attention: Callable[..., mx.array],
+    queries: mx.array,
+    keys: Any,
+    values: Any,
+    cache: Banded,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None,
+) -> mx.array:
+    """`attention` over a banded cache, band by band: its update_and_fetch and make_mask gave one
+    keys, values and mask per band."""
+    bands = zip(cache.split(queries), keys, values, cache.bands, mask, strict=True)
+    return mx.concatenate([attention(q, k, v, c, scale, m, sinks) for q, k, v, c, m in bands])
 
 
 def _masked(scores: mx.array, mask: mx.array | str, n: int, t: int) -> mx.array:
