@@ -281,6 +281,30 @@ def rank_process(launcher: RunningServer, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under {launcher.pid}")
 
 
+def test_a_rank_that_starts_late_still_joins(
+    models: Models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 starts 20 s after rank 1 (a busy machine; MLX's ring alone gives 15 s): the ranks
+    wait for each other before they join, and the group serves."""
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "if os.environ.get('MLX_RANK') == '0' and not os.environ.get('LATE_ALREADY'):\n"
+        "    os.environ['LATE_ALREADY'] = '1'\n"
+        "    time.sleep(20)\n"
+    )
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(late), os.environ.get("PYTHONPATH")]))
+    )
+    server = served(tmp_path, models["llama"], "--ranks", "2")
+    try:
+        assert ask(server, conversation(0))["choices"][0]["message"]["content"]
+        assert metric(server, "mlxgate_ranks") == 2
+    finally:
+        stop_server(server)
+
+
 @pytest.mark.parametrize("fault", ["killed", "stalled"])
 def test_a_dead_or_stalled_rank_fails_the_server_within_ten_seconds(
     fault: str, models: Models, tmp_path: Path

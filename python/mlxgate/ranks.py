@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -56,6 +57,9 @@ FOLLOWER_MIN_S = 60.0
 STOP_AFTER_S = 5.0
 # `--ranks N`: the launcher's pid, in each rank it starts (which ends when the launcher does).
 LAUNCHER_PID = "MLXGATE_LAUNCHER_PID"
+# `--ranks N`: the directory where each rank says it is about to join (see `wait_for_peers`).
+READY_DIR = "MLXGATE_RANKS_READY_DIR"
+READY_POLL_S = 0.05
 
 
 # Why this rank's group failed, once it has (rank 0's /health says it).
@@ -90,8 +94,25 @@ def group() -> mx.distributed.Group | None:
         return None
     import mlx.core as mx
 
+    wait_for_peers()
     joined = mx.distributed.init(strict=True)
     return joined if joined.size() > 1 else None
+
+
+def wait_for_peers() -> None:
+    """With `--ranks N`, join only once every rank is ready to. MLX's ring gives the last rank
+    15 s to find rank 0 listening, and the others as long to find the next: a rank that starts
+    slowly (rank 0 starts granian first; a busy machine) would fail the group before it formed.
+    Each rank leaves a file in the launcher's directory and waits for all N; a rank that dies
+    first ends the launch (`launch_local`), and with it this one."""
+    directory = os.environ.get(READY_DIR)
+    if not directory:
+        return
+    with open(os.environ["MLX_HOSTFILE"]) as hostfile:
+        size = len(json.load(hostfile))
+    open(os.path.join(directory, f"rank-{rank_of_process()}"), "w").close()
+    while len(os.listdir(directory)) < size:
+        time.sleep(READY_POLL_S)
 
 
 def check_config(config: Config) -> None:
@@ -227,18 +248,19 @@ def launch_local(ranks: int, argv: list[str]) -> int:
     whatever its ranks did).
     """
     ports = _free_ports(ranks)
-    with tempfile.NamedTemporaryFile(
-        "w", suffix=".json", prefix="mlxgate-ranks-", delete=False
-    ) as f:
+    shared = tempfile.mkdtemp(prefix="mlxgate-ranks-")
+    hostfile = os.path.join(shared, "hosts.json")
+    with open(hostfile, "w") as f:
         json.dump([[f"127.0.0.1:{port}"] for port in ports], f)
+    ready = os.path.join(shared, "ready")
+    os.mkdir(ready)
     command = [sys.executable, "-m", "mlxgate", *argv]
     # The ranks share this machine's cores: each computes on its share of them.
     threads = str(max(1, (os.cpu_count() or 1) // ranks))
     env = {"MLXGATE_KERNEL_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, **os.environ}
-    env[LAUNCHER_PID] = str(os.getpid())
+    env.update({LAUNCHER_PID: str(os.getpid()), "MLX_HOSTFILE": hostfile, READY_DIR: ready})
     processes = [
-        subprocess.Popen(command, env={**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": f.name})
-        for rank in range(ranks)
+        subprocess.Popen(command, env={**env, "MLX_RANK": str(rank)}) for rank in range(ranks)
     ]
 
     def forward(signum: int, frame: Any) -> None:
@@ -260,7 +282,7 @@ def launch_local(ranks: int, argv: list[str]) -> int:
                     if process.poll() is None:
                         process.kill()
     finally:
-        os.unlink(f.name)
+        shutil.rmtree(shared, ignore_errors=True)
     for rank, process in enumerate(processes):
         if process.returncode:
             print(f"mlxgate: rank {rank} exited with {process.returncode}", file=sys.stderr)
