@@ -27,7 +27,7 @@ from pure_python_stream import PyRouter, mlx_lm_tokenizer
 from stream_server import IDLE_FROM, STEPPING_FROM
 from stream_workload import Workload, load_workload
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate._native import ErrorKind, Reader, Router
 from mlxgate.app import App
 from mlxgate.config import Config
@@ -156,7 +156,7 @@ def create_app() -> App:
         router = cast(Router, PyRouter(mlx_lm_tokenizer(workload.loaded.tokenizer)))
     engine = FakeEngine(workload, router, gate=int(os.environ.get(GATE_ENV, "1")))
     engine.start()
-    renderer = chat.Renderer(workload.loaded.tokenizer)
+    renderer = prompts.Renderer(workload.loaded.tokenizer)
     # ServedModel takes a GenerationEngine: mypy checks FakeEngine against the protocol here.
     served = ServedModel(workload.loaded.name, engine, renderer, workload.loaded.context_length)
     return App(ModelRegistry.serving(served), Config.from_env())

@@ -210,7 +210,7 @@ def in_process() -> Iterator[InProcessServer]:
 
 
 def broken_render(*args: Any, **kwargs: Any) -> None:
-    """Stands in for `mlxgate.chat.Renderer.render`: a bug before the response's headers."""
+    """Stands in for `mlxgate.prompts.Renderer.render`: a bug before the response's headers."""
     raise RuntimeError("a bug in rendering")
 
 

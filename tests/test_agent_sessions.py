@@ -14,7 +14,7 @@ import pytest
 import sessions
 from conftest import RunningServer, start_server, stop_server
 from forced import forced_model_dir, serve_args, tokenizer
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api.anthropic import requests as anthropic
 from mlxgate.api.responses import requests as responses
 from mlxgate.bench.replay import replay
@@ -143,7 +143,7 @@ def test_codex_compacts_mid_turn_and_the_session_goes_on(tmp_path: Path) -> None
     print_shares("Codex, live:", rows)
 
 
-def prompt_ids(renderer: chat.Renderer, turn: Turn) -> list[int]:
+def prompt_ids(renderer: prompts.Renderer, turn: Turn) -> list[int]:
     """The prompt the server renders for a recorded turn (its dialect's own conversion)."""
     if turn.path == "/v1/messages":
         request = anthropic.MessagesRequest.model_validate(turn.body)
@@ -188,17 +188,17 @@ def test_a_recorded_session_replays_from_the_prefix_cache(agent: str, tmp_path: 
     assert [r.index for r in records] == [t.turn for t in turns]
     assert all(r.ok for r in records), [r.error for r in records]
 
-    renderer = chat.Renderer(tokenizer(MODELS[agent][0]))
-    prompts = [prompt_ids(renderer, turn) for turn in turns]
+    renderer = prompts.Renderer(tokenizer(MODELS[agent][0]))
+    sent = [prompt_ids(renderer, turn) for turn in turns]
     # The turns Claude Code rewrites (the server's own summary instruction, which Codex's
     # compaction gets, is ~100 tokens).
     rewritten = {"after the compaction", "compaction"} if agent == "claude-code" else set()
     rows = []
     kind = ""
-    for number, (turn, record, prompt) in enumerate(zip(turns, records, prompts, strict=True)):
+    for number, (turn, record, prompt) in enumerate(zip(turns, records, sent, strict=True)):
         assert record.input_tokens == len(prompt), "the server renders the prompt as here"
         cached = record.cached_tokens or 0
-        reusable = shared(prompt, prompts[:number])
+        reusable = shared(prompt, sent[:number])
         kind = (
             "compaction"
             if compacting(turn)

@@ -24,7 +24,7 @@ from conftest import (
     last_frames,
     metric,
 )
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api import reader
 from mlxgate.engine import GenerationRequest
 
@@ -366,7 +366,7 @@ async def test_unexpected_errors_before_and_after_headers(
     dialect: Dialect, in_process: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with monkeypatch.context() as patch:
-        patch.setattr(chat.Renderer, "render", broken_render)
+        patch.setattr(prompts.Renderer, "render", broken_render)
         before = await _post(in_process, dialect, max_tokens=8)
     assert before.status_code == 500
     dialect.error(before, "internal")

@@ -36,7 +36,7 @@ from forced import (
     serve_args,
     tokenizer,
 )
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api.anthropic.requests import MessagesRequest, conversation
 from mlxgate.models import load
 
@@ -81,14 +81,14 @@ QWEN3_SCRIPTS = [
 def generate(model_dir: Path, messages: list[dict[str, Any]], max_tokens: int = 80) -> str:
     """Greedy text from mlx-lm's own generation loop (no mlxgate engine)."""
     loaded = load(str(model_dir), trust_remote_code=True)
-    chat = loaded.tokenizer
+    chat_tokenizer = loaded.tokenizer
     out: list[int] = []
-    prompt = mx.array(chat.encode(chat.render(messages)))
+    prompt = mx.array(chat_tokenizer.encode(chat_tokenizer.render(messages)))
     for token, _ in generate_step(prompt, loaded.model, max_tokens=max_tokens):
         out.append(int(token))
-        if out[-1] in chat.eos_ids:
+        if out[-1] in chat_tokenizer.eos_ids:
             break
-    return str(chat.tokenizer.decode(out, skip_special_tokens=False))
+    return str(chat_tokenizer.tokenizer.decode(out, skip_special_tokens=False))
 
 
 def test_mlx_lm_generates_the_script_picked_by_the_conversation(tmp_path: Path) -> None:
@@ -124,9 +124,9 @@ def test_rows_of_a_padded_batch_each_follow_their_own_history(tmp_path: Path, ba
 
     model_dir = forced_model_dir(tmp_path, "qwen3", QWEN3_SCRIPTS)
     model = load(str(model_dir), trust_remote_code=True).model
-    chat = tokenizer("qwen3")
+    chat_tokenizer = tokenizer("qwen3")
     prompts = [
-        chat.encode(chat.render([{"role": "user", "content": text}]))
+        chat_tokenizer.encode(chat_tokenizer.render([{"role": "user", "content": text}]))
         for text in ("apple", "banana split " * 20, "Run the tool", "hi")
     ]
     rows = []
@@ -142,7 +142,7 @@ def test_rows_of_a_padded_batch_each_follow_their_own_history(tmp_path: Path, ba
     logits = model(mx.array([[p[-1]] for p in prompts]), cache=cache)
     expected = [model.next_token(p) for p in prompts]
     assert mx.argmax(logits[:, -1], axis=-1).tolist() == expected
-    assert chat.decode(expected) == chat.decode(
+    assert chat_tokenizer.decode(expected) == chat_tokenizer.decode(
         [encode("qwen3", text)[0] for text in ("Apples", "Bananas", "<tool_call>", "Hello")]
     )
 
@@ -151,7 +151,7 @@ def test_rows_of_a_padded_batch_each_follow_their_own_history(tmp_path: Path, ba
 def test_bash_call_is_what_the_template_renders_for_a_call(family: str) -> None:
     """The call `bash_call` scripts (its reasoning included, where the template keeps it), and
     the tool-result trigger, are the family's own."""
-    renderer = chat.Renderer(tokenizer(family))
+    renderer = prompts.Renderer(tokenizer(family))
     command = 'echo "a <b>" > out.txt'
     messages: list[MessageParam] = [
         {"role": "user", "content": "go"},
@@ -237,11 +237,11 @@ def vocab_cases(name: str) -> list[tuple[str, list[int]]]:
 
 
 def test_qwen3_vocabulary_encodes_as_the_reference_tokenizer() -> None:
-    chat = tokenizer("qwen3")
+    chat_tokenizer = tokenizer("qwen3")
     cases = vocab_cases("ggml-vocab-qwen2.gguf")
     assert len(cases) > 40
     for text, ids in cases:
-        assert chat.encode(text) == ids, text
+        assert chat_tokenizer.encode(text) == ids, text
 
 
 @pytest.fixture(scope="module")

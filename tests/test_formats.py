@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from mlxgate import chat, formats
+from mlxgate import formats, prompts
 from mlxgate.api.anthropic.requests import MessagesRequest
 from mlxgate.api.anthropic.requests import conversation as anthropic_conversation
 from mlxgate.engine.constraints import Grammar, Vocabulary
@@ -213,11 +213,11 @@ def family(request: pytest.FixtureRequest) -> Family:
     return FAMILIES[request.param]
 
 
-def renderer(family: Family) -> chat.Renderer:
-    return chat.Renderer(tokenizer(family))
+def renderer(family: Family) -> prompts.Renderer:
+    return prompts.Renderer(tokenizer(family))
 
 
-def request(*turns: dict[str, Any], **body: Any) -> chat.Conversation:
+def request(*turns: dict[str, Any], **body: Any) -> prompts.Conversation:
     """An Anthropic request as Claude Code sends it: billing header, system, all tools."""
     payload = {
         "model": "m",
@@ -292,7 +292,7 @@ def native_tools() -> list[dict[str, Any]]:
 
 
 def test_every_fixture_is_detected(family: Family) -> None:
-    fmt = chat.ChatFormat.detect((TEMPLATES / family.template).read_text())
+    fmt = prompts.ChatFormat.detect((TEMPLATES / family.template).read_text())
     assert (fmt.tool_format.NAME, fmt.reasoning.name) == (family.tool_format, family.reasoning)
 
 
@@ -386,7 +386,7 @@ def test_parallel_calls_and_error_results_render(family: Family) -> None:
 
 def test_overrides_name_the_formats() -> None:
     family = FAMILIES["qwen3_coder"]
-    r = chat.Renderer(tokenizer(family), tool_format="hermes", reasoning_format="think")
+    r = prompts.Renderer(tokenizer(family), tool_format="hermes", reasoning_format="think")
     assert (r.format.tool_format.NAME, r.format.reasoning.name) == ("hermes", "think")
     prompt = r.render(request(tool_choice={"type": "tool", "name": "Bash"}))
     assert prompt.text.endswith(formats.hermes.forced_opening("Bash"))
@@ -395,7 +395,7 @@ def test_overrides_name_the_formats() -> None:
 def test_arguments_go_as_objects_or_as_json_text_as_the_template_reads_them() -> None:
     prints = "{% for m in messages %}{% for c in m.tool_calls or [] %}[{{ c.function.arguments }}]"
     prints += "{% endfor %}{% endfor %}{{ (tools or []) | length }}"
-    r = chat.Renderer(ChatTokenizer(tokenizer(FAMILIES["qwen3_coder"]).tokenizer, prints,
+    r = prompts.Renderer(ChatTokenizer(tokenizer(FAMILIES["qwen3_coder"]).tokenizer, prints,
                                     "byte_level", frozenset({0})))  # fmt: skip
     assert r.arguments_as_json
     text = r.render(request(ASSISTANT_CALL, TOOL_RESULT)).text
@@ -411,7 +411,7 @@ def test_a_forced_calls_grammar_admits_exactly_the_calls_the_schema_allows(famil
     vocabulary = Vocabulary(r.tokenizer.tokenizer, [0])
     width = r.tokenizer.vocab_size
 
-    def admits(prompt: chat.Prompt, call: str) -> bool:
+    def admits(prompt: prompts.Prompt, call: str) -> bool:
         """Whether the grammar takes what follows the forced opening (without any reasoning the
         prefill holds before it)."""
         assert prompt.call_grammar is not None

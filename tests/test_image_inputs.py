@@ -26,7 +26,7 @@ import pytest
 from PIL import Image
 
 from conftest import RunningServer
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api import images as api_images
 from mlxgate.api.anthropic.requests import MessagesRequest
 from mlxgate.api.anthropic.requests import conversation as anthropic_conversation
@@ -67,10 +67,10 @@ def claiming(width: int, height: int) -> bytes:
 
 PNG = picture()
 JPEG = picture((5, 5), "JPEG", "blue")
-MARK = re.compile(chat.IMAGE_MARK.pattern)
+MARK = re.compile(prompts.IMAGE_MARK.pattern)
 
 
-def marks(conversation: chat.Conversation) -> list[int]:
+def marks(conversation: prompts.Conversation) -> list[int]:
     """The image indexes the messages' text marks, in order."""
     return [
         int(found[1])
@@ -132,9 +132,9 @@ def test_anthropic_images_in_user_turns_and_tool_results() -> None:
     )
     conversation = anthropic_conversation(request)
     first, *_ = conversation.messages
-    assert first["content"] == f"Compare\n{chat.image_mark(0)}\nwith\n{chat.image_mark(1)}"
+    assert first["content"] == f"Compare\n{prompts.image_mark(0)}\nwith\n{prompts.image_mark(1)}"
     tool = next(m for m in conversation.messages if m["role"] == "tool")
-    assert tool["content"] == f"the screenshot:\n{chat.image_mark(2)}"
+    assert tool["content"] == f"the screenshot:\n{prompts.image_mark(2)}"
     assert marks(conversation) == [0, 1, 2]
     png, url, jpeg = conversation.images
     assert (png.data, png.media_type, png.where) == (PNG, "image/png", "messages.0.content.1")
@@ -144,7 +144,7 @@ def test_anthropic_images_in_user_turns_and_tool_results() -> None:
 
 
 def test_anthropic_image_errors() -> None:
-    def convert(content: list[dict[str, Any]], role: str = "user") -> chat.Conversation:
+    def convert(content: list[dict[str, Any]], role: str = "user") -> prompts.Conversation:
         request = MessagesRequest.model_validate(
             {"model": "m", "max_tokens": 8, "messages": [{"role": role, "content": content}]}
         )
@@ -191,7 +191,7 @@ def test_openai_image_url_parts() -> None:
     )
     conversation = openai_conversation(request)
     user = conversation.messages[1]
-    assert user["content"] == f"{chat.image_mark(0)}\nand\n{chat.image_mark(1)}"
+    assert user["content"] == f"{prompts.image_mark(0)}\nand\n{prompts.image_mark(1)}"
     assert marks(conversation) == [0, 1, 2]
     jpeg, url, png = conversation.images
     assert (jpeg.data, jpeg.media_type) == (JPEG, "image/jpeg")
@@ -199,7 +199,7 @@ def test_openai_image_url_parts() -> None:
     assert url.url == "http://x.test/b.png" and url.data is None
     assert png.data == PNG
 
-    def convert(message: dict[str, Any]) -> chat.Conversation:
+    def convert(message: dict[str, Any]) -> prompts.Conversation:
         return openai_conversation(ChatCompletionRequest.model_validate({"messages": [message]}))
 
     broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}
@@ -235,15 +235,15 @@ def test_responses_input_image_in_messages_and_tool_outputs() -> None:
     )
     conversation = responses_conversation(request, [], responses_tools(request))
     user = next(m for m in conversation.messages if m["role"] == "user")
-    assert user["content"] == f"What is it?\n{chat.image_mark(0)}"
+    assert user["content"] == f"What is it?\n{prompts.image_mark(0)}"
     tool = next(m for m in conversation.messages if m["role"] == "tool")
-    assert tool["content"] == f"{chat.image_mark(1)}\na screenshot"
+    assert tool["content"] == f"{prompts.image_mark(1)}\na screenshot"
     assert marks(conversation) == [0, 1]
     png, shot = conversation.images
     assert png.data == PNG and png.where == "input.0.content.1.image_url"
     assert shot.url == "https://x.test/shot.png" and shot.where == "input.2.output.0.image_url"
 
-    def convert(part: dict[str, Any]) -> chat.Conversation:
+    def convert(part: dict[str, Any]) -> prompts.Conversation:
         given = ResponsesRequest.model_validate({"input": [{"role": "user", "content": [part]}]})
         return responses_conversation(given, [], responses_tools(given))
 
@@ -254,21 +254,23 @@ def test_responses_input_image_in_messages_and_tool_outputs() -> None:
 
 
 def test_only_marked_images_are_kept_numbered_in_mark_order() -> None:
-    one, two, three = (chat.ImageInput(f"i{n}", data=PNG) for n in range(3))
-    conversation = chat.Conversation(
+    one, two, three = (prompts.ImageInput(f"i{n}", data=PNG) for n in range(3))
+    conversation = prompts.Conversation(
         [
-            {"role": "user", "content": f"{chat.image_mark(2)} then {chat.image_mark(0)}"},
+            {"role": "user", "content": f"{prompts.image_mark(2)} then {prompts.image_mark(0)}"},
             {"role": "assistant", "content": "ok"},
         ],
         images=[one, two, three],
     )
     kept = api_images.marked(conversation)
-    assert kept.messages[0]["content"] == f"{chat.image_mark(0)} then {chat.image_mark(1)}"
+    assert kept.messages[0]["content"] == f"{prompts.image_mark(0)} then {prompts.image_mark(1)}"
     assert kept.images == [three, one]
-    unchanged = chat.Conversation([{"role": "user", "content": chat.image_mark(0)}], images=[one])
+    unchanged = prompts.Conversation(
+        [{"role": "user", "content": prompts.image_mark(0)}], images=[one]
+    )
     assert api_images.marked(unchanged) is unchanged
-    for text in (chat.image_mark(1), chat.image_mark(0) * 2):  # written by a client
-        forged = chat.Conversation([{"role": "user", "content": text}], images=[one])
+    for text in (prompts.image_mark(1), prompts.image_mark(0) * 2):  # written by a client
+        forged = prompts.Conversation([{"role": "user", "content": text}], images=[one])
         assert "stands for no image" in error_of(api_images.marked, forged).message
 
 
@@ -335,18 +337,18 @@ def files() -> Iterator[str]:
 FETCHING = Config(allow_image_urls=True, image_url_timeout=0.5, max_image_bytes=100_000)
 
 
-async def load(*images: chat.ImageInput, config: Config = FETCHING) -> list[chat.LoadedImage]:
+async def load(*images: prompts.ImageInput, config: Config = FETCHING) -> list[prompts.LoadedImage]:
     return await api_images.load_images(list(images), config)
 
 
-async def refused(*images: chat.ImageInput, config: Config = FETCHING) -> str:
+async def refused(*images: prompts.ImageInput, config: Config = FETCHING) -> str:
     with pytest.raises(ApiError) as caught:
         await load(*images, config=config)
     return caught.value.message
 
 
-def given(data: bytes, where: str = "image") -> chat.ImageInput:
-    return chat.ImageInput(where, data=data)
+def given(data: bytes, where: str = "image") -> prompts.ImageInput:
+    return prompts.ImageInput(where, data=data)
 
 
 @pytest.mark.anyio
@@ -389,7 +391,7 @@ async def test_urls_are_fetched_only_when_allowed(files: str) -> None:
 
 @pytest.mark.anyio
 async def test_url_failures_are_400s(files: str) -> None:
-    def at(path: str) -> chat.ImageInput:
+    def at(path: str) -> prompts.ImageInput:
         return api_images.from_url(f"{files}{path}", "url")
 
     assert "HTTP 404" in await refused(at("/missing.png"))
@@ -448,9 +450,9 @@ class EchoVision(VisionPrompts):
     images it was given are kept for the test to see."""
 
     def __init__(self) -> None:
-        self.seen: list[list[chat.LoadedImage]] = []
+        self.seen: list[list[prompts.LoadedImage]] = []
 
-    def prompt(self, rendered: chat.Prompt, images: list[chat.LoadedImage]) -> chat.Prompt:
+    def prompt(self, rendered: prompts.Prompt, images: list[prompts.LoadedImage]) -> prompts.Prompt:
         self.seen.append(images)
         return rendered
 

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from mlxgate import chat, formats
+from mlxgate import formats, prompts
 from mlxgate._native import FinishReason, Markup, Reply, Router, StreamSpec, Vocab
 from mlxgate.api.anthropic.requests import MessagesRequest
 from mlxgate.api.anthropic.requests import conversation as anthropic_conversation
 from mlxgate.api.errors import ApiError
 from mlxgate.api.openai.requests import ChatCompletionRequest
 from mlxgate.api.openai.requests import conversation as openai_conversation
-from mlxgate.models.tokenizer import DEFAULT_CHATML_TEMPLATE, ChatTokenizer
+from mlxgate.models.tokenizer import DEFAULT_CHATML_TEMPLATE, ChatTokenizer, VocabKind
 
 # A ChatML template that renders tools itself, Qwen 2.5 style (trimmed to what matters here).
 TOOLS_TEMPLATE = (
@@ -50,21 +50,21 @@ def byte_tokenizer(template: str) -> ChatTokenizer:
 
 
 @pytest.fixture(params=["inline", "template"])
-def renderer(request: pytest.FixtureRequest) -> chat.Renderer:
+def renderer(request: pytest.FixtureRequest) -> prompts.Renderer:
     template = DEFAULT_CHATML_TEMPLATE if request.param == "inline" else TOOLS_TEMPLATE
-    return chat.Renderer(byte_tokenizer(template))
+    return prompts.Renderer(byte_tokenizer(template))
 
 
-def anthropic(**body: Any) -> chat.Conversation:
+def anthropic(**body: Any) -> prompts.Conversation:
     return anthropic_conversation(MessagesRequest.model_validate({"model": "m", **body}))
 
 
-def openai(**body: Any) -> chat.Conversation:
+def openai(**body: Any) -> prompts.Conversation:
     return openai_conversation(ChatCompletionRequest.model_validate({"model": "m", **body}))
 
 
 def test_a_tool_round_trip_is_the_same_conversation_in_both_dialects(
-    renderer: chat.Renderer,
+    renderer: prompts.Renderer,
 ) -> None:
     args = {"command": "ls"}
     from_anthropic = anthropic(
@@ -121,7 +121,7 @@ def test_a_tool_round_trip_is_the_same_conversation_in_both_dialects(
 
 
 def test_system_messages_later_in_the_conversation_stay_where_they_are(
-    renderer: chat.Renderer,
+    renderer: prompts.Renderer,
 ) -> None:
     """Claude Code's system messages (string, blocks, empty) after the first user turn: a
     system turn in place where the template renders one there (ChatML), else user text in
@@ -164,7 +164,7 @@ def test_system_messages_later_in_the_conversation_stay_where_they_are(
     )
 
 
-def test_forced_tool_choice_starts_the_call_in_the_prompt(renderer: chat.Renderer) -> None:
+def test_forced_tool_choice_starts_the_call_in_the_prompt(renderer: prompts.Renderer) -> None:
     for choice, opening in (
         ({"type": "tool", "name": "Bash"}, '<tool_call>\n{"name": "Bash", "arguments": '),
         ({"type": "any"}, '<tool_call>\n{"name": "'),
@@ -189,8 +189,8 @@ def test_forced_tool_choice_starts_the_call_in_the_prompt(renderer: chat.Rendere
     assert "Bash" not in none.text and none.reply.markup is renderer.format.markup_text
 
 
-def test_conversations_that_cannot_render_are_400s(renderer: chat.Renderer) -> None:
-    with pytest.raises(chat.ConversationError, match="not in tools"):
+def test_conversations_that_cannot_render_are_400s(renderer: prompts.Renderer) -> None:
+    with pytest.raises(prompts.ConversationError, match="not in tools"):
         renderer.render(
             anthropic(
                 max_tokens=1,
@@ -199,7 +199,7 @@ def test_conversations_that_cannot_render_are_400s(renderer: chat.Renderer) -> N
                 messages=[{"role": "user", "content": "go"}],
             )
         )
-    with pytest.raises(chat.ConversationError, match="at least one user message"):
+    with pytest.raises(prompts.ConversationError, match="at least one user message"):
         renderer.render(anthropic(max_tokens=1, messages=[{"role": "assistant", "content": "x"}]))
     document = {"type": "document", "source": {"type": "base64", "data": ""}}
     with pytest.raises(ApiError, match="document input is not supported"):
@@ -210,7 +210,7 @@ def test_conversations_that_cannot_render_are_400s(renderer: chat.Renderer) -> N
 
 
 def test_a_trailing_assistant_turn_is_continued() -> None:
-    renderer = chat.Renderer(byte_tokenizer(DEFAULT_CHATML_TEMPLATE))
+    renderer = prompts.Renderer(byte_tokenizer(DEFAULT_CHATML_TEMPLATE))
     prompt = renderer.render(
         openai(
             messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
@@ -230,7 +230,7 @@ def test_a_trailing_assistant_turn_is_continued() -> None:
 )
 def test_tool_format_detection(template: str, expected: str) -> None:
     assert expected == formats.detect_tool_format(template).NAME
-    assert chat.ChatFormat.detect(template).markup_tools.tool_call == expected
+    assert prompts.ChatFormat.detect(template).markup_tools.tool_call == expected
 
 
 BASH_SCHEMA = {
@@ -308,9 +308,9 @@ def test_the_templates_turn_end_token_ends_a_reply() -> None:
     tokenizer.tokenizer.add_special_tokens([AddedToken("<|eot|>", special=True)])
     eot = tokenizer.tokenizer.token_to_id("<|eot|>")
     tokenizer = dataclasses.replace(tokenizer, special_ids=frozenset({0, eot}))
-    assert chat.Renderer(tokenizer).eos_ids == [0, eot]
+    assert prompts.Renderer(tokenizer).eos_ids == [0, eot]
     # A template that closes turns with plain text adds nothing.
-    assert chat.Renderer(byte_tokenizer(template.replace("<|eot|>", "\n"))).eos_ids == [0]
+    assert prompts.Renderer(byte_tokenizer(template.replace("<|eot|>", "\n"))).eos_ids == [0]
 
 
 @pytest.mark.parametrize(
@@ -347,3 +347,46 @@ def test_thinking_is_as_asked_and_low_effort_turns_it_off(
     if effort:
         body["output_config"] = {"effort": effort}
     assert anthropic(**body).thinking is expected
+
+
+@pytest.mark.parametrize(
+    ("kind", "steps", "trims"),
+    [
+        # Llama 2's and Mistral's decoder: the reply's first space is dropped.
+        (
+            "sentencepiece",
+            [
+                decoders.Replace("▁", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ],
+            True,
+        ),
+        # Gemma's: kept.
+        (
+            "sentencepiece",
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()],
+            False,
+        ),
+        ("byte_level", [decoders.ByteLevel()], False),
+    ],
+)
+def test_a_reply_reads_as_the_tokenizer_decodes_it(
+    kind: VocabKind, steps: list[Any], trims: bool
+) -> None:
+    """The native vocabulary trims a leading space exactly where the model's decoder does."""
+    words = ["▁Hello", "▁world", "<0x21>"] if kind == "sentencepiece" else ["ĠHello", "Ġworld", "!"]
+    tokenizer = Tokenizer(
+        models.BPE({w: i for i, w in enumerate(words)}, [], byte_fallback=kind == "sentencepiece")
+    )
+    tokenizer.decoder = decoders.Sequence(steps)
+    chat_tokenizer = ChatTokenizer(tokenizer, DEFAULT_CHATML_TEMPLATE, kind, frozenset())
+    assert chat_tokenizer.trims_leading_space is trims
+    vocab = Vocab.from_token_strings(
+        chat_tokenizer.token_strings(),
+        kind,
+        [],
+        trim_leading_space=chat_tokenizer.trims_leading_space,
+    )
+    assert vocab.decode([0, 1, 2]) == tokenizer.decode([0, 1, 2])

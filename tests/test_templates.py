@@ -14,7 +14,7 @@ import jinja2
 import pytest
 
 from forced import FAMILIES, write_tokenizer
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.models import embedded, gguf
 from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
 
@@ -36,8 +36,8 @@ CALL = {
     "function": {"name": "Bash", "arguments": {"command": "ls -la", "timeout": 5}},
 }
 CONVERSATIONS = [
-    chat.Conversation([{"role": "user", "content": "Name three colors."}]),
-    chat.Conversation(
+    prompts.Conversation([{"role": "user", "content": "Name three colors."}]),
+    prompts.Conversation(
         [
             {"role": "system", "content": 'You are terse. Ünïcödé, 東京 and "quotes".'},
             {"role": "user", "content": "Hi"},
@@ -46,7 +46,7 @@ CONVERSATIONS = [
         ],
         thinking=True,
     ),
-    chat.Conversation(
+    prompts.Conversation(
         [
             {"role": "user", "content": "List the files."},
             {"role": "assistant", "content": "", "tool_calls": [CALL]},
@@ -56,13 +56,13 @@ CONVERSATIONS = [
         tools=[TOOL],
         thinking=False,
     ),
-    chat.Conversation(
+    prompts.Conversation(
         [{"role": "user", "content": "Run ls."}],
         tools=[TOOL],
-        tool_choice=chat.ToolChoice("tool", "Bash"),
+        tool_choice=prompts.ToolChoice("tool", "Bash"),
     ),
     # Claude Code's: a system message after the user's, then a tool loaded by a tool search.
-    chat.Conversation(
+    prompts.Conversation(
         [
             {"role": "system", "content": "You are an agent."},
             {"role": "user", "content": "List the files."},
@@ -104,7 +104,7 @@ def compared(directory: Path) -> list[tuple[str, str | None]]:
         return ours(messages, **kwargs)
 
     tokenizer.render = recording  # type: ignore[method-assign]
-    renderer = chat.Renderer(tokenizer)
+    renderer = prompts.Renderer(tokenizer)
     for conversation in CONVERSATIONS:
         renderer.render(conversation)
     pairs: list[tuple[str, str | None]] = []

@@ -22,7 +22,7 @@ import pytest
 from agents import run_claude_code
 from conftest import RunningServer, start_server, stop_server
 from forced import TOOL_RESULT, Script, call_markup, forced_model_dir, serve_args, tokenizer
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api.anthropic.requests import MessagesRequest, conversation
 
 FAMILY = "qwen3-coder"
@@ -64,16 +64,16 @@ FORECAST = "Sunny and 25 degrees."
 ANSWER = "It will be sunny."
 
 
-def converted(**body: Any) -> chat.Conversation:
+def converted(**body: Any) -> prompts.Conversation:
     return conversation(MessagesRequest.model_validate({"model": "m", "max_tokens": 8, **body}))
 
 
 @pytest.fixture(scope="module")
-def renderer() -> chat.Renderer:
-    return chat.Renderer(tokenizer(FAMILY))
+def renderer() -> prompts.Renderer:
+    return prompts.Renderer(tokenizer(FAMILY))
 
 
-def schemas(prompt: chat.Prompt) -> dict[str, Any]:
+def schemas(prompt: prompts.Prompt) -> dict[str, Any]:
     return {name: json.loads(schema) for name, schema in prompt.reply.tools}
 
 
@@ -103,7 +103,7 @@ def client_search_turns(*names: str) -> list[dict[str, Any]]:
 
 
 def test_a_tool_reference_renders_the_definition_and_makes_the_tool_callable(
-    renderer: chat.Renderer,
+    renderer: prompts.Renderer,
 ) -> None:
     question = {"role": "user", "content": "What is the weather in Paris?"}
     tools = [TOOL_SEARCH, WEATHER, EMAIL]
@@ -156,7 +156,7 @@ def test_a_tool_reference_to_an_unknown_tool_is_text_not_an_error() -> None:
 
 
 def test_the_server_search_tool_lists_the_deferred_names_not_their_schemas(
-    renderer: chat.Renderer,
+    renderer: prompts.Renderer,
 ) -> None:
     for declared, kind in ((REGEX, "regular expression"), (BM25, "BM25")):
         search = converted(

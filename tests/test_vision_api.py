@@ -20,7 +20,7 @@ import tiny_vlms
 
 from agents import run_claude_code
 from conftest import RunningServer, metric, start_server, stop_server
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api.openai.requests import ChatCompletionRequest, conversation
 from mlxgate.models.tokenizer import ChatTokenizer
 
@@ -59,12 +59,12 @@ def reference(model_dir: Path, messages: list[dict[str, Any]], images: list[byte
     from PIL import Image
 
     request = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
-    rendered = chat.Renderer(ChatTokenizer.from_pretrained_dir(model_dir)).render(
+    rendered = prompts.Renderer(ChatTokenizer.from_pretrained_dir(model_dir)).render(
         conversation(request)
     )
     model, processor = load(str(model_dir))
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
-    text = chat.IMAGE_MARK.sub(placeholder, rendered.text)
+    text = prompts.IMAGE_MARK.sub(placeholder, rendered.text)
     pictures = [Image.open(io.BytesIO(i)).convert("RGB") for i in images]
     tokens = []
     for step in stream_generate(

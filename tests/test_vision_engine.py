@@ -20,7 +20,7 @@ import pytest
 import tiny_vlms
 from tiny_engine import Expected, Served, assert_same, wait_until
 
-from mlxgate import chat, models
+from mlxgate import models, prompts
 from mlxgate._native import Reader, Reply, Router, StreamSpec, Vocab
 from mlxgate.api.vision_prompts import VisionPrompts
 from mlxgate.engine import Engine, EngineSettings, GenerationRequest
@@ -68,10 +68,10 @@ class VisionServed:
         return self.engine.admit(request)
 
 
-def loaded_image(image: Any) -> chat.LoadedImage:
+def loaded_image(image: Any) -> prompts.LoadedImage:
     data = io.BytesIO()
     image.save(data, format="PNG")
-    return chat.LoadedImage(image, hashlib.sha256(data.getvalue()).digest())
+    return prompts.LoadedImage(image, hashlib.sha256(data.getvalue()).digest())
 
 
 _served: dict[str, VisionServed] = {}

@@ -105,7 +105,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
-    from mlxgate import chat
+    from mlxgate import prompts
     from mlxgate._native import Router, Vocab
     from mlxgate.engine import Engine, EngineSettings, Grammar
     from mlxgate.models import load
@@ -118,13 +118,13 @@ def main() -> None:
     engine = Engine(loaded, Router(vocab), settings, end_ids=sorted(tok.eos_ids))
     engine.start()
     grammar = Grammar.json_schema(LONG_JSON)
-    prompts = [tok.encode(tok.render([{"role": "user", "content": q}])) for q in QUESTIONS]
-    decode_tok_s(engine, prompts[:1], 4, grammar)  # warm-up: the grammar vocabulary is built
+    questions = [tok.encode(tok.render([{"role": "user", "content": q}])) for q in QUESTIONS]
+    decode_tok_s(engine, questions[:1], 4, grammar)  # warm-up: the grammar vocabulary is built
 
     ratios: dict[int, list[tuple[float, float]]] = {1: [], 32: []}
     for round_ in range(args.rounds):
         for rows in ratios:
-            batch = [prompts[i % len(prompts)] for i in range(rows)]
+            batch = [questions[i % len(questions)] for i in range(rows)]
             measured = {}
             for constrained in (False, True) if round_ % 2 == 0 else (True, False):
                 measured[constrained] = decode_tok_s(
@@ -136,9 +136,9 @@ def main() -> None:
     width = loaded.model.model.embed_tokens.weight.shape[0]
     masks = {rows: mask_ms(vocabulary, grammar, width, rows) for rows in (1, 32)}
     # A `strict` tool with tool_choice auto: free text, calls held to the schema.
-    renderer = chat.Renderer(tok)
+    renderer = prompts.Renderer(tok)
     tool = {"type": "function", "function": {"name": "cities", "parameters": LONG_JSON}}
-    conversation = chat.Conversation(
+    conversation = prompts.Conversation(
         [{"role": "user", "content": QUESTIONS[0]}], [tool], strict_tools=True
     )
     strict_text = renderer.render(conversation).call_grammar

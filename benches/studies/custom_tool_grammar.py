@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from forced import tokenizer  # noqa: E402
 from mlxgate.api import custom_tools  # noqa: E402
-from mlxgate.chat import Conversation, Renderer, ToolChoice  # noqa: E402
+from mlxgate.prompts import Conversation, Renderer, ToolChoice  # noqa: E402
 
 PATCH = (
     "*** Begin Patch\n*** Update File: src/app.py\n@@ def main():\n-    print('hi')\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from mlxgate import chat, logs, serving, trace
+from mlxgate import logs, prompts, serving, trace
 from mlxgate._native import ErrorKind
 from mlxgate.api import middleware as mw
 from mlxgate.api.anthropic import AnthropicAPI
@@ -124,7 +124,7 @@ class App:
         return self._default().engine
 
     @property
-    def renderer(self) -> chat.Renderer:
+    def renderer(self) -> prompts.Renderer:
         return self._default().renderer
 
     def _default(self) -> ServedModel:

@@ -16,7 +16,7 @@ from mlxgate.engine import GenerationEngine, SamplingParams
 from mlxgate.specs import ModelSpec
 
 if TYPE_CHECKING:  # (types only: `mlxgate --help` and granian's main process load no MLX)
-    from mlxgate import chat
+    from mlxgate import prompts
     from mlxgate.api.vision_prompts import VisionPrompts
 
 
@@ -32,7 +32,7 @@ class ServedModel:
 
     name: str
     engine: GenerationEngine
-    renderer: chat.Renderer
+    renderer: prompts.Renderer
     context_length: int
     weights_bytes: int = 0  # as MLX holds them
     # The engine's KV caches and prefix cache, as MLX holds them (0 for a stand-in engine).

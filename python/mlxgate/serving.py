@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from mlxgate import chat, ranks
+from mlxgate import prompts, ranks
 from mlxgate._native import Router, Vocab
 from mlxgate.api.vision_prompts import VisionPrompts
 from mlxgate.config import Config
@@ -114,9 +114,12 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
     loaded = load_model(spec, config, ranks.sharder(group, config.pipeline) if group else None)
     tokenizer = loaded.tokenizer
     vocab = Vocab.from_token_strings(
-        tokenizer.token_strings(), tokenizer.vocab_kind, sorted(tokenizer.special_ids)
+        tokenizer.token_strings(),
+        tokenizer.vocab_kind,
+        sorted(tokenizer.special_ids),
+        trim_leading_space=tokenizer.trims_leading_space,
     )
-    renderer = chat.Renderer(
+    renderer = prompts.Renderer(
         tokenizer,
         tool_format=None if spec.tool_format == "auto" else spec.tool_format,
         reasoning_format=None if spec.reasoning_format == "auto" else spec.reasoning_format,

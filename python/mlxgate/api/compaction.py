@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.engine import Grammar, SamplingParams
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ INSTRUCTION = (
 SUMMARY_HEADING = "The conversation so far was compacted. Its summary:"
 
 
-def instruction(extra: str | None = None, *, replace: bool = False) -> chat.Message:
+def instruction(extra: str | None = None, *, replace: bool = False) -> prompts.Message:
     """The user turn that asks for the summary: ours, with the client's instructions added (or
     in its place, with `replace`); blank instructions count as none."""
     extra = (extra or "").strip()
@@ -44,26 +44,26 @@ def instruction(extra: str | None = None, *, replace: bool = False) -> chat.Mess
     return {"role": "user", "content": extra if replace else f"{INSTRUCTION}\n\n{extra}"}
 
 
-def replaced(summary: str) -> chat.Message:
+def replaced(summary: str) -> prompts.Message:
     """The turn a compaction stands for when a client sends it back."""
     return {"role": "user", "content": f"{SUMMARY_HEADING}\n\n{summary.strip()}"}
 
 
 def asking(
-    conversation: chat.Conversation, extra: str | None = None, *, replace: bool = False
-) -> chat.Conversation:
+    conversation: prompts.Conversation, extra: str | None = None, *, replace: bool = False
+) -> prompts.Conversation:
     """`conversation` with the summary asked for: its tools still shown (so its prompt is the
     conversation's plus one turn, from the prefix cache) but none forced, and no reasoning."""
     return dataclasses.replace(
         conversation,
-        messages=chat.merge_turns([*conversation.messages, instruction(extra, replace=replace)]),
-        tool_choice=chat.ToolChoice(),
+        messages=prompts.merge_turns([*conversation.messages, instruction(extra, replace=replace)]),
+        tool_choice=prompts.ToolChoice(),
         thinking=False,
         structured=False,
     )
 
 
-def resumed(conversation: chat.Conversation, summary: str) -> chat.Conversation:
+def resumed(conversation: prompts.Conversation, summary: str) -> prompts.Conversation:
     """`conversation` from its summary on: its system message, then the summary."""
     system = [m for m in conversation.messages[:1] if m["role"] == "system"]
     return dataclasses.replace(conversation, messages=[*system, replaced(summary)])

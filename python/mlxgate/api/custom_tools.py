@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api.errors import invalid
 from mlxgate.engine import Grammar, GrammarError
 from mlxgate.formats.call_grammar import CUSTOM_INPUT as INPUT  # the stream core reads it too
@@ -66,7 +66,7 @@ def _compile_error(grammar: str) -> str | None:
 
 def custom_tool(
     name: Any, description: Any, format: Any, where: str
-) -> tuple[chat.Tool, CustomTool]:
+) -> tuple[prompts.Tool, CustomTool]:
     """The function the prompt shows for a custom tool, and the tool as the reply reads it."""
     if not isinstance(name, str) or not name:
         raise invalid(f"{where}.name: a custom tool needs a name")

@@ -16,10 +16,10 @@ from urllib.parse import urlsplit
 import httpx
 from PIL import Image
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api.errors import ApiError, invalid
-from mlxgate.chat import ImageInput, LoadedImage
 from mlxgate.config import Config
+from mlxgate.prompts import ImageInput, LoadedImage
 
 # The formats read, as PIL names what it finds in the file (whatever the request declared).
 # MPO is a JPEG with more pictures after the first (many cameras' and phones' photos).
@@ -34,7 +34,7 @@ _DATA_URL = re.compile(r"data:([^,;]*)((?:;[^,;]*)*),(.*)", re.DOTALL)
 def mark(images: list[ImageInput], image: ImageInput) -> str:
     """`image` added to a conversation's `images`: the mark that stands for it in the text."""
     images.append(image)
-    return chat.image_mark(len(images) - 1)
+    return prompts.image_mark(len(images) - 1)
 
 
 def decode_base64(data: object, where: str) -> bytes:
@@ -63,14 +63,14 @@ def from_url(url: object, where: str) -> ImageInput:
     return ImageInput(where, url=url)
 
 
-def marked(conversation: chat.Conversation) -> chat.Conversation:
+def marked(conversation: prompts.Conversation) -> prompts.Conversation:
     """`conversation` with only the images its text still marks (a context edit or a compaction
     can drop a turn that held one), numbered in the order the marks come. Each image is marked
     once: a second mark, or one of no image, can only be text a client wrote (a 400)."""
     order: dict[int, int] = {}
     for message in conversation.messages:
         content = message.get("content")
-        for found in chat.IMAGE_MARK.finditer(content if isinstance(content, str) else ""):
+        for found in prompts.IMAGE_MARK.finditer(content if isinstance(content, str) else ""):
             index = int(found[1])
             if index >= len(conversation.images) or index in order:
                 raise invalid("messages: the text holds an image mark that stands for no image")
@@ -79,10 +79,10 @@ def marked(conversation: chat.Conversation) -> chat.Conversation:
         return conversation
 
     def renumbered(found: re.Match[str]) -> str:
-        return chat.image_mark(order[int(found[1])])
+        return prompts.image_mark(order[int(found[1])])
 
     messages = [
-        {**m, "content": chat.IMAGE_MARK.sub(renumbered, m["content"])}
+        {**m, "content": prompts.IMAGE_MARK.sub(renumbered, m["content"])}
         if isinstance(m.get("content"), str)
         else m
         for m in conversation.messages

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api.errors import invalid
 from mlxgate.api.pipeline import COMMON_ADMISSION_ERRORS, AdmissionErrors, prompt_too_long
 from mlxgate.engine import PromptTooLong
@@ -17,19 +17,19 @@ Named = TypeVar("Named")
 
 def tool_choice(
     choice: str | Named | None,
-    named: Callable[[Named], chat.ToolChoice],
+    named: Callable[[Named], prompts.ToolChoice],
     *,
     any_callable: bool = True,
-) -> chat.ToolChoice:
+) -> prompts.ToolChoice:
     """A request's `tool_choice`: "auto" (or none), "none", "required" (some tool; the model
     chooses where `any_callable` is False: the request has no tool the model can call), or a
     named tool, which `named` reads from the dialect's shape."""
     if choice is None or choice == "auto":
-        return chat.ToolChoice()
+        return prompts.ToolChoice()
     if choice == "none":
-        return chat.ToolChoice("none")
+        return prompts.ToolChoice("none")
     if choice == "required":
-        return chat.ToolChoice("any") if any_callable else chat.ToolChoice()
+        return prompts.ToolChoice("any") if any_callable else prompts.ToolChoice()
     if isinstance(choice, str):
         raise invalid(f"tool_choice: {choice!r} is not one of 'auto', 'none', 'required'")
     return named(choice)

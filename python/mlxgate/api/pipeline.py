@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate._native import Dialect, ErrorKind, Reader, Reply, StreamSpec
 from mlxgate.api.delivery import respond
 from mlxgate.api.errors import ApiError, invalid
@@ -102,7 +102,7 @@ def output_limit(services: Services, requested: int | None) -> int | None:
     return min(requested, limit)
 
 
-def constraint(prompt: chat.Prompt, reply: Grammar | None) -> Grammar | None:
+def constraint(prompt: prompts.Prompt, reply: Grammar | None) -> Grammar | None:
     """What the engine holds the reply to: a forced call's grammar (arguments valid for the
     tool's schema), else the reply's format (`reply`), else nothing."""
     if prompt.call_grammar is None:
@@ -198,7 +198,7 @@ class Pipeline:
         send: Send,
         served: ServedModel,
         request: Asked,
-        prompt: chat.Conversation | str,
+        prompt: prompts.Conversation | str,
         spec: SpecFor,
         *,
         choices: int = 1,
@@ -222,7 +222,7 @@ class Pipeline:
         self,
         served: ServedModel,
         request: Asked,
-        prompt: chat.Conversation | str,
+        prompt: prompts.Conversation | str,
         spec: SpecFor,
         *,
         choices: int = 1,
@@ -249,12 +249,14 @@ class Pipeline:
         except AdmissionError as exc:
             raise self.errors[type(exc)](exc) from None
 
-    async def prompt(self, served: ServedModel, prompt: chat.Conversation | str) -> chat.Prompt:
+    async def prompt(
+        self, served: ServedModel, prompt: prompts.Conversation | str
+    ) -> prompts.Prompt:
         """`prompt` rendered for `served`, its images (if any) loaded and made into the model's
         image tokens (on a worker thread)."""
-        if isinstance(prompt, chat.Conversation) and prompt.images:
+        if isinstance(prompt, prompts.Conversation) and prompt.images:
             prompt = marked(prompt)  # (the edits of its context may have left fewer)
-        if not (isinstance(prompt, chat.Conversation) and prompt.images):
+        if not (isinstance(prompt, prompts.Conversation) and prompt.images):
             return self.render(served, prompt)
         if served.vision is None:  # (refused before any rendering)
             raise invalid(
@@ -265,10 +267,10 @@ class Pipeline:
         loaded = await load_images(prompt.images, self.services.config)
         try:
             return await asyncio.to_thread(served.vision.prompt, rendered, loaded)
-        except chat.ConversationError as exc:
+        except prompts.ConversationError as exc:
             raise invalid(str(exc)) from None
 
-    def render(self, served: ServedModel, prompt: chat.Conversation | str) -> chat.Prompt:
+    def render(self, served: ServedModel, prompt: prompts.Conversation | str) -> prompts.Prompt:
         """`prompt` rendered as text (a conversation's images still marks in it)."""
         renderer = served.renderer
         if isinstance(prompt, str):
@@ -281,5 +283,5 @@ class Pipeline:
             return rendered
         try:
             return renderer.render(prompt)
-        except chat.ConversationError as exc:
+        except prompts.ConversationError as exc:
             raise invalid(str(exc)) from None

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.engine.contract import ImageSpan, PromptImages
 from mlxgate.models.vision import ImageTokens
 
@@ -35,25 +35,25 @@ class VisionPrompts:
         self.processor = tokens.processor
         self.placeholder = tokens.placeholder
 
-    def prompt(self, rendered: chat.Prompt, images: list[chat.LoadedImage]) -> chat.Prompt:
-        """`rendered` (its text marking images with `chat.image_mark`) with each mark made into
+    def prompt(self, rendered: prompts.Prompt, images: list[prompts.LoadedImage]) -> prompts.Prompt:
+        """`rendered` (its text marking images with `prompts.image_mark`) with each mark made into
         the model's image tokens: the prompt's ids from the model's processor, and its images'
         spans and inputs."""
-        order: list[chat.LoadedImage] = []
+        order: list[prompts.LoadedImage] = []
 
         def placeholder(mark: Any) -> str:
             order.append(images[int(mark.group(1))])  # (api/images.py `marked` numbered them)
             return self.placeholder
 
-        text = chat.IMAGE_MARK.sub(placeholder, rendered.text)
+        text = prompts.IMAGE_MARK.sub(placeholder, rendered.text)
         if not order:
             return rendered
         prepared = self.prepare(text, order)
-        return chat.Prompt(
+        return prompts.Prompt(
             text, prepared.ids, rendered.reply, rendered.call_grammar, prepared.images
         )
 
-    def prepare(self, text: str, images: Sequence[chat.LoadedImage]) -> Prepared:
+    def prepare(self, text: str, images: Sequence[prompts.LoadedImage]) -> Prepared:
         """The processor's expansion of `text` (one placeholder per image, in order)."""
         from mlx_vlm.utils import prepare_inputs
 
@@ -65,7 +65,7 @@ class VisionPrompts:
         arrays.pop("attention_mask", None)
         spans = self._spans(ids)
         if len(spans) != len(images):
-            raise chat.ConversationError(
+            raise prompts.ConversationError(
                 f"the prompt's {len(images)} images became {len(spans)} runs of image tokens "
                 "(is an image placeholder written in the text?)"
             )

@@ -16,7 +16,7 @@ def to_chat(dialect: str, body: dict[str, Any]) -> dict[str, Any]:
         return dict(body)
     # The server's request models load the chat renderer (MLX, transformers): only a replay to
     # a chat-only server needs them.
-    from mlxgate import chat
+    from mlxgate import prompts
     from mlxgate.api.anthropic import requests as anthropic
     from mlxgate.api.responses import requests as responses
     from mlxgate.formats.reasoning import FIELD as REASONING
@@ -36,7 +36,7 @@ def to_chat(dialect: str, body: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"no chat form for the {dialect!r} dialect")
     messages = [{k: v for k, v in m.items() if k != REASONING} for m in conversation.messages]
     chat_body = {
-        "messages": chat.with_arguments_as_json(messages),
+        "messages": prompts.with_arguments_as_json(messages),
         "max_tokens": limit,
         "stop": stop or None,
         "tools": conversation.tools or None,

@@ -62,6 +62,15 @@ class ChatTokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
 
+    @cached_property
+    def trims_leading_space(self) -> bool:
+        """Whether decoding drops the text's first space (a SentencePiece decoder ending in
+        `Strip(" ", 1, 0)`, as Llama 2's and Mistral's do): a reply then reads as the
+        tokenizer's `decode` of its tokens, as mlx-lm's streaming detokenizer trims it."""
+        decoder = self.tokenizer.decoder
+        steps = json.loads(decoder.__getstate__()).get("decoders", []) if decoder else []
+        return bool(steps) and steps[-1] == {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)

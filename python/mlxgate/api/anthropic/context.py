@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api.errors import invalid
 from mlxgate.formats.reasoning import FIELD as REASONING
 
@@ -26,7 +26,7 @@ CLEAR_TOOL_USES_KEEP = 3
 COMPACT_TRIGGER = 150_000
 
 # The rendered prompt's length in tokens, for the edits' `input_tokens` triggers.
-Count = Callable[[chat.Conversation], int]
+Count = Callable[[prompts.Conversation], int]
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Compaction:
 class Managed:
     """A conversation after the request's edits, and what they did."""
 
-    conversation: chat.Conversation
+    conversation: prompts.Conversation
     applied: list[dict[str, Any]] = field(default_factory=list)
     compaction: Compaction | None = None
 
@@ -59,7 +59,7 @@ def _number(spec: Any, default: int, where: str) -> int:
     return value
 
 
-def _tool_uses(messages: list[chat.Message]) -> list[tuple[int, int, str]]:
+def _tool_uses(messages: list[prompts.Message]) -> list[tuple[int, int, str]]:
     """Every tool call, oldest first: (message index, call index, tool name)."""
     return [
         (i, j, call["function"]["name"])
@@ -69,7 +69,7 @@ def _tool_uses(messages: list[chat.Message]) -> list[tuple[int, int, str]]:
 
 
 def _clear_tool_uses(
-    conversation: chat.Conversation, edit: dict[str, Any], where: str, count: Count
+    conversation: prompts.Conversation, edit: dict[str, Any], where: str, count: Count
 ) -> dict[str, Any] | None:
     trigger = edit.get("trigger")
     kind = trigger.get("type", "input_tokens") if isinstance(trigger, dict) else "input_tokens"
@@ -110,7 +110,7 @@ def _clear_tool_uses(
 
 
 def _clear_thinking(
-    conversation: chat.Conversation, edit: dict[str, Any], where: str, count: Count
+    conversation: prompts.Conversation, edit: dict[str, Any], where: str, count: Count
 ) -> dict[str, Any] | None:
     keep = edit.get("keep", {"type": "thinking_turns", "value": 1})
     if keep == "all":
@@ -133,7 +133,7 @@ def _clear_thinking(
 
 
 def manage(
-    conversation: chat.Conversation,
+    conversation: prompts.Conversation,
     edits: list[dict[str, Any]],
     compaction: dict[str, Any] | None,
     count: Count,

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api import compaction
 from mlxgate.api.anthropic.tool_search import Toolset
 from mlxgate.api.errors import invalid
@@ -145,14 +145,14 @@ class MessagesRequest(CountTokensRequest):
         return sampling(defaults, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
-def _image(block: ContentBlock, where: str, images: list[chat.ImageInput]) -> str:
+def _image(block: ContentBlock, where: str, images: list[prompts.ImageInput]) -> str:
     """An image block added to `images`: the mark standing for it in the text."""
     source = block.source or {}
     kind = source.get("type")
     if kind == "base64":
         data = decode_base64(source.get("data"), f"{where}.source.data")
         media_type = source.get("media_type")
-        return mark(images, chat.ImageInput(where, data=data, media_type=media_type))
+        return mark(images, prompts.ImageInput(where, data=data, media_type=media_type))
     if kind == "url":
         return mark(images, from_url(source.get("url"), f"{where}.source.url"))
     if kind == "file":
@@ -161,7 +161,7 @@ def _image(block: ContentBlock, where: str, images: list[chat.ImageInput]) -> st
 
 
 def _tool_result_text(
-    block: ContentBlock, toolset: Toolset, where: str, images: list[chat.ImageInput]
+    block: ContentBlock, toolset: Toolset, where: str, images: list[prompts.ImageInput]
 ) -> str:
     if isinstance(block.content, str) or block.content is None:
         text = block.content or ""
@@ -196,11 +196,11 @@ def _search_result_text(block: ContentBlock, toolset: Toolset) -> str:
 
 
 def _convert_message(
-    index: int, message: InputMessage, toolset: Toolset, images: list[chat.ImageInput]
-) -> list[chat.Message]:
+    index: int, message: InputMessage, toolset: Toolset, images: list[prompts.ImageInput]
+) -> list[prompts.Message]:
     """One Anthropic message as chat-template turns: tool results become `tool` turns, and so
     does a server tool search's result inside an assistant message (after its call). A system
-    message stays a system turn where it stands (chat.Renderer places it). A user message's
+    message stays a system turn where it stands (prompts.Renderer places it). A user message's
     images go to `images`, their marks into its text where they stand."""
     role = message.role
     if isinstance(message.content, str):
@@ -209,7 +209,7 @@ def _convert_message(
             if message.content or role == "assistant"
             else []
         )
-    turns: list[chat.Message] = []
+    turns: list[prompts.Message] = []
     texts: list[str] = []
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
@@ -220,7 +220,7 @@ def _convert_message(
             texts.clear()
 
     def flush_assistant() -> None:
-        turn: chat.Message = {"role": "assistant", "content": "\n".join(texts)}
+        turn: prompts.Message = {"role": "assistant", "content": "\n".join(texts)}
         if any(reasoning):
             turn[REASONING] = "\n\n".join(r for r in reasoning if r)
         if calls:
@@ -341,19 +341,21 @@ def _since_compaction(messages: list[InputMessage]) -> list[tuple[int, InputMess
     return numbered
 
 
-def conversation(request: CountTokensRequest) -> chat.Conversation:
+def conversation(request: CountTokensRequest) -> prompts.Conversation:
     toolset = Toolset.of(request.tools or [])
-    messages: list[chat.Message] = []
-    images: list[chat.ImageInput] = []
+    messages: list[prompts.Message] = []
+    images: list[prompts.ImageInput] = []
     if system := _system_text(request.system):
         messages.append({"role": "system", "content": system})
     for index, message in _since_compaction(request.messages):
         messages.extend(_convert_message(index, message, toolset, images))
     choice = request.tool_choice
-    return chat.Conversation(
+    return prompts.Conversation(
         messages=messages,
         tools=toolset.listed,
-        tool_choice=chat.ToolChoice(choice.type, choice.name) if choice else chat.ToolChoice(),
+        tool_choice=prompts.ToolChoice(choice.type, choice.name)
+        if choice
+        else prompts.ToolChoice(),
         thinking=_thinking(request),
         structured=request.reply_format() is not None,
         strict_tools=any(tool.strict for tool in request.tools or []),

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate._native import Dialect, Reply, StreamSpec
 from mlxgate.api import compaction
 from mlxgate.api.anthropic import context
@@ -94,7 +94,7 @@ class AnthropicAPI:
         """The request's conversation after its context-management edits."""
         edits = request.context_management.edits if request.context_management else []
 
-        def count(conversation: chat.Conversation) -> int:
+        def count(conversation: prompts.Conversation) -> int:
             return len(self.pipeline.render(served, conversation).ids)
 
         return context.manage(conversation(request), edits, request.compaction, count)
@@ -105,7 +105,7 @@ class AnthropicAPI:
         request: MessagesRequest,
         receive: Receive,
         send: Send,
-        prompt: chat.Conversation,
+        prompt: prompts.Conversation,
     ) -> str | None:
         """The model's summary of the conversation (`prompt` asks for it), generated before the
         answer (a compaction that does not pause); None if the client left meanwhile or the

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api.errors import invalid
 
 # The declared types of the server-side search tools, and the search each one runs.
@@ -57,7 +57,7 @@ class DeclaredTool(Protocol):
     def defer_loading(self) -> bool: ...
 
 
-def function(tool: DeclaredTool) -> chat.Tool:
+def function(tool: DeclaredTool) -> prompts.Tool:
     body = {
         "name": tool.name,
         "description": tool.description or "",
@@ -66,7 +66,7 @@ def function(tool: DeclaredTool) -> chat.Tool:
     return {"type": "function", "function": body}
 
 
-def definition(tool: chat.Tool) -> str:
+def definition(tool: prompts.Tool) -> str:
     """One tool as a tool search returns it to the model: the line Claude Code's ToolSearch
     description promises, `<function>{"description", "name", "parameters"}</function>`."""
     body = tool["function"]
@@ -78,7 +78,7 @@ def definition(tool: chat.Tool) -> str:
     return f"<function>{json.dumps(shown, ensure_ascii=False)}</function>"
 
 
-def _document(tool: chat.Tool) -> str:
+def _document(tool: prompts.Tool) -> str:
     """What a search matches a tool by: its name, description, and its arguments' names and
     descriptions, one per line."""
     body = tool["function"]
@@ -96,9 +96,9 @@ class SearchTool:
 
     name: str
     kind: Literal["regex", "bm25"]
-    deferred: list[chat.Tool]
+    deferred: list[prompts.Tool]
 
-    def function(self) -> chat.Tool:
+    def function(self) -> prompts.Tool:
         """The search as the model sees it: a function of one `query`, its description naming
         the deferred tools it can load (their names only: their schemas come with a result)."""
         names = "\n".join(f"- {tool['function']['name']}" for tool in self.deferred)
@@ -125,8 +125,8 @@ class Toolset:
     """A request's tools as the prompt has them: those listed, those deferred (listed only once
     a search loads them), every function tool by name, and the server-side search if declared."""
 
-    listed: list[chat.Tool] = field(default_factory=list)
-    defined: dict[str, chat.Tool] = field(default_factory=dict)
+    listed: list[prompts.Tool] = field(default_factory=list)
+    defined: dict[str, prompts.Tool] = field(default_factory=dict)
     deferred: set[str] = field(default_factory=set)
     search: SearchTool | None = None
 
@@ -157,9 +157,9 @@ class Toolset:
         it also when this request no longer declares the search)."""
         return name in SEARCH_NAMES or (self.search is not None and name == self.search.name)
 
-    def loaded(self, names: Iterable[str]) -> list[chat.Tool]:
+    def loaded(self, names: Iterable[str]) -> list[prompts.Tool]:
         """The deferred tools among `names` (each once, in order): callable, not listed."""
-        seen: dict[str, chat.Tool] = {}
+        seen: dict[str, prompts.Tool] = {}
         for name in names:
             if name in self.deferred and name not in seen:
                 seen[name] = self.defined[name]

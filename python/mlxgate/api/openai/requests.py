@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate.api import custom_tools
 from mlxgate.api.errors import invalid
 from mlxgate.api.images import from_url, mark
@@ -193,7 +193,7 @@ class CompletionRequest(_Sampling):
 
 
 def _text(
-    content: str | list[ContentPart] | None, where: str, images: list[chat.ImageInput] | None
+    content: str | list[ContentPart] | None, where: str, images: list[prompts.ImageInput] | None
 ) -> str:
     """A message's text, its parts joined; its images (where `images` is given: a user's or a
     tool's message) added to `images`, a mark standing for each where it is."""
@@ -228,8 +228,10 @@ def _arguments(function: FunctionCall, where: str) -> dict[str, Any]:
     return parsed
 
 
-def _messages(request: ChatCompletionRequest, images: list[chat.ImageInput]) -> list[chat.Message]:
-    out: list[chat.Message] = []
+def _messages(
+    request: ChatCompletionRequest, images: list[prompts.ImageInput]
+) -> list[prompts.Message]:
+    out: list[prompts.Message] = []
     for i, message in enumerate(request.messages):
         where = f"messages.{i}"
         text = _text(message.content, where, images if message.role in ("user", "tool") else None)
@@ -238,7 +240,7 @@ def _messages(request: ChatCompletionRequest, images: list[chat.ImageInput]) -> 
         elif message.role == "tool":
             out.append({"role": "tool", "tool_call_id": message.tool_call_id, "content": text})
         elif message.role == "assistant":
-            turn: chat.Message = {"role": "assistant", "content": text}
+            turn: prompts.Message = {"role": "assistant", "content": text}
             if reasoning := message.reasoning_content or message.reasoning:
                 turn[REASONING] = reasoning
             if message.tool_calls:
@@ -249,7 +251,7 @@ def _messages(request: ChatCompletionRequest, images: list[chat.ImageInput]) -> 
             out.append(turn)
         else:
             out.append({"role": message.role, "content": text})
-    return chat.merge_turns(out)
+    return prompts.merge_turns(out)
 
 
 def _call(call: ToolCall, where: str) -> dict[str, Any]:
@@ -264,16 +266,18 @@ def _call(call: ToolCall, where: str) -> dict[str, Any]:
     }
 
 
-def _named_tool(choice: NamedToolChoice) -> chat.ToolChoice:
+def _named_tool(choice: NamedToolChoice) -> prompts.ToolChoice:
     named = choice.custom if choice.type == "custom" else choice.function
     if named is None:
         raise invalid(f"tool_choice: a {choice.type} choice needs its {choice.type} object")
-    return chat.ToolChoice("tool", named.name)
+    return prompts.ToolChoice("tool", named.name)
 
 
-def tools(request: ChatCompletionRequest) -> tuple[list[chat.Tool], list[custom_tools.CustomTool]]:
+def tools(
+    request: ChatCompletionRequest,
+) -> tuple[list[prompts.Tool], list[custom_tools.CustomTool]]:
     """The request's tools as the prompt shows them, and which of them are custom tools."""
-    functions: list[chat.Tool] = []
+    functions: list[prompts.Tool] = []
     custom: list[custom_tools.CustomTool] = []
     for i, tool in enumerate(request.tools or []):
         where = f"tools.{i}"
@@ -295,10 +299,10 @@ def tools(request: ChatCompletionRequest) -> tuple[list[chat.Tool], list[custom_
     return functions, custom
 
 
-def conversation(request: ChatCompletionRequest) -> chat.Conversation:
+def conversation(request: ChatCompletionRequest) -> prompts.Conversation:
     functions, custom = tools(request)
-    images: list[chat.ImageInput] = []
-    return chat.Conversation(
+    images: list[prompts.ImageInput] = []
+    return prompts.Conversation(
         _messages(request, images),
         functions,
         tool_choice(request.tool_choice, _named_tool),

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate._native import compaction_from_encrypted, reasoning_from_encrypted
 from mlxgate.api import compaction, custom_tools
 from mlxgate.api.errors import invalid
@@ -153,7 +153,7 @@ class Tools:
     """The request's tools as the prompt shows them: function tools, a namespace's functions
     under flat names, custom tools as functions of their input, hosted tools left out."""
 
-    functions: list[chat.Tool]
+    functions: list[prompts.Tool]
     # (flat name, namespace, name) of every function given inside a namespace.
     namespaced: list[tuple[str, str, str]]
     # The tools a Response object repeats: those the model was given.
@@ -168,7 +168,7 @@ class Tools:
         return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
 
 
-def _function(tool: dict[str, Any], name: str, where: str) -> chat.Tool:
+def _function(tool: dict[str, Any], name: str, where: str) -> prompts.Tool:
     if not isinstance(tool.get("name"), str) or not tool["name"]:
         raise invalid(f"{where}.name: a function tool needs a name")
     parameters = tool.get("parameters") or {"type": "object", "properties": {}}
@@ -177,7 +177,7 @@ def _function(tool: dict[str, Any], name: str, where: str) -> chat.Tool:
 
 
 def tools(request: ResponsesRequest) -> Tools:
-    functions: list[chat.Tool] = []
+    functions: list[prompts.Tool] = []
     namespaced: list[tuple[str, str, str]] = []
     served: list[dict[str, Any]] = []
     custom: list[custom_tools.CustomTool] = []
@@ -212,18 +212,18 @@ def tools(request: ResponsesRequest) -> Tools:
     return Tools(functions, namespaced, served, custom)
 
 
-def _named_tool(choice: dict[str, Any], tools: Tools) -> chat.ToolChoice:
+def _named_tool(choice: dict[str, Any], tools: Tools) -> prompts.ToolChoice:
     if choice.get("type") == "function" and choice.get("name"):
-        return chat.ToolChoice("tool", tools.flat_name(choice["name"], choice.get("namespace")))
+        return prompts.ToolChoice("tool", tools.flat_name(choice["name"], choice.get("namespace")))
     if choice.get("type") == "custom" and choice.get("name"):
-        return chat.ToolChoice("tool", choice["name"])
-    return chat.ToolChoice()  # a hosted tool or allowed_tools: the model chooses
+        return prompts.ToolChoice("tool", choice["name"])
+    return prompts.ToolChoice()  # a hosted tool or allowed_tools: the model chooses
 
 
 def text(
     content: str | list[dict[str, Any]] | None,
     where: str,
-    images: list[chat.ImageInput] | None = None,
+    images: list[prompts.ImageInput] | None = None,
     *,
     field: str = "content",
 ) -> str:
@@ -267,19 +267,19 @@ def messages(
     request: ResponsesRequest,
     history: list[Item],
     tools: Tools,
-    images: list[chat.ImageInput] | None = None,
-) -> list[chat.Message]:
+    images: list[prompts.ImageInput] | None = None,
+) -> list[prompts.Message]:
     """`instructions`, then the stored history (`previous_response_id`), then `input`; the
     images of user messages and tool outputs go to `images` (None: an image is a 400).
 
     System and developer messages before the model's first turn become one system message (after
     a compaction Codex sends its context messages after the user's first message: joined with
     the instructions, the prompt opens as it did before, from the prefix cache); a later one
-    stays a system turn where it is (chat.Renderer renders it so where the template takes one
+    stays a system turn where it is (prompts.Renderer renders it so where the template takes one
     there). Reasoning, assistant text and function calls in a row are one assistant turn."""
-    out: list[chat.Message] = []
+    out: list[prompts.Message] = []
     system: list[str] = [request.instructions] if request.instructions else []
-    assistant: chat.Message | None = None
+    assistant: prompts.Message | None = None
 
     def close_assistant() -> None:
         nonlocal assistant
@@ -287,7 +287,7 @@ def messages(
             out.append(assistant)
             assistant = None
 
-    def open_assistant() -> chat.Message:
+    def open_assistant() -> prompts.Message:
         nonlocal assistant
         if assistant is None:
             assistant = {"role": "assistant", "content": ""}
@@ -363,14 +363,16 @@ def messages(
     close_assistant()
     if system:
         out.insert(0, {"role": "system", "content": "\n\n".join(system)})
-    return chat.merge_turns(out)
+    return prompts.merge_turns(out)
 
 
-def conversation(request: ResponsesRequest, history: list[Item], tools: Tools) -> chat.Conversation:
+def conversation(
+    request: ResponsesRequest, history: list[Item], tools: Tools
+) -> prompts.Conversation:
     effort = request.reasoning.effort if request.reasoning else None
     thinking = False if effort in ("none", "minimal") or request.compacting else None
-    images: list[chat.ImageInput] = []
-    return chat.Conversation(
+    images: list[prompts.ImageInput] = []
+    return prompts.Conversation(
         messages(request, history, tools, images),
         tools.functions,
         tool_choice(

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import orjson
 
-from mlxgate import chat
+from mlxgate import prompts
 from mlxgate._native import Dialect, Reply, StreamSpec
 from mlxgate.api.http import Receive, Scope, Send, send_bytes, send_json
 from mlxgate.api.openai_common import admission_errors
@@ -35,7 +35,7 @@ class Prepared:
     its stream is opened."""
 
     response_id: str
-    conversation: chat.Conversation
+    conversation: prompts.Conversation
     spec: Callable[[Reply | None, str], StreamSpec]
 
 
