@@ -3,7 +3,8 @@ each architecture's random-weight tiny model is written as that test writes it a
 llama-server, whose greedy tokens must be the original mlx-lm model's (and mlxgate's, loading
 the same file).
 
-    LLAMA_SERVER=benches/.cache/bin/llama-server .venv/bin/python benches/check_gguf_llama_cpp.py
+    LLAMA_SERVER=benches/.cache/bin/llama-server PYTHONPATH=tests \
+        .venv/bin/python benches/check_gguf_llama_cpp.py
 
 The tiny models here have a 512-token vocabulary (llama.cpp wants as many embedding rows as
 tokens) and larger embeddings than the test's (peaked logits: fewer near-ties). Greedy, 16
@@ -21,9 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path.insert(0, str(TESTS))
 
 
 def greedy_llama_cpp(path: Path, prompt: list[int], logs: Path) -> list[int] | str:

@@ -1,15 +1,16 @@
 """Records the agent traces `make bench` replays (benches/traces/): the real Claude Code and Codex
-CLIs against `mlxgate serve --record-trace` with forced-output models (tests/forced.py), so a
-session is the same every time it is recorded.
+CLIs against `mlxgate serve --record-trace` with forced-output models
+(tests/support/forced.py), so a session is the same every time it is recorded.
 
-    .venv/bin/python benches/record_traces.py [NAME ...]   # e.g. codex-session; default: all
+    PYTHONPATH=tests .venv/bin/python benches/record_traces.py [NAME ...]  # default: all
 
 `claude-code` and `codex`: each CLI asked to write a nonce to a file (the model calls the
 agent's shell tool, then answers once the tool's result is in its prompt). Claude Code runs with
 its default settings (its ~12k-token system prompt and tools), then `-c` continues the session;
 Codex runs `codex exec` with its defaults (~10k tokens).
 
-`claude-code-session` and `codex-session`: the longer sessions of tests/sessions.py, through
+`claude-code-session` and `codex-session`: the longer sessions of tests/support/sessions.py,
+through
 tool search, a custom tool, each CLI's compaction and the turns after it
 (tests/test_agent_sessions.py replays them).
 """
@@ -22,13 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-BENCHES = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHES.parent / "tests"))
-
-import sessions  # noqa: E402
-from agents import run_claude_code, run_codex  # noqa: E402  (the tests' own drivers)
-from conftest import start_server, stop_server  # noqa: E402
-from forced import (  # noqa: E402
+from support import sessions
+from support.agents import run_claude_code, run_codex  # the tests' own drivers
+from support.forced import (
     TOOL_RESULT,
     Script,
     answer,
@@ -37,6 +34,9 @@ from forced import (  # noqa: E402
     serve_args,
     tool_call,
 )
+from support.servers import start_server, stop_server
+
+BENCHES = Path(__file__).resolve().parent
 
 FAMILY = "qwen3"
 NONCE = "5eed5eed5eed5eed"
@@ -82,7 +82,7 @@ def record(agent: str, tmp: Path) -> Path:
 
 
 def record_session(agent: str, tmp: Path) -> Path:
-    """One of tests/sessions.py's sessions (`claude-code` or `codex`), as `<agent>-session`."""
+    """One of tests/support/sessions.py's sessions (`claude-code`, `codex`) as `<agent>-session`."""
     workdir = tmp / "work"
     workdir.mkdir(parents=True)
     if agent == "claude-code":

@@ -1,11 +1,12 @@
 """Images on this CPU: what a vision tower costs per image at each family's default resolution,
 and what an image request does to the streams decoding beside it.
 
-    .venv/bin/python benches/vision.py [--families qwen2_5_vl gemma3 ...] [--skip-towers]
+    PYTHONPATH=tests .venv/bin/python benches/vision.py \
+        [--families qwen2_5_vl gemma3 ...] [--skip-towers]
 
 No real vision-language weights can be had offline, so the models are mlx-vlm's own classes
-with random weights (tests/tiny_vlms.py) at real models' sizes: the cost of a tower depends on
-its shape, not its weights.
+with random weights (tests/support/tiny_vlms.py) at real models' sizes: the cost of a tower
+depends on its shape, not its weights.
 
 1. Towers, in process: each family's vision tower at the size of a model people run (Qwen2.5-VL
    3B, Qwen3-VL 4B, Gemma 3 4B's SigLIP, Mistral Small 3.1's Pixtral) on one image at the
@@ -25,7 +26,6 @@ import asyncio
 import base64
 import io
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,11 +38,9 @@ import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlxgate.bench.load import Prompt, make_client, send_prompt, story_prompt
 from mlxgate.bench.records import Record
 from mlxgate.bench.spawn import Server, free_port, mlxgate_command, stop_all
+from support import tiny_vlms
 
 BENCHES = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHES.parent / "tests"))
-
-import tiny_vlms  # noqa: E402
 
 SCREENSHOT = (640, 480)
 # Real models' vision towers (their Hugging Face configs), on the tiny language models.

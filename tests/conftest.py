@@ -1,77 +1,18 @@
 """Shared fixtures: real mlxgate servers (granian subprocesses, embedded model) on free ports, and
-one in-process app whose engine can be made to fail on demand."""
+one in-process app whose engine can be made to fail on demand. The helpers they use are in
+`support/`."""
 
 from __future__ import annotations
 
 import inspect
-import os
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
-import httpx2  # what the anthropic and openai SDKs are built on
 import pytest
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before any test module imports mlx.core)
-from mlxgate.api.reader import events as reader_events
-from mlxgate.bench.spawn import Server, free_port, mlxgate_command
-
-if TYPE_CHECKING:
-    from mlxgate._native import Router
-    from mlxgate.app import App
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-# A real server: mlxgate.bench.spawn's, as `mlxgate bench --spawn` starts one.
-RunningServer = Server
-STARTED: list[Server] = []
-
-
-def start_server(tmp_dir: Path, *extra_args: str, timeout_s: float = 120.0) -> RunningServer:
-    """`mlxgate serve` with `extra_args` on a free port, its output in `tmp_dir`; an error that
-    stops it from starting carries the log. Greedy for a request that sets no temperature
-    (`--sampling-defaults server`), so that answers are the same every run, unless
-    `extra_args` chooses (test_agent_defaults.py and test_sampling_defaults.py serve the
-    model's own defaults, as `make serve` does)."""
-    if "--sampling-defaults" not in extra_args:
-        extra_args = ("--sampling-defaults", "server", *extra_args)
-    port = free_port()
-    server = Server(
-        "mlxgate",
-        mlxgate_command(port, extra_args),
-        port,
-        tmp_dir / f"server-{port}.log",
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        tracked=False,  # `mlxgate bench` stops the servers it tracks when a run ends
-    )
-    STARTED.append(server)
-    try:
-        server.start(timeout_s, poll_s=0.2)
-    except RuntimeError as exc:
-        raise RuntimeError(f"{exc}:\n{server.log()}") from None
-    return server
-
-
-def stop_server(server: RunningServer) -> None:
-    server.stop(grace_s=15.0)
-
-
-def metric(
-    server: RunningServer, name: str, headers: dict[str, str] | None = None, **labels: str
-) -> float:
-    """The value of the /metrics sample `name` that has `labels` (besides any others, such as
-    its model's); 0 before it is counted."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx2.get(f"{server.url}/metrics", headers=headers).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                return float(sample.value)
-    return 0.0
+from support.in_process import FaultyRouter, InProcessServer
+from support.servers import STARTED, RunningServer, start_server, stop_server
 
 
 def pytest_sessionfinish() -> None:
@@ -156,44 +97,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-class FaultyRouter:
-    """The engine's stream router with a fault switch: armed with `fail_after(n)`, the engine
-    step after the next n raises inside the engine thread, as a bug in generation would."""
-
-    def __init__(self, router: Router) -> None:
-        self._router = router
-        self._steps_until_fault: int | None = None
-
-    def fail_after(self, steps: int) -> None:
-        self._steps_until_fault = steps
-
-    def step(self, *args: Any) -> list[int]:
-        if self._steps_until_fault is not None:
-            if self._steps_until_fault == 0:
-                self._steps_until_fault = None
-                raise RuntimeError("injected fault")
-            self._steps_until_fault -= 1
-        return self._router.step(*args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._router, name)
-
-    def __len__(self) -> int:
-        return len(self._router)
-
-
-@dataclass
-class InProcessServer:
-    """The ASGI app with the real model in this process, reached through an ASGI transport."""
-
-    app: App
-    router: FaultyRouter
-    base_url: str = "http://mlxgate.test"
-
-    def http_client(self) -> httpx2.AsyncClient:
-        return httpx2.AsyncClient(transport=httpx2.ASGITransport(app=self.app))
-
-
 @pytest.fixture(scope="session")
 def in_process() -> Iterator[InProcessServer]:
     from mlxgate.app import build_app
@@ -204,29 +107,3 @@ def in_process() -> Iterator[InProcessServer]:
     app.engine.router = router  # type: ignore[assignment]
     yield InProcessServer(app, router)
     app.engine.stop()
-
-
-# Faults for the in-process app (`monkeypatch.setattr` them over the real pieces).
-
-
-def broken_render(*args: Any, **kwargs: Any) -> None:
-    """Stands in for `mlxgate.prompts.Renderer.render`: a bug before the response's headers."""
-    raise RuntimeError("a bug in rendering")
-
-
-async def broken_after_first_frames(reader: Any) -> AsyncIterator[tuple[bytes, int]]:
-    """Stands in for `mlxgate.api.reader.events`: a bug after the response's headers."""
-    async for taken in reader_events(reader):
-        yield taken
-        raise RuntimeError("a bug in the stream writer")
-
-
-def last_frames(sse: str, count: int) -> list[str]:
-    """The last `count` frames of an SSE body, without their `id:` lines."""
-    return [without_id(frame) for frame in sse.split("\n\n") if frame][-count:]
-
-
-def without_id(frame: str) -> str:
-    """An SSE frame without the `id:` line every event starts with."""
-    assert frame.startswith(("id: ", ":")), frame
-    return frame.split("\n", 1)[1] if frame.startswith("id: ") else frame

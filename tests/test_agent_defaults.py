@@ -17,8 +17,8 @@ from pathlib import Path
 import anthropic
 import pytest
 
-from agents import run_claude_code, run_codex
-from conftest import RunningServer, metric, start_server, stop_server
+from support.agents import run_claude_code, run_codex
+from support.servers import RunningServer, metric, start_server, stop_server
 
 REPLY_LIMIT = 64
 

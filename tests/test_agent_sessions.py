@@ -1,4 +1,4 @@
-"""Whole agent sessions (tests/sessions.py): the real Claude Code through its auto-compaction and
+"""Whole agent sessions (support/sessions.py): the real Claude Code through its auto-compaction and
 Codex through a remote compaction, each going on after it; and their recordings
 (benches/traces/*-session.jsonl) replayed turn by turn against a fresh server, each turn's
 prompt read from the prefix cache as far as it matches an earlier one."""
@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-import sessions
-from conftest import RunningServer, start_server, stop_server
-from forced import forced_model_dir, serve_args, tokenizer
 from mlxgate import prompts
 from mlxgate.api.anthropic import requests as anthropic
 from mlxgate.api.responses import requests as responses
 from mlxgate.bench.replay import replay
 from mlxgate.trace import Turn, read
+from support import sessions
+from support.forced import forced_model_dir, serve_args, tokenizer
+from support.servers import RunningServer, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 # What each agent's sessions are served by: its forced model's family and scripts.

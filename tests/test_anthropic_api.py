@@ -12,12 +12,9 @@ import anthropic
 import httpx
 import pytest
 
-from agents import run_claude_code
-from conftest import (
-    RunningServer,
-    start_server,
-)
 from mlxgate import cli
+from support.agents import run_claude_code
+from support.servers import RunningServer, start_server
 
 BASH_TOOL = {
     "name": "Bash",

@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from conftest import RunningServer, metric
+from support.servers import RunningServer, metric
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -1,6 +1,6 @@
 """Every architecture family served exactly as `mlx_lm.generate` computes it.
 
-Random-weight tiny models built from mlx-lm's own classes (tests/tiny_models.py), served by the
+Random-weight tiny models built from mlx-lm's own classes (support/tiny_models.py), served by the
 real engine in-process; greedy tokens are compared with mlx-lm's `generate_step` on a second
 instance with the same weights. Where batched shapes round differently a divergence is allowed
 only at a step whose two top logits tie within float rounding, judged from mlx-lm's own
@@ -13,14 +13,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tiny_engine import STEPS, Served, assert_same, prompts, reference, wait_until
-from tiny_models import ARCHITECTURES, WINDOW, twins
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlxgate._native import StreamSpec
 from mlxgate.engine import GenerationRequest
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.models.adapter import ModelAdapter
+from support.tiny_engine import STEPS, Served, assert_same, prompts, reference, wait_until
+from support.tiny_models import ARCHITECTURES, WINDOW, twins
 
 CHUNK = 16  # the largest prefill pass: longer prompts take several
 

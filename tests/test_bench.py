@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import RunningServer
 from mlxgate.bench import scenarios, spawn
 from mlxgate.bench.client import send
 from mlxgate.bench.figures import Slo, summarize
@@ -26,6 +25,7 @@ from mlxgate.bench.replay import replay, replayable
 from mlxgate.bench.run import Target, read_records
 from mlxgate.cli import main as cli_main
 from mlxgate.trace import Turn
+from support.servers import RunningServer
 
 TTFT_S = 0.080
 GAPS_S = (0.010, 0.030, 0.020, 0.050, 0.015, 0.025)

@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agents import run_codex
-from conftest import RunningServer, metric, start_server, stop_server
-from forced import TOOL_RESULT, Script, answer, forced_model_dir, serve_args, tool_call
-from sessions import INSTRUCTION_TRIGGER, PATCH, SUMMARY_TRIGGER
+from support.agents import run_codex
+from support.forced import TOOL_RESULT, Script, answer, forced_model_dir, serve_args, tool_call
+from support.servers import RunningServer, metric, start_server, stop_server
+from support.sessions import INSTRUCTION_TRIGGER, PATCH, SUMMARY_TRIGGER
 
 # What the server counts of a Codex run: the prompt tokens it computed and reused, and the
 # responses it answered over HTTP and over WebSockets.

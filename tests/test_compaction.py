@@ -7,7 +7,7 @@ for. Anthropic: the `compaction` parameter and the `compact_20260112` edit answe
 `compaction` block (then, unless it pauses, the answer from the summary on); the
 `clear_tool_uses_20250919` edit clears old tool results; `applied_edits` says what was done.
 
-A forced-output model (tests/forced.py) writes the summary when the prompt holds the compaction
+A forced-output model (support/forced.py) writes the summary when the prompt holds the compaction
 instruction, and answers "Resumed." only when the prompt holds a replayed summary."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import anthropic
 import openai
 import pytest
 
-from conftest import RunningServer, start_server, stop_server
-from forced import Script, forced_model_dir, serve_args
 from mlxgate._native import compaction_from_encrypted
 from mlxgate.api.anthropic.context import CLEARED_RESULT
 from mlxgate.api.compaction import INSTRUCTION, SUMMARY_HEADING
+from support.forced import Script, forced_model_dir, serve_args
+from support.servers import RunningServer, start_server, stop_server
 
 SUMMARY = "SUMMARY: the user said hi."
 # Whole words, so they encode as inside the prompt.

@@ -2,7 +2,7 @@
 mlx-lm runs the same scaled model; below it, prompts capped there; a model whose rope cannot take
 the scaling refused at start-up.
 
-Tiny random-weight models (tests/tiny_models.py) written as mlx-lm model directories whose own
+Tiny random-weight models (support/tiny_models.py) written as mlx-lm model directories whose own
 context is NATIVE tokens, so that prompts go past it cheaply.
 """
 
@@ -17,14 +17,14 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import tiny_models
 from test_architectures import CHUNK
-from tiny_engine import STEPS, Served, assert_same, prompts, reference
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
-from conftest import REPO, RunningServer, free_port, start_server, stop_server
 from mlxgate import models
 from mlxgate.models.context import ContextLengthError
+from support import tiny_models
+from support.servers import REPO, RunningServer, free_port, start_server, stop_server
+from support.tiny_engine import STEPS, Served, assert_same, prompts, reference
 
 NATIVE = 256
 SCALED = 4 * NATIVE

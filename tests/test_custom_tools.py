@@ -3,7 +3,7 @@ Completions: the call comes back as raw text (`custom_tool_call`, a `custom` too
 and not; its input is held to the tool's Lark grammar; a grammar that does not compile is a 400
 naming the tool; a call and its output replay into the next turn.
 
-Forced-output models write the calls (tests/forced.py): Qwen3-Coder's XML format, which writes a
+Forced-output models write the calls (support/forced.py): Qwen3-Coder's XML format, which writes a
 string parameter raw, and Qwen3's Hermes JSON, which writes it in a JSON string (where the
 grammar is held through the escaping, formats/escaped_grammar.py)."""
 
@@ -18,9 +18,9 @@ import llguidance
 import openai
 import pytest
 
-from conftest import RunningServer, start_server, stop_server
-from forced import TOOL_RESULT, Script, call_markup, forced_model_dir, serve_args, tokenizer
 from mlxgate.formats.escaped_grammar import escaped
+from support.forced import TOOL_RESULT, Script, call_markup, forced_model_dir, serve_args, tokenizer
+from support.servers import RunningServer, start_server, stop_server
 
 APPLY_PATCH_GRAMMAR = (Path(__file__).parent / "fixtures" / "apply_patch.lark").read_text()
 PATCH = '*** Begin Patch\n*** Add File: hello.txt\n+Hello, "world" \\o/\n*** End Patch'

@@ -16,17 +16,12 @@ import httpx2
 import openai
 import pytest
 
-from conftest import (
-    InProcessServer,
-    RunningServer,
-    broken_after_first_frames,
-    broken_render,
-    last_frames,
-    metric,
-)
 from mlxgate import prompts
 from mlxgate.api import reader
 from mlxgate.engine import GenerationRequest
+from support.in_process import InProcessServer, broken_after_first_frames, broken_render
+from support.servers import RunningServer, metric
+from support.sse import last_frames
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SERVED = "SmolLM2-135M-Instruct"

@@ -18,10 +18,10 @@ import numpy as np
 import openai
 import pytest
 from test_architectures import Served, assert_same, prompts, reference
-from tiny_models import build, twins
 
-from conftest import start_server, stop_server
 from mlxgate.engine.disk_cache import BLOCK_TOKENS, SUFFIX
+from support.servers import start_server, stop_server
+from support.tiny_models import build, twins
 
 # Every test runs models through the engine.
 pytestmark = pytest.mark.slow

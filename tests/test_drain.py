@@ -14,7 +14,8 @@ import httpx
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from conftest import REPO, free_port, last_frames, start_server
+from support.servers import REPO, free_port, start_server
+from support.sse import last_frames
 
 DRAIN_S = 8
 

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tiny_engine import Served
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from support.tiny_engine import Served
 
 import mlx.core as mx  # isort: skip
 from mlxgate._native import Dialect, Reader, Reply, Router, StreamSpec, Vocab

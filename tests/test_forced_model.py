@@ -20,9 +20,11 @@ from anthropic.types import MessageParam, TextBlockParam, ToolParam
 from mlx_lm.generate import generate_step
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from agents import run_claude_code
-from conftest import RunningServer, start_server, stop_server
-from forced import (
+from mlxgate import prompts
+from mlxgate.api.anthropic.requests import MessagesRequest, conversation
+from mlxgate.models import load
+from support.agents import run_claude_code
+from support.forced import (
     FAMILIES,
     LEAD_IN,
     THOUGHT,
@@ -36,9 +38,7 @@ from forced import (
     serve_args,
     tokenizer,
 )
-from mlxgate import prompts
-from mlxgate.api.anthropic.requests import MessagesRequest, conversation
-from mlxgate.models import load
+from support.servers import RunningServer, start_server, stop_server
 
 BASH: ToolParam = {
     "name": "Bash",

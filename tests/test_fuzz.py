@@ -23,8 +23,9 @@ import pytest
 from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import InProcessServer, RunningServer
 from mlxgate.app import App
+from support.in_process import InProcessServer
+from support.servers import RunningServer
 
 HOST = "http://mlxgate.test"
 EXAMPLES = 120

@@ -193,8 +193,9 @@ def test_gemma3_is_served_as_mlx_lm_generates_it(
     """Q4_K, Q5_0, Q6_K and Q8_0 blocks, sliding and global layers: the engine's greedy tokens
     are mlx-lm's own `generate_step` on the converted directory, loaded by mlx-lm alone (MLX's
     own kernels), up to a step where mlx-lm's two best tokens tie within float rounding."""
-    import tiny_engine
     from mlx_lm.utils import load as mlx_lm_load
+
+    from support import tiny_engine
 
     loaded, directory = gemma3_loaded
     reference_model, _ = mlx_lm_load(str(directory))
@@ -224,7 +225,8 @@ def test_gemma3s_greedy_tokens_follow_llama_cpp(
 ) -> None:
     import mlx.core as mx
     import numpy as np
-    import tiny_engine
+
+    from support import tiny_engine
 
     loaded, _ = gemma3_loaded
     monkeypatch.setattr(tiny_engine, "VOCAB", loaded.model.args.vocab_size)

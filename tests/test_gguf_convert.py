@@ -26,12 +26,12 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes
-from tiny_models import config as tiny_config
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlxgate import models
 from mlxgate.models import embedded, gguf
 from mlxgate.models.gguf.tensors import AFFINE_BITS
+from support.tiny_models import config as tiny_config
 
 # The block types a llama.cpp quantization writes (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0), and what
 # mlxgate makes of each: (bits of MLX's affine quantization, group 32) or float32 values.

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import REPO, RunningServer, free_port, start_server, stop_server
 from mlxgate.api.guard import Guard, is_loopback, public_bind_refused
+from support.servers import REPO, RunningServer, free_port, start_server, stop_server
 
 MESSAGE = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
 CHAT = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}

@@ -25,7 +25,6 @@ import openai
 import pytest
 from PIL import Image
 
-from conftest import RunningServer
 from mlxgate import prompts
 from mlxgate.api import images as api_images
 from mlxgate.api.anthropic.requests import MessagesRequest
@@ -39,6 +38,7 @@ from mlxgate.api.responses.requests import tools as responses_tools
 from mlxgate.api.responses.routes import _kept_content
 from mlxgate.api.vision_prompts import VisionPrompts
 from mlxgate.config import Config
+from support.servers import RunningServer
 
 if TYPE_CHECKING:
     from mlxgate.app import App

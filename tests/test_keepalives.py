@@ -26,8 +26,8 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
 
-from conftest import RunningServer, start_server, stop_server
 from mlxgate._native import FinishReason, Reply, Router, StreamSpec, Vocab
+from support.servers import RunningServer, start_server, stop_server
 
 EOS = 3
 _RAW_VOCAB = [b"Hello", b" world", b"!", b"</s>"]

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tiny_engine import Served, assert_same, prompts, reference, wait_until
-from tiny_models import twins
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from support.tiny_engine import Served, assert_same, prompts, reference, wait_until
+from support.tiny_models import twins
 
 import mlx.core as mx  # isort: skip
 from mlxgate.engine import PromptTooLong

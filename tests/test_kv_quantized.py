@@ -28,13 +28,13 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import _get_classes
 from test_engine import QUESTIONS, body, make_engine, prompt_ids, submit, text
 from test_speculation import Oracle
-from tiny_engine import Expected, Served, assert_same, prompts, wait_until
-from tiny_models import config
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
-from conftest import start_server, stop_server
 from mlxgate.engine import Engine
 from mlxgate.models import LoadedModel, load
+from support.servers import start_server, stop_server
+from support.tiny_engine import Expected, Served, assert_same, prompts, wait_until
+from support.tiny_models import config
 
 STEPS = 12
 CHUNK = 16

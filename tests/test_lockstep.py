@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import free_port
 from mlxgate.engine.lockstep import INLINE
+from support.servers import free_port
 
 RANK = """
 import json, sys

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from conftest import start_server, stop_server
+from support.servers import start_server, stop_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

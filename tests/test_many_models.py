@@ -19,13 +19,13 @@ import httpx
 import openai
 import pytest
 
-from agents import run_claude_code
-from conftest import RunningServer, metric, start_server, stop_server
-from forced import answer, forced_model_dir
 from mlxgate.api.requests import keep_alive_seconds
 from mlxgate.models import DEFAULT_MODEL, stored_bytes
 from mlxgate.serving import Turns
 from mlxgate.specs import ModelSpec, read_specs
+from support.agents import run_claude_code
+from support.forced import answer, forced_model_dir
+from support.servers import RunningServer, metric, start_server, stop_server
 
 SCRIPT = "I am the scripted model."
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

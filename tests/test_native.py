@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from conftest import without_id
 from mlxgate._native import (
     Dialect,
     ErrorKind,
@@ -27,6 +26,7 @@ from mlxgate._native import (
     Vocab,
 )
 from mlxgate.api.reader import chunks
+from support.sse import without_id
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 INPUTS = sorted(p for p in FIXTURES.glob("*.json") if not p.name.endswith(".body.json"))

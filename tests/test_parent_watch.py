@@ -18,11 +18,11 @@ from typing import Any
 
 import httpx2 as httpx
 import pytest
-import tiny_models
 from test_ranks import QWEN3_VOCAB
 
-from conftest import STARTED, RunningServer, metric, start_server
 from mlxgate.engine.disk_cache import BLOCK_TOKENS, SUFFIX
+from support import tiny_models
+from support.servers import STARTED, RunningServer, metric, start_server
 
 # A process tree must be gone within this long after its root is killed.
 GONE_S = 5.0

@@ -17,11 +17,11 @@ from mlx_lm.sample_utils import (
     make_presence_penalty,
     make_repetition_penalty,
 )
-from tiny_engine import Oracle, Served, assert_same, guessing, prompts, reference
-from tiny_models import VOCAB
 
 from mlxgate.engine.contract import SamplingParams
 from mlxgate.engine.penalties import Penalties, penalized
+from support.tiny_engine import Oracle, Served, assert_same, guessing, prompts, reference
+from support.tiny_models import VOCAB
 
 STEPS = 40
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx2 as httpx
 import pytest
-import tiny_models
 
-from conftest import RunningServer, free_port, metric, start_server, stop_server
+from support import tiny_models
+from support.servers import RunningServer, free_port, metric, start_server, stop_server
 
 TIES = 1e-4
 QWEN3_VOCAB = 151936

@@ -10,10 +10,11 @@ import httpx
 import openai
 import pytest
 
-from conftest import RunningServer, without_id
 from mlxgate._native import reasoning_from_encrypted
 from mlxgate.api.responses.requests import Item, ResponsesRequest, messages, tools
 from mlxgate.formats.reasoning import FIELD as REASONING
+from support.servers import RunningServer
+from support.sse import without_id
 
 QUESTION = "What is the capital of France?"
 WEATHER = {

@@ -18,11 +18,11 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 from websockets.typing import Origin
 
-from conftest import RunningServer, metric, start_server, stop_server
 from mlxgate._native import Dialect, ErrorKind
 from mlxgate.api.errors import ApiError
 from mlxgate.api.http import Message, refuse_websocket
 from mlxgate.api.responses.websocket import MAX_WAITING
+from support.servers import RunningServer, metric, start_server, stop_server
 
 QUESTION = "What is the capital of France?"
 DEVELOPER = {"type": "message", "role": "developer", "content": "Answer in one word."}

@@ -17,11 +17,11 @@ from typing import cast
 import httpx
 import pytest
 
-from conftest import RunningServer, start_server, stop_server
 from mlxgate._native import Reader
 from mlxgate.api import resumable as resumable_streams
 from mlxgate.api.errors import ApiError
 from mlxgate.api.resumable import EventLog
+from support.servers import RunningServer, start_server, stop_server
 
 WINDOW_S = 6
 CUTS = 200

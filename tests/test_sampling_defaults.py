@@ -16,15 +16,15 @@ import anthropic
 import httpx
 import openai
 import pytest
-import tiny_models
 
-from conftest import RunningServer, metric, start_server, stop_server
 from mlxgate.config import Config
 from mlxgate.engine import SamplingParams
 from mlxgate.models import LoadedModel, sampling_defaults
 from mlxgate.models.gguf import generation_config
 from mlxgate.serving import sampling_layers
 from mlxgate.specs import ModelSpec
+from support import tiny_models
+from support.servers import RunningServer, metric, start_server, stop_server
 
 QWEN3_VOCAB = 151936
 # A poem the embedded model, greedy, writes as one stanza over and over.

@@ -1,6 +1,6 @@
 """Speculative decoding: guessed tokens checked in the running batch change no token.
 
-Tiny random-weight models (tests/tiny_models.py) served by the real engine. Their guesses come
+Tiny random-weight models (support/tiny_models.py) served by the real engine. Their guesses come
 from an oracle that knows mlx-lm's greedy output and spoils some of it on purpose, so that every
 verify pass mixes rows that keep all, some and none of their guesses; the tokens must still be
 mlx-lm's, token for token (up to a tie, as in test_architectures). Prompt lookup itself is
@@ -24,17 +24,25 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
-from tiny_engine import Oracle, Served, assert_same, guessing, prompts, reference, wait_until
-from tiny_models import build, quantized, twins
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
-from conftest import REPO, free_port, start_server, stop_server
-from forced import forced_model_dir, serve_args
 from mlxgate._native import Reply, StreamSpec
 from mlxgate.engine import GenerationRequest
 from mlxgate.engine.cache_kinds import UnsupportedCache
 from mlxgate.engine.contract import SamplingParams
 from mlxgate.engine.speculation import Lookup, continuation
+from support.forced import forced_model_dir, serve_args
+from support.servers import REPO, free_port, start_server, stop_server
+from support.tiny_engine import (
+    Oracle,
+    Served,
+    assert_same,
+    guessing,
+    prompts,
+    reference,
+    wait_until,
+)
+from support.tiny_models import build, quantized, twins
 
 STEPS = 24
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from conftest import RunningServer
+from support.servers import RunningServer
 
 PERSON = {
     "type": "object",

@@ -13,10 +13,10 @@ from typing import Any
 import jinja2
 import pytest
 
-from forced import FAMILIES, write_tokenizer
 from mlxgate import prompts
 from mlxgate.models import embedded, gguf
 from mlxgate.models.tokenizer import ChatTokenizer, TemplateError
+from support.forced import FAMILIES, write_tokenizer
 
 TOOL = {
     "type": "function",

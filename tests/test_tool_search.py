@@ -5,7 +5,7 @@ is callable from then on (its call parsed by its schema), without changing the p
 Client-side search (Claude Code's ToolSearch, `tool_reference` blocks in a tool result) and the
 server-side search tools (regex and BM25, answered by the stream core with a `server_tool_use`
 and a `tool_search_tool_result` block, the turn paused), through the official anthropic SDK and
-the real Claude Code CLI against forced-output models (tests/forced.py) in Qwen3-Coder's XML
+the real Claude Code CLI against forced-output models (support/forced.py) in Qwen3-Coder's XML
 format, which types a call's parameters by the tool's schema."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Any
 import anthropic
 import pytest
 
-from agents import run_claude_code
-from conftest import RunningServer, start_server, stop_server
-from forced import TOOL_RESULT, Script, call_markup, forced_model_dir, serve_args, tokenizer
 from mlxgate import prompts
 from mlxgate.api.anthropic.requests import MessagesRequest, conversation
+from support.agents import run_claude_code
+from support.forced import TOOL_RESULT, Script, call_markup, forced_model_dir, serve_args, tokenizer
+from support.servers import RunningServer, start_server, stop_server
 
 FAMILY = "qwen3-coder"
 WEATHER = {

@@ -10,7 +10,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import start_server, stop_server
 from mlxgate.api.openai.requests import ChatCompletionRequest
 from mlxgate.bench.records import Record
 from mlxgate.bench.replay import replayable
@@ -18,6 +17,7 @@ from mlxgate.bench.run import read_records
 from mlxgate.bench.to_chat import to_chat
 from mlxgate.cli import main as cli_main
 from mlxgate.trace import Recorder, read, session_of, sessions
+from support.servers import start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Images through a real server and the official SDKs to a tiny VLM (tests/tiny_vlms.py): each
+"""Images through a real server and the official SDKs to a tiny VLM (support/tiny_vlms.py): each
 dialect's image shape gives the answer mlx-vlm gives on the same prompt and image; usage and
 count_tokens count the image's tokens; turn 2 with the same screenshot reuses it; the real
 Claude Code CLI sends a pasted image and gets an answer."""
@@ -16,13 +16,13 @@ import anthropic
 import mlx.core as mx
 import openai
 import pytest
-import tiny_vlms
 
-from agents import run_claude_code
-from conftest import RunningServer, metric, start_server, stop_server
 from mlxgate import prompts
 from mlxgate.api.openai.requests import ChatCompletionRequest, conversation
 from mlxgate.models.tokenizer import ChatTokenizer
+from support import tiny_vlms
+from support.agents import run_claude_code
+from support.servers import RunningServer, metric, start_server, stop_server
 
 FAMILY = "qwen2_5_vl"
 TOKENS = 8

@@ -14,8 +14,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-import tiny_vlms
 from mlx_lm.models import cache as lm_cache
+
+from support import tiny_vlms
 
 FAMILIES = sorted(tiny_vlms.FAMILIES)
 

@@ -1,7 +1,7 @@
-"""The engine serving the tiny VLMs (tests/tiny_vlms.py) with images: greedy output equals mlx-vlm's
-own generation on the same prompt and image, alone and continuously batched with text-only
-requests and other images; the prefix cache knows an image by its content; a cancel stops the
-vision tower between blocks."""
+"""The engine serving the tiny VLMs (support/tiny_vlms.py) with images: greedy output equals
+mlx-vlm's own generation on the same prompt and image, alone and continuously batched with
+text-only requests and other images; the prefix cache knows an image by its content; a cancel
+stops the vision tower between blocks."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-import tiny_vlms
-from tiny_engine import Expected, Served, assert_same, wait_until
 
 from mlxgate import models, prompts
 from mlxgate._native import Reader, Reply, Router, StreamSpec, Vocab
 from mlxgate.api.vision_prompts import VisionPrompts
 from mlxgate.engine import Engine, EngineSettings, GenerationRequest
 from mlxgate.models import LoadedModel
+from support import tiny_vlms
+from support.tiny_engine import Expected, Served, assert_same, wait_until
 
 FAMILIES = sorted(tiny_vlms.FAMILIES)
 STEPS = 8

@@ -1,4 +1,4 @@
-"""mlx-vlm's own greedy generation on the tiny VLMs (tests/tiny_vlms.py): offline, repeatable, and
+"""mlx-vlm's own greedy generation on the tiny VLMs (support/tiny_vlms.py): offline, repeatable, and
 the image is seen. The reference the served output will be held to (issue 36)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-import tiny_vlms
+
+from support import tiny_vlms
 
 FAMILIES = sorted(tiny_vlms.FAMILIES)
 TOKENS = 8

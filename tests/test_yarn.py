@@ -233,7 +233,7 @@ def test_greedy_answers_follow_llama_cpp_on_the_same_gguf(
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from conftest import start_server, stop_server
+    from support.servers import start_server, stop_server
 
     running = start_server(tmp_path_factory.mktemp("default"))
     yield running

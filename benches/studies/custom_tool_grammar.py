@@ -4,7 +4,7 @@ format (the tool's Lark grammar nested as is) and in Qwen3's Hermes JSON (the gr
 for the JSON string, formats/escaped_grammar.py), against the same XML reply held only as a
 `strict` function tool's call, and the decode step it is spent beside.
 
-    PYTHONPATH=benches .venv/bin/python benches/studies/custom_tool_grammar.py [--repeats 50]
+    PYTHONPATH=benches:tests .venv/bin/python benches/studies/custom_tool_grammar.py [--repeats 50]
 
 The Qwen3 vocabulary (151,936 tokens) from the tests' tokenizer fixtures; masks as the engine
 computes them (one row; the engine computes a step's rows together on llguidance's threads).
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -23,12 +22,11 @@ import llguidance
 import numpy as np
 from report import publish
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
+from mlxgate.api import custom_tools
+from mlxgate.prompts import Conversation, Renderer, ToolChoice
+from support.forced import tokenizer
 
-from forced import tokenizer  # noqa: E402
-from mlxgate.api import custom_tools  # noqa: E402
-from mlxgate.prompts import Conversation, Renderer, ToolChoice  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 PATCH = (
     "*** Begin Patch\n*** Update File: src/app.py\n@@ def main():\n-    print('hi')\n"

@@ -125,7 +125,7 @@ def command(name: str, port: int, slots: int) -> list[str]:
 @dataclass(eq=False)  # identity: a started server is tracked in a set
 class Server:
     """A server process in a session of its own (so that stopping it stops its workers too),
-    its output in `log_path`. The tests start theirs with it too (tests/conftest.py)."""
+    its output in `log_path`. The tests start theirs with it too (tests/support/servers.py)."""
 
     name: str
     command: list[str]

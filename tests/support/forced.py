@@ -45,8 +45,8 @@ from typing import Any
 from mlxgate.models.tokenizer import ChatTokenizer
 
 HERE = Path(__file__).resolve().parent
-TOKENIZERS = HERE / "fixtures" / "tokenizers"
-TEMPLATES = HERE / "fixtures" / "templates"
+TOKENIZERS = HERE.parent / "fixtures" / "tokenizers"
+TEMPLATES = HERE.parent / "fixtures" / "templates"
 MODEL_FILE = HERE / "forced_model.py"
 
 

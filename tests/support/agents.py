@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conftest import RunningServer
+from support.servers import RunningServer
 
 
 def claude_code_path() -> Path:

@@ -12,7 +12,6 @@ from typing import Any, cast
 
 import numpy as np
 import orjson
-from tiny_models import VOCAB
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlxgate._native import Reader, Reply, Router, StreamSpec, Vocab
@@ -20,6 +19,7 @@ from mlxgate.engine import Engine, EngineSettings, GenerationRequest
 from mlxgate.models import LoadedModel
 from mlxgate.models.context import ServedContext
 from mlxgate.models.cpu import install_kernels
+from support.tiny_models import VOCAB
 
 # Log-probability gap within which two tokens tie: float32 rounding of different matmul shapes
 # moves logits by ~1e-6; a wrong computation moves them by whole units.
@@ -88,7 +88,7 @@ class Oracle:
 def guessing(arch: str, quantization: str | None = None) -> Iterator[tuple[Served, Any, Oracle]]:
     """A tiny `arch` model served with every row guessing from an oracle (verify passes of up to
     64 rows at once), the same weights for mlx-lm, and the oracle."""
-    from tiny_models import twins
+    from support.tiny_models import twins
 
     served_model, reference_model = twins(arch, quantization)
     served = Served(served_model, max_prefill_chunk=16, speculation_max_rows=64, prefix_cache_mb=0)

@@ -21,7 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from PIL import Image
 
-from forced import write_tokenizer
+from support.forced import write_tokenizer
 
 QWEN_VOCAB = 151936
 _TEXT: dict[str, Any] = {

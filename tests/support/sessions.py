@@ -1,5 +1,5 @@
 """Whole agent sessions, the same every time: the real Claude Code and Codex CLIs over several
-turns against forced-output models (tests/forced.py) scripted for each step of the new paths
+turns against forced-output models (support/forced.py) scripted for each step of the new paths
 (Claude Code's ToolSearch and a deferred tool, Codex's freeform apply_patch, each CLI's
 compaction and the turns after it). tests/test_agent_sessions.py runs them and replays their
 recordings; benches/record_traces.py records them into benches/traces/.
@@ -16,10 +16,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents import CodexRun, run_claude_code, run_codex
-from conftest import RunningServer
-from forced import TOOL_RESULT, Script, answer, bash_call, call_markup, tool_call
 from mlxgate.api.compaction import INSTRUCTION, SUMMARY_HEADING
+from support.agents import CodexRun, run_claude_code, run_codex
+from support.forced import TOOL_RESULT, Script, answer, bash_call, call_markup, tool_call
+from support.servers import RunningServer
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,7 @@ def directory(parent: Path, arch: str, **overrides: Any) -> Path:
     (`overrides`: config.json's fields to change; its vocabulary is VOCAB unless given)."""
     from mlx.utils import tree_flatten
 
-    from forced import write_tokenizer
+    from support.forced import write_tokenizer
 
     cfg = {**config(arch), **overrides}
     model_class, args_class = _get_classes(cfg)
