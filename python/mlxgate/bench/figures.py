@@ -80,6 +80,8 @@ def summarize(
         },
         "wall_s": wall_s,
         "output_tokens": output,
+        # The server's own count: a server that cuts a prompt to its slot shows it here.
+        "prompt_tokens_p50": percentile([r.input_tokens for r in ok if r.input_tokens], 50),
         "tokens_counted_by": "the server's usage",
         "output_tok_s": output / wall_s if wall_s > 0 else 0.0,
         "stream_tok_s_p50": percentile(per_stream, 50),

@@ -270,12 +270,17 @@ def _quoted(text: str) -> str:
     return "`" + " ".join(text.replace("`", "'").split()) + "`"
 
 
+def _count(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _table(summary: dict[str, Any], scenario: str) -> list[str]:
     lines = [
-        "| C | target | requests | failed | out tok/s | ratio | per stream tok/s | goodput tok/s "
+        "| C | target | requests | failed | prompt tokens p50 | out tok/s | ratio "
+        "| per stream tok/s | goodput tok/s "
         "| TTFT p50 / p95 / p99 (ms) | ratio | ITL p50 / p95 / p99 / max (ms) | e2e p50 (ms) "
         "| cached | CPU s / token |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
         "| ---: | ---: |",
     ]
     first = summary["targets"][0]["name"]
@@ -290,7 +295,8 @@ def _table(summary: dict[str, Any], scenario: str) -> list[str]:
         cpu = run_["cpu_s_per_output_token"]
         lines.append(
             f"| {run_['concurrency']} | {run_['target']} | {run_['requests']} | {run_['failed']} "
-            f"| {run_['output_tok_s']:.1f} | {_ratio(run_['output_tok_s'], base['output_tok_s'])} "
+            f"| {_count(run_.get('prompt_tokens_p50'))} | {run_['output_tok_s']:.1f} "
+            f"| {_ratio(run_['output_tok_s'], base['output_tok_s'])} "
             f"| {run_['stream_tok_s_p50'] or 0:.1f} | {run_['goodput_tok_s']:.1f} "
             f"| {_ms(ttft['p50'])} / {_ms(ttft['p95'])} / {_ms(ttft['p99'])} "
             f"| {_ratio(ttft['p50'], base['ttft_s']['p50'])} "
