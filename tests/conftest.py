@@ -101,9 +101,12 @@ def anyio_backend() -> str:
 def in_process() -> Iterator[InProcessServer]:
     from mlxgate.app import build_app
     from mlxgate.config import Config
+    from mlxgate.engine import Engine
 
     app = build_app(Config(allowed_hosts=("mlxgate.test",)))  # the ASGI transport's host
-    router = FaultyRouter(app.engine.router)
-    app.engine.router = router  # type: ignore[assignment]
+    engine = app.engine
+    assert isinstance(engine, Engine), engine
+    router = FaultyRouter(engine.router)
+    engine.router = router  # type: ignore[assignment]  # a stand-in with the Router's methods
     yield InProcessServer(app, router)
     app.engine.stop()

@@ -11,12 +11,13 @@ from subprocess import CompletedProcess
 import anthropic
 import httpx
 import pytest
+from anthropic.types import MessageParam, ToolParam
 
 from mlxgate import cli
 from support.agents import run_claude_code
 from support.servers import RunningServer, start_server
 
-BASH_TOOL = {
+BASH_TOOL: ToolParam = {
     "name": "Bash",
     "description": "Executes a bash command and returns its output.",
     "input_schema": {
@@ -30,7 +31,7 @@ BASH_TOOL = {
         "additionalProperties": False,
     },
 }
-DEFERRED_TOOL = {
+DEFERRED_TOOL: ToolParam = {
     "name": "DeferredToolPlaceholder",
     "description": "Reserved placeholder; never call this tool.",
     "input_schema": {"type": "object", "properties": {}},
@@ -44,20 +45,20 @@ def client(server: RunningServer) -> anthropic.Anthropic:
 
 
 def test_forced_tool_call_streams_input_json_and_round_trips(client: anthropic.Anthropic) -> None:
-    question = {"role": "user", "content": "List the files in the current directory."}
+    question: MessageParam = {"role": "user", "content": "List the files in the current directory."}
     with client.messages.stream(
         model="claude-test",
         max_tokens=256,
-        tools=[BASH_TOOL, DEFERRED_TOOL],  # type: ignore[list-item]
+        tools=[BASH_TOOL, DEFERRED_TOOL],
         tool_choice={"type": "tool", "name": "Bash"},
-        messages=[question],  # type: ignore[list-item]
+        messages=[question],
     ) as stream:
         events = list(stream)
         final = stream.get_final_message()
     fragments = [
-        e.delta.partial_json  # type: ignore[union-attr]
+        e.delta.partial_json
         for e in events
-        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"  # type: ignore[union-attr]
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
     ]
     assert len(fragments) > 1, "tool arguments stream in fragments as the model writes them"
     tool_use = next(b for b in final.content if b.type == "tool_use")
@@ -69,7 +70,7 @@ def test_forced_tool_call_streams_input_json_and_round_trips(client: anthropic.A
     follow_up = client.messages.create(
         model="claude-test",
         max_tokens=48,
-        tools=[BASH_TOOL],  # type: ignore[list-item]
+        tools=[BASH_TOOL],
         messages=[
             question,
             {"role": "assistant", "content": final.content},
@@ -84,32 +85,34 @@ def test_forced_tool_call_streams_input_json_and_round_trips(client: anthropic.A
                     }
                 ],
             },
-        ],  # type: ignore[list-item]
+        ],
     )
     assert follow_up.stop_reason in ("end_turn", "tool_use", "max_tokens")
     assert follow_up.content, "the next turn is answered"
-    assert follow_up.usage.cache_read_input_tokens > 0, "the first turn's prefix is reused"
+    cached = follow_up.usage.cache_read_input_tokens
+    assert cached is not None and cached > 0, "the first turn's prefix is reused"
 
 
 def test_count_tokens_equals_what_generation_reports(client: anthropic.Anthropic) -> None:
-    messages = [{"role": "user", "content": "Say something about tools."}]
+    messages: list[MessageParam] = [{"role": "user", "content": "Say something about tools."}]
     counted = client.messages.count_tokens(
         model="claude-test",
         messages=messages,
         tools=[BASH_TOOL],
-        system="Be brief.",  # type: ignore[list-item,arg-type]
+        system="Be brief.",
     ).input_tokens
     usage = client.messages.create(
         model="claude-test",
         max_tokens=4,
         messages=messages,
         tools=[BASH_TOOL],
-        system="Be brief.",  # type: ignore[list-item,arg-type]
+        system="Be brief.",
     ).usage
+    assert usage.cache_read_input_tokens is not None
     assert usage.input_tokens + usage.cache_read_input_tokens == counted
     without_tools = client.messages.count_tokens(
         model="claude-test", messages=messages
-    ).input_tokens  # type: ignore[arg-type]
+    ).input_tokens
     assert counted > without_tools + 50  # the tool schema is in the prompt
 
 
@@ -179,7 +182,7 @@ def test_tool_result_with_blocks_and_tool_reference(client: anthropic.Anthropic)
     message = client.messages.create(
         model="claude-test",
         max_tokens=8,
-        tools=[BASH_TOOL],  # type: ignore[list-item]
+        tools=[BASH_TOOL],
         messages=[
             {"role": "user", "content": "Load the WebFetch tool."},
             {
@@ -205,7 +208,7 @@ def test_tool_result_with_blocks_and_tool_reference(client: anthropic.Anthropic)
                     {"type": "text", "text": "Tool loaded."},
                 ],
             },
-        ],  # type: ignore[list-item]
+        ],
     )
     assert message.usage.output_tokens >= 1
 
@@ -225,7 +228,7 @@ def test_images_get_a_clear_400(client: anthropic.Anthropic) -> None:
                         }
                     ],
                 }
-            ],  # type: ignore[list-item]
+            ],
         )
     assert "reads text only" in str(caught.value)  # (test_image_inputs.py has the rest)
 

@@ -36,6 +36,7 @@ def test_create_answers_the_question(client: anthropic.Anthropic) -> None:
     assert message.model == "SmolLM2-135M-Instruct"
     assert message.id.startswith("msg_")
     usage = message.usage
+    assert usage.cache_read_input_tokens is not None
     assert usage.input_tokens + usage.cache_read_input_tokens == count_tokens(
         client, messages=QUESTION
     )
@@ -55,6 +56,7 @@ def test_stream_answers_the_question(client: anthropic.Anthropic) -> None:
     assert final.content[0].text == "".join(deltas)  # type: ignore[union-attr]
     assert final.stop_reason == "end_turn"
     usage = final.usage
+    assert usage.cache_read_input_tokens is not None
     assert usage.input_tokens + usage.cache_read_input_tokens == count_tokens(
         client, messages=QUESTION
     )
@@ -84,12 +86,13 @@ def test_system_as_string_or_blocks_renders_the_same(client: anthropic.Anthropic
         system=[{"type": "text", "text": "You are terse."}],
         messages=QUESTION,  # type: ignore[arg-type]
     )
+    assert message.usage.cache_read_input_tokens is not None
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == as_string
 
 
 def _events(raw: bytes) -> list[tuple[str, dict[str, object]]]:
     """Each frame's event and data, checked to be numbered 1, 2, ... (SSE `id:`)."""
-    events = []
+    events: list[tuple[str, dict[str, object]]] = []
     for frame in raw.decode().split("\n\n"):
         if not frame.strip():
             continue

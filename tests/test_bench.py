@@ -44,7 +44,7 @@ def _frames(dialect: str) -> tuple[list[bytes], list[bytes], list[bytes]]:
     keep-alive among them), one per token, and the frames after."""
     tokens = len(GAPS_S) + 1
     if dialect == "anthropic":
-        usage = {"input_tokens": 5, "cache_read_input_tokens": 3}
+        usage: dict[str, Any] = {"input_tokens": 5, "cache_read_input_tokens": 3}
         start = _sse({"type": "message_start", "message": {"usage": usage}}, "message_start")
         ping = _sse({"type": "ping"}, "ping")
         delta = {"type": "content_block_delta", "index": 0, "delta": {"text": "tok "}}
@@ -413,6 +413,7 @@ def test_the_scenarios_on_the_real_server(server: RunningServer, tmp_path: Path)
     scenario's figures say what the server did (mlxgate reuses the prefix and stops computing
     for a client that left)."""
     out = tmp_path / "run"
+    assert server.process is not None
     target = f"mlxgate={server.url},dialect=anthropic,pid={server.process.pid}"
     cli_main(
         [
@@ -424,8 +425,8 @@ def test_the_scenarios_on_the_real_server(server: RunningServer, tmp_path: Path)
     runs = {r["scenario"]: r for r in summary["runs"]}
     assert set(runs) == {"long", "hol", "prefix", "disconnect"}
     assert runs["long"]["requests"] == 2 and runs["long"]["failed"] == 0
-    assert all(300 < r.input_tokens < 700 for r in read_records(out / "records.jsonl")
-               if r.scenario == "long")  # fmt: skip
+    assert all(r.input_tokens is not None and 300 < r.input_tokens < 700
+               for r in read_records(out / "records.jsonl") if r.scenario == "long")  # fmt: skip
     hol = runs["hol"]["scenario_figures"]
     assert runs["hol"]["failed"] == 0 and hol["max_gap_during_s"] >= hol["median_gap_s"] > 0
     assert hol["gaps_over_time"] and hol["window_s"][1] > 0

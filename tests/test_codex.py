@@ -30,7 +30,10 @@ COUNTED: dict[str, tuple[str, dict[str, str]]] = {
 
 
 def counted(server: RunningServer) -> dict[str, float]:
-    return {what: metric(server, name, **labels) for what, (name, labels) in COUNTED.items()}
+    return {
+        what: metric(server, name, headers=None, **labels)
+        for what, (name, labels) in COUNTED.items()
+    }
 
 
 @dataclass

@@ -18,11 +18,13 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+from openai.types.responses import ResponseCompactionItem, ResponseInputItemParam
 
 from mlxgate._native import compaction_from_encrypted
 from mlxgate.api.anthropic.context import CLEARED_RESULT
 from mlxgate.api.compaction import INSTRUCTION, SUMMARY_HEADING
 from support.forced import Script, forced_model_dir, serve_args
+from support.sdk import expect, replayed
 from support.servers import RunningServer, start_server, stop_server
 
 SUMMARY = "SUMMARY: the user said hi."
@@ -56,18 +58,15 @@ def client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-local", max_retries=0)
 
 
-def conversation(client: openai.OpenAI) -> list[dict[str, Any]]:
+def conversation(client: openai.OpenAI) -> list[ResponseInputItemParam]:
     first = client.responses.create(model="local", input=HI)
     assert first.output_text == "Hello there."
-    return [
-        {"role": "user", "content": HI},
-        *(item.model_dump(exclude_none=True) for item in first.output),
-    ]
+    return [{"role": "user", "content": HI}, *(replayed(item) for item in first.output)]
 
 
 def test_a_compaction_trigger_is_answered_with_one_compaction_item(client: openai.OpenAI) -> None:
     history = conversation(client)
-    trigger = {"type": "compaction_trigger"}
+    trigger: ResponseInputItemParam = {"type": "compaction_trigger"}
     response = client.responses.create(model="local", input=[*history, trigger], store=False)
     [item] = response.output
     assert item.type == "compaction"
@@ -79,7 +78,7 @@ def test_a_compaction_trigger_is_answered_with_one_compaction_item(client: opena
     events = list(client.responses.create(model="local", input=[*history, trigger], stream=True))
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [item.type for item in done] == ["compaction"]
-    assert done[0].encrypted_content == item.encrypted_content
+    assert expect(ResponseCompactionItem, done[0]).encrypted_content == item.encrypted_content
     assert events[-1].type == "response.completed"
 
 
@@ -88,12 +87,19 @@ def test_a_replayed_compaction_stands_for_the_conversation(client: openai.OpenAI
     compacted = client.responses.create(
         model="local", input=[*history, {"type": "compaction_trigger"}], store=False
     )
-    item = compacted.output[0].model_dump(exclude_none=True)
-    turns = [{"role": "user", "content": "hi"}, item, {"role": "user", "content": "go on"}]
+    item = replayed(compacted.output[0])
+    turns: list[ResponseInputItemParam] = [
+        {"role": "user", "content": "hi"},
+        item,
+        {"role": "user", "content": "go on"},
+    ]
     resumed = client.responses.create(model="local", input=turns)
     assert resumed.output_text == "Resumed."
     # Another server's compaction cannot be read here: it is left out, not refused.
-    foreign = {"type": "compaction", "encrypted_content": "gAAAA-openai-blob"}
+    foreign: ResponseInputItemParam = {
+        "type": "compaction",
+        "encrypted_content": "gAAAA-openai-blob",
+    }
     fresh = client.responses.create(
         model="local", input=[{"role": "user", "content": "hi"}, foreign]
     )
@@ -104,11 +110,12 @@ def test_the_compact_endpoint_keeps_the_user_messages_and_adds_the_summary(
     client: openai.OpenAI,
 ) -> None:
     history = conversation(client)
-    compacted = client.responses.compact(model="local", input=history)  # type: ignore[arg-type]
+    compacted = client.responses.compact(model="local", input=history)
     assert compacted.object == "response.compaction"
     kinds = [(item.type, getattr(item, "role", None)) for item in compacted.output]
     assert kinds == [("message", "user"), ("compaction", None)]
-    assert compaction_from_encrypted(compacted.output[-1].encrypted_content) == SUMMARY
+    summary = expect(ResponseCompactionItem, compacted.output[-1]).encrypted_content
+    assert compaction_from_encrypted(summary) == SUMMARY
     assert compacted.usage.output_tokens > 0
 
 

@@ -146,7 +146,9 @@ def test_rope_equals_mlx(ext: Any, traditional: bool, dims: int) -> None:
     freqs = mx.random.uniform(1, 1000, (dims // 2,), key=mx.random.key(3))
     for offset in (0, 19, mx.array([4, 300])):
         for base, scale, f in ((10000.0, 1.0, None), (500000.0, 0.25, None), (None, 1.0, freqs)):
-            options = dict(traditional=traditional, base=base, scale=scale, offset=offset, freqs=f)
+            options: dict[str, Any] = dict(
+                traditional=traditional, base=base, scale=scale, offset=offset, freqs=f
+            )
             close(ext.rope(x, dims, **options), mx.fast.rope(x, dims, **options), 1e-5)
 
 

@@ -10,21 +10,30 @@ grammar is held through the escaping, formats/escaped_grammar.py)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import llguidance
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.responses import (
+    CustomToolParam,
+    ResponseCompletedEvent,
+    ResponseCustomToolCall,
+    ResponseCustomToolCallOutputParam,
+)
+from openai.types.shared_params.custom_tool_input_format import Grammar
 
 from mlxgate.formats.escaped_grammar import escaped
 from support.forced import TOOL_RESULT, Script, call_markup, forced_model_dir, serve_args, tokenizer
+from support.sdk import expect, replayed
 from support.servers import RunningServer, start_server, stop_server
 
 APPLY_PATCH_GRAMMAR = (Path(__file__).parent / "fixtures" / "apply_patch.lark").read_text()
 PATCH = '*** Begin Patch\n*** Add File: hello.txt\n+Hello, "world" \\o/\n*** End Patch'
-APPLY_PATCH = {
+APPLY_PATCH: CustomToolParam = {
     "type": "custom",
     "name": "apply_patch",
     "description": "Edit files with a patch.",
@@ -32,7 +41,7 @@ APPLY_PATCH = {
 }
 COLOURS = 'start: "red" | "green" | "blue"'
 # The model's script paints purple; a grammar of three colours must win.
-PAINT = {"type": "custom", "name": "paint", "description": "Paint the wall."}
+PAINT: CustomToolParam = {"type": "custom", "name": "paint", "description": "Paint the wall."}
 ANSWER = "The file is written."
 
 
@@ -66,6 +75,14 @@ def client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-local", max_retries=0)
 
 
+def chat_tool(custom: Mapping[str, object]) -> Any:
+    """A custom tool as Chat Completions takes it, `{"type": "custom", "custom": {...}}`. Its
+    format is in the Responses API's shape, which mlxgate reads on both APIs; the SDK declares a
+    Chat Completions grammar one level down (`format.grammar`), so the tool is no
+    `ChatCompletionCustomToolParam`."""
+    return {"type": "custom", "custom": custom}
+
+
 def test_responses_answers_a_custom_tool_call_with_its_raw_input(
     family_server: tuple[str, RunningServer],
 ) -> None:
@@ -90,16 +107,17 @@ def test_responses_streams_the_input_as_deltas(family_server: tuple[str, Running
     assert len(deltas) > 1, "the input streams as the model writes it"
     assert "".join(deltas) == done.input == PATCH
     [added] = [e.item for e in events if e.type == "response.output_item.added"]
-    assert (added.type, added.input) == ("custom_tool_call", "")
-    assert events[-1].response.output[-1].input == PATCH
+    assert (added.type, expect(ResponseCustomToolCall, added).input) == ("custom_tool_call", "")
+    completed = expect(ResponseCompletedEvent, events[-1]).response
+    assert expect(ResponseCustomToolCall, completed.output[-1]).input == PATCH
 
 
 def test_chat_completions_answers_a_custom_call_streamed_and_not(
     family_server: tuple[str, RunningServer],
 ) -> None:
     _, server = family_server
-    tool = {"type": "custom", "custom": {k: v for k, v in APPLY_PATCH.items() if k != "type"}}
-    messages = [{"role": "user", "content": "Write hello.txt."}]
+    tool = chat_tool({k: v for k, v in APPLY_PATCH.items() if k != "type"})
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write hello.txt."}]
     sdk = client(server)
     reply = sdk.chat.completions.create(model="local", messages=messages, tools=[tool])
     [call] = reply.choices[0].message.tool_calls or []
@@ -123,20 +141,25 @@ def test_a_call_and_its_output_replay_into_the_next_turn(
     sdk = client(server)
     first = sdk.responses.create(model="local", input="Write hello.txt.", tools=[APPLY_PATCH])
     [call] = [item for item in first.output if item.type == "custom_tool_call"]
-    output = {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done!"}
+    output: ResponseCustomToolCallOutputParam = {
+        "type": "custom_tool_call_output",
+        "call_id": call.call_id,
+        "output": "Done!",
+    }
     second = sdk.responses.create(
         model="local",
         input=[
             {"role": "user", "content": "Write hello.txt."},
-            call.model_dump(exclude_none=True),
+            replayed(call),
             output,
         ],
         tools=[APPLY_PATCH],
     )
     assert second.output_text == ANSWER
+    assert second.usage is not None
     assert second.usage.input_tokens_details.cached_tokens > 0, "turn 1's prompt is reused"
     # The same conversation through Chat Completions, with OpenAI's custom call shape.
-    tool = {"type": "custom", "custom": {k: v for k, v in APPLY_PATCH.items() if k != "type"}}
+    tool = chat_tool({k: v for k, v in APPLY_PATCH.items() if k != "type"})
     reply = sdk.chat.completions.create(
         model="local",
         messages=[
@@ -165,7 +188,7 @@ def test_the_grammar_holds_a_forced_call(family_server: tuple[str, RunningServer
     _, server = family_server
     sdk = client(server)
 
-    def painted(tool: dict[str, Any]) -> str:
+    def painted(tool: CustomToolParam) -> str:
         response = sdk.responses.create(
             model="local",
             input="Paint the wall.",
@@ -177,9 +200,15 @@ def test_the_grammar_holds_a_forced_call(family_server: tuple[str, RunningServer
         return call.input
 
     assert painted(PAINT) == "purple"
-    colours = {**PAINT, "format": {"type": "grammar", "syntax": "lark", "definition": COLOURS}}
+    colours: CustomToolParam = {
+        **PAINT,
+        "format": {"type": "grammar", "syntax": "lark", "definition": COLOURS},
+    }
     assert painted(colours) in ("red", "green", "blue")
-    regex = {**PAINT, "format": {"type": "grammar", "syntax": "regex", "definition": "gr[ae]y"}}
+    regex: CustomToolParam = {
+        **PAINT,
+        "format": {"type": "grammar", "syntax": "regex", "definition": "gr[ae]y"},
+    }
     assert painted(regex) in ("gray", "grey")
 
 
@@ -188,13 +217,13 @@ def test_a_grammar_that_does_not_compile_is_a_400_naming_the_tool(
     family_server: tuple[str, RunningServer], api: str
 ) -> None:
     _, server = family_server
-    bad = {"type": "grammar", "syntax": "lark", "definition": "start: undefined_rule"}
+    bad: Grammar = {"type": "grammar", "syntax": "lark", "definition": "start: undefined_rule"}
     sdk = client(server)
     with pytest.raises(openai.BadRequestError) as caught:
         if api == "responses":
             sdk.responses.create(model="local", input="hi", tools=[{**PAINT, "format": bad}])
         else:
-            tool = {"type": "custom", "custom": {"name": "paint", "format": bad}}
+            tool = chat_tool({"name": "paint", "format": bad})
             sdk.chat.completions.create(
                 model="local", messages=[{"role": "user", "content": "hi"}], tools=[tool]
             )

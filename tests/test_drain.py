@@ -64,6 +64,7 @@ def test_sigterm_lets_streams_finish_or_end_them_with_an_error(tmp_path: Path) -
     for ready in started:
         assert ready.wait(120)
 
+    assert server.process is not None
     server.process.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     time.sleep(0.5)

@@ -38,6 +38,7 @@ from support.forced import (
     serve_args,
     tokenizer,
 )
+from support.sdk import functions
 from support.servers import RunningServer, start_server, stop_server
 
 BASH: ToolParam = {
@@ -328,14 +329,11 @@ def test_strict_tools_hold_the_call_the_model_chooses_to_its_schema(
             model="forced", max_tokens=200, messages=OPENAI_RUN, tools=[tool]
         )
         choice = completion.choices[0]
-        calls = [
-            (c.function.name, json.loads(c.function.arguments))
-            for c in choice.message.tool_calls or []
-        ]  # type: ignore[union-attr]
+        calls = [(f.name, json.loads(f.arguments)) for f in functions(choice.message)]
         # The last call may be cut short by max_tokens.
         return calls[:-1] if choice.finish_reason == "length" else calls
 
-    assert called(OPENAI_BASH["function"]["parameters"]) == [("Bash", {"command": "echo hi"})]  # type: ignore[typeddict-item]
+    assert called(OPENAI_BASH["function"]["parameters"]) == [("Bash", {"command": "echo hi"})]
     only_ls = {
         "type": "object",
         "properties": {"command": {"enum": ["ls"]}},
@@ -349,7 +347,7 @@ def test_strict_tools_hold_the_call_the_model_chooses_to_its_schema(
         model="forced",
         max_tokens=200,
         messages=RUN,
-        tools=[{**BASH, "input_schema": only_ls, "strict": True}],  # type: ignore[list-item,typeddict-unknown-key]
+        tools=[{**BASH, "input_schema": only_ls, "strict": True}],
     )
     uses = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
     uses = uses[:-1] if message.stop_reason == "max_tokens" else uses

@@ -23,6 +23,7 @@ from mlxgate import formats, prompts
 from mlxgate.api.anthropic.requests import MessagesRequest
 from mlxgate.api.anthropic.requests import conversation as anthropic_conversation
 from mlxgate.engine.constraints import Grammar, Vocabulary
+from mlxgate.formats import deepseek_v3, hermes
 from mlxgate.models.tokenizer import ChatTokenizer
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
@@ -65,7 +66,7 @@ def _harmony_native(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _mistral_native(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     for m in messages:
         if m["role"] == "assistant" and m.get("reasoning_content"):
             blocks = [
@@ -87,7 +88,7 @@ def _without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _deepseek_native(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """V3.1's template lists no tools: the system prompt does, as the model card shows."""
-    system = f"{SYSTEM}\n\n{formats.deepseek_v3.tool_prompt(native_tools())}"
+    system = f"{SYSTEM}\n\n{deepseek_v3.tool_prompt(native_tools())}"
     return [{"role": "system", "content": system}, *_without_reasoning(messages[1:])]
 
 
@@ -361,7 +362,7 @@ def test_a_named_call_starts_the_render_of_that_call(family: Family) -> None:
 
 def test_parallel_calls_and_error_results_render(family: Family) -> None:
     """Two calls in one turn, an error result and a block result reach the template whole."""
-    turns = [
+    turns: list[dict[str, Any]] = [
         {
             "role": "assistant",
             "content": [
@@ -389,7 +390,7 @@ def test_overrides_name_the_formats() -> None:
     r = prompts.Renderer(tokenizer(family), tool_format="hermes", reasoning_format="think")
     assert (r.format.tool_format.NAME, r.format.reasoning.name) == ("hermes", "think")
     prompt = r.render(request(tool_choice={"type": "tool", "name": "Bash"}))
-    assert prompt.text.endswith(formats.hermes.forced_opening("Bash"))
+    assert prompt.text.endswith(hermes.forced_opening("Bash"))
 
 
 def test_arguments_go_as_objects_or_as_json_text_as_the_template_reads_them() -> None:

@@ -17,12 +17,14 @@ import time
 import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anthropic
 import httpx2
 import openai
 import pytest
+from anthropic.types import ContentBlockParam, ImageBlockParam
+from openai.types.chat import ChatCompletionContentPartImageParam
 from PIL import Image
 
 from mlxgate import prompts
@@ -409,7 +411,10 @@ async def test_url_failures_are_400s(files: str) -> None:
 
 def test_a_text_only_model_answers_images_with_400_and_serves_on(server: RunningServer) -> None:
     claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
-    image = [{"type": "text", "text": "What is it?"}, anthropic_image(PNG)]
+    image: list[ContentBlockParam] = [
+        {"type": "text", "text": "What is it?"},
+        cast("ImageBlockParam", anthropic_image(PNG)),
+    ]
     with pytest.raises(anthropic.BadRequestError) as refused_anthropic:
         claude.messages.create(
             model="m", max_tokens=4, messages=[{"role": "user", "content": image}]
@@ -418,7 +423,10 @@ def test_a_text_only_model_answers_images_with_400_and_serves_on(server: Running
     assert "reads text only" in str(refused_anthropic.value)
 
     gpt = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-    part = {"type": "image_url", "image_url": {"url": data_url(PNG)}}
+    part: ChatCompletionContentPartImageParam = {
+        "type": "image_url",
+        "image_url": {"url": data_url(PNG)},
+    }
     with pytest.raises(openai.BadRequestError) as refused_chat:
         gpt.chat.completions.create(
             model="m", max_tokens=4, messages=[{"role": "user", "content": [part]}]
@@ -558,6 +566,7 @@ async def test_bad_images_are_400s_in_each_dialect_and_serving_goes_on(
         parts = [(p[0], f"{files}{p[1]}") if p[0] == "url" else p for p in parts]
         with pytest.raises(error) as caught:
             await ask(app, dialect, "Look:", *parts)
+        assert isinstance(caught.value, anthropic.BadRequestError | openai.BadRequestError)
         assert caught.value.status_code == 400, said
         assert said in str(caught.value), (said, str(caught.value))
         body: Any = caught.value.body
@@ -569,10 +578,12 @@ async def test_bad_images_are_400s_in_each_dialect_and_serving_goes_on(
             gpt = openai.AsyncOpenAI(
                 base_url="http://mlxgate.test/v1", api_key="x", http_client=http, max_retries=0
             )
+            # No `detail`, which the SDK's input image requires and mlxgate does not: Any.
+            stored: Any = {"type": "input_image", "file_id": "f-1"}
             await gpt.responses.create(
                 model="m",
                 max_output_tokens=4,
-                input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f-1"}]}],
+                input=[{"role": "user", "content": [stored]}],
             )
     assert isinstance(await ask(app, dialect, "Hello"), str)
 

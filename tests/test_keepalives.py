@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
@@ -42,7 +42,7 @@ def _spec(dialect: str) -> StreamSpec:
         return StreamSpec.responses(
             response_id="resp_1", created_at=1_700_000_000, echo=echo[1:-1], **common
         )
-    kind = "completion" if dialect == "completion" else "chat"
+    kind: Literal["chat", "completion"] = "completion" if dialect == "completion" else "chat"
     return StreamSpec.openai(
         completion_id="cmpl-1", created=1_700_000_000, kind=kind, include_usage=True, **common
     )
@@ -76,8 +76,12 @@ def openai_events(body: bytes, cast_to: type[Any]) -> list[Any]:
 
 def anthropic_events(body: bytes) -> list[Any]:
     client = anthropic.Anthropic(api_key="sk-local", base_url="http://127.0.0.1")
-    stream = anthropic.Stream(
-        cast_to=RawMessageStreamEvent, response=_response(body), client=client
+    # The events are a union, which the SDK's `cast_to: type[_T]` cannot take (its own streams
+    # get theirs from `stream_cls`).
+    stream: anthropic.Stream[RawMessageStreamEvent] = anthropic.Stream(
+        cast_to=RawMessageStreamEvent,  # type: ignore[arg-type]
+        response=_response(body),
+        client=client,
     )
     return list(stream)
 
@@ -176,15 +180,16 @@ class Recorded(httpx2.BaseTransport):
         response = self.inner.handle_request(request)
         raw, stream = self.raw, response.stream
         assert isinstance(stream, httpx2.SyncByteStream)
+        upstream: httpx2.SyncByteStream = stream
 
         class Tee(httpx2.SyncByteStream):
             def __iter__(self) -> Iterator[bytes]:
-                for chunk in stream:
+                for chunk in upstream:
                     raw.extend(chunk)
                     yield chunk
 
             def close(self) -> None:
-                stream.close()
+                upstream.close()
 
         return httpx2.Response(
             response.status_code,

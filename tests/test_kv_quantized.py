@@ -31,6 +31,7 @@ from test_speculation import Oracle
 
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlxgate.engine import Engine
+from mlxgate.engine.prefix_cache import MemoryMatch
 from mlxgate.models import LoadedModel, load
 from support.servers import start_server, stop_server
 from support.tiny_engine import Expected, Served, assert_same, prompts, wait_until
@@ -143,6 +144,7 @@ def test_cached_prefixes_hold_quantized_keys_and_are_reused_exactly(
     # Entries are what the cache held: quantized, and counted at their quantized size.
     match = cache.lookup([*turn, 1])
     assert match is not None
+    assert isinstance(match, MemoryMatch), match  # the in-memory tier's
     layers = match.entry.layers
     assert all(type(layer) is QuantizedKVCache for layer in layers)
     # Keys and values of float32 (the tiny model's), GROUP features a head.

@@ -18,6 +18,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from mlxgate.api.requests import keep_alive_seconds
 from mlxgate.models import DEFAULT_MODEL, stored_bytes
@@ -28,7 +29,9 @@ from support.forced import answer, forced_model_dir
 from support.servers import RunningServer, metric, start_server, stop_server
 
 SCRIPT = "I am the scripted model."
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France?"}
+]
 
 
 def states(server: RunningServer, headers: dict[str, str] | None = None) -> dict[str, str]:

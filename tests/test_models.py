@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -52,7 +52,7 @@ def test_greedy_generation_is_sensible(smollm: LoadedModel) -> None:
     logits = smollm.model(mx.array(prompt)[None], cache=cache)[:, -1, :]
     out: list[int] = []
     for _ in range(24):
-        token = int(mx.argmax(logits, axis=-1).item())
+        token = cast(int, mx.argmax(logits, axis=-1).item())  # an index
         if token in tok.eos_ids:
             break
         out.append(token)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextvars
 import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVarTuple
 
 import pytest
 
@@ -566,14 +568,22 @@ async def read_stream(reader: Reader) -> bytes:
     return b"".join([chunk async for chunk in chunks(reader)])
 
 
+Ts = TypeVarTuple("Ts")
+
+
 class CountingLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         super().__init__()
         self.threadsafe_calls = 0
 
-    def call_soon_threadsafe(self, *args: Any, **kwargs: Any) -> Any:
+    def call_soon_threadsafe(
+        self,
+        callback: Callable[[*Ts], object],
+        *args: *Ts,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.Handle:
         self.threadsafe_calls += 1
-        return super().call_soon_threadsafe(*args, **kwargs)
+        return super().call_soon_threadsafe(callback, *args, context=context)
 
 
 def test_chunks_one_threadsafe_call_per_step() -> None:

@@ -9,11 +9,18 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import (
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageParam,
+    ChatCompletionUserMessageParam,
+)
 
 from support.servers import RunningServer, metric
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-BASH = {
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France?"}
+]
+BASH: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {
         "name": "Bash",
@@ -33,7 +40,7 @@ def client(server: RunningServer) -> openai.OpenAI:
 
 
 def test_chat_completion(client: openai.OpenAI) -> None:
-    completion = client.chat.completions.create(model="local", messages=QUESTION, max_tokens=32)  # type: ignore[arg-type]
+    completion = client.chat.completions.create(model="local", messages=QUESTION, max_tokens=32)
     choice = completion.choices[0]
     assert "Paris" in (choice.message.content or "")
     assert choice.finish_reason == "stop" and choice.message.role == "assistant"
@@ -47,7 +54,7 @@ def test_streaming_with_usage_chunk(client: openai.OpenAI) -> None:
     chunks = list(
         client.chat.completions.create(
             model="local",
-            messages=QUESTION,  # type: ignore[arg-type]
+            messages=QUESTION,
             max_tokens=32,
             stream=True,
             stream_options={"include_usage": True},
@@ -80,27 +87,30 @@ def test_raw_stream_ends_with_done(server: RunningServer) -> None:
 def test_length_and_stop_sequences(client: openai.OpenAI) -> None:
     short = client.chat.completions.create(
         model="local", messages=QUESTION, max_completion_tokens=3
-    )  # type: ignore[arg-type]
+    )
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3  # type: ignore[union-attr]
     full = (
         client.chat.completions.create(model="local", messages=QUESTION, max_tokens=32)
         .choices[0]
         .message.content
-    )  # type: ignore[arg-type]
+    )
     stopped = client.chat.completions.create(
         model="local", messages=QUESTION, max_tokens=32, stop=["Paris"]
-    )  # type: ignore[arg-type]
+    )
     assert stopped.choices[0].finish_reason == "stop"
     assert (full or "").startswith((stopped.choices[0].message.content or "").rstrip())
     assert "Paris" not in (stopped.choices[0].message.content or "")
 
 
 def test_forced_tool_call_round_trip(client: openai.OpenAI) -> None:
-    question = {"role": "user", "content": "List the files in the current directory."}
+    question: ChatCompletionUserMessageParam = {
+        "role": "user",
+        "content": "List the files in the current directory.",
+    }
     stream = client.chat.completions.create(
         model="local",
-        messages=[question],  # type: ignore[list-item]
-        tools=[BASH],  # type: ignore[list-item]
+        messages=[question],
+        tools=[BASH],
         tool_choice={"type": "function", "function": {"name": "Bash"}},
         max_tokens=256,
         stream=True,
@@ -128,8 +138,8 @@ def test_forced_tool_call_round_trip(client: openai.OpenAI) -> None:
                 ],
             },
             {"role": "tool", "tool_call_id": calls[0].id, "content": "README.md\nsrc\n"},
-        ],  # type: ignore[list-item]
-        tools=[BASH],  # type: ignore[list-item]
+        ],
+        tools=[BASH],
         max_tokens=32,
     )
     assert follow_up.choices[0].finish_reason in ("stop", "length", "tool_calls")
@@ -163,8 +173,8 @@ def test_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
     ask: Any = {"model": "local", "messages": QUESTION, "max_tokens": 12, "temperature": 0}
     completion = client.chat.completions.create(**ask, logprobs=True, top_logprobs=3)
     choice = completion.choices[0]
-    content = choice.logprobs.content  # type: ignore[union-attr]
-    assert content and len(content) == completion.usage.completion_tokens - (  # type: ignore[union-attr]
+    content = choice.logprobs.content
+    assert content and len(content) == completion.usage.completion_tokens - (
         choice.finish_reason == "stop"
     )  # an end-of-turn token has no text and no logprob
     assert "".join(t.token for t in content) == choice.message.content
@@ -218,16 +228,16 @@ def test_n_choices_share_one_prefill(client: openai.OpenAI, server: RunningServe
     }
     before = prefilled_tokens(server)
     greedy = client.chat.completions.create(**ask, temperature=0)
-    prompt_tokens = greedy.usage.prompt_tokens  # type: ignore[union-attr]
-    cached = greedy.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    prompt_tokens = greedy.usage.prompt_tokens
+    cached = greedy.usage.prompt_tokens_details.cached_tokens
     # Once, not three times (the last prompt token is each choice's first decode input).
     assert prefilled_tokens(server) - before == prompt_tokens - 1 - cached
     assert [c.index for c in greedy.choices] == [0, 1, 2]
     assert len({c.message.content for c in greedy.choices}) == 1
     alone = client.chat.completions.create(**{**ask, "n": 1}, temperature=0)
     assert greedy.choices[0].message.content == alone.choices[0].message.content
-    each = alone.usage.completion_tokens  # type: ignore[union-attr]
-    assert greedy.usage.completion_tokens == 3 * each  # type: ignore[union-attr]
+    each = alone.usage.completion_tokens
+    assert greedy.usage.completion_tokens == 3 * each
 
     sampled = client.chat.completions.create(**ask, temperature=1.0, seed=7)
     texts = [c.message.content for c in sampled.choices]
@@ -245,7 +255,7 @@ def test_n_choices_share_one_prefill(client: openai.OpenAI, server: RunningServe
             streamed[choice.index] += choice.delta.content or ""
     assert [streamed[i] for i in range(3)] == texts
     assert len(usage) == 1 and usage[0].prompt_tokens == prompt_tokens
-    assert usage[0].completion_tokens == sampled.usage.completion_tokens  # type: ignore[union-attr]
+    assert usage[0].completion_tokens == sampled.usage.completion_tokens
     assert order != sorted(order), "the choices' chunks are interleaved as they come"
 
     legacy = client.completions.create(
@@ -271,7 +281,7 @@ def test_errors_use_the_openai_envelope(client: openai.OpenAI, server: RunningSe
     assert too_long.value.code == "context_length_exceeded"
     assert "prompt is too long" in too_long.value.message
     with pytest.raises(openai.BadRequestError) as too_many:
-        client.chat.completions.create(model="local", messages=QUESTION, n=17)  # type: ignore[arg-type]
+        client.chat.completions.create(model="local", messages=QUESTION, n=17)
     assert too_many.value.body["message"].startswith("n: ")  # type: ignore[index]
     bad = httpx.post(f"{server.url}/v1/chat/completions", content=b"{oops", timeout=10)
     assert bad.status_code == 400 and set(bad.json()["error"]) == {

@@ -181,6 +181,7 @@ def pair(
     """A tiny model in one process and on two ranks, prefilling in small chunks: the llama
     tensor parallel, deepseek_v3 pipelined."""
     tmp = tmp_path_factory.mktemp("pair")
+    how: tuple[str, ...]
     if request.param == "tensor":
         model, how = models["llama"], ()
     else:

@@ -230,7 +230,9 @@ def test_a_trailing_assistant_turn_is_continued() -> None:
 )
 def test_tool_format_detection(template: str, expected: str) -> None:
     assert expected == formats.detect_tool_format(template).NAME
-    assert prompts.ChatFormat.detect(template).markup_tools.tool_call == expected
+    markup = prompts.ChatFormat.detect(template).markup_tools
+    assert markup is not None
+    assert markup.tool_call == expected
 
 
 BASH_SCHEMA = {
@@ -307,6 +309,7 @@ def test_the_templates_turn_end_token_ends_a_reply() -> None:
     tokenizer = byte_tokenizer(template)
     tokenizer.tokenizer.add_special_tokens([AddedToken("<|eot|>", special=True)])
     eot = tokenizer.tokenizer.token_to_id("<|eot|>")
+    assert eot is not None
     tokenizer = dataclasses.replace(tokenizer, special_ids=frozenset({0, eot}))
     assert prompts.Renderer(tokenizer).eos_ids == [0, eot]
     # A template that closes turns with plain text adds nothing.

@@ -4,20 +4,25 @@ with the embedded model: text, streamed events, function calls, stored responses
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from openai.types.responses import NamespaceToolParam, ResponseOutputMessage, ToolParam
 
 from mlxgate._native import reasoning_from_encrypted
 from mlxgate.api.responses.requests import Item, ResponsesRequest, messages, tools
 from mlxgate.formats.reasoning import FIELD as REASONING
+from support.sdk import expect, replayed
 from support.servers import RunningServer
 from support.sse import without_id
 
 QUESTION = "What is the capital of France?"
-WEATHER = {
+# Without `strict`, which the SDK's FunctionToolParam requires and mlxgate does not: no
+# FunctionToolParam, Any as the SDK's calls take it.
+WEATHER: Any = {
     "type": "function",
     "name": "get_weather",
     "description": "The weather in a city",
@@ -27,7 +32,7 @@ WEATHER = {
         "required": ["city"],
     },
 }
-FILES = {
+FILES: NamespaceToolParam = {
     "type": "namespace",
     "name": "mcp__files",
     "description": "Files on disk",
@@ -40,7 +45,11 @@ FILES = {
     ],
 }
 # Hosted tools: nothing here runs them, so they are left out of the prompt (never a 400).
-HOSTED = [{"type": "web_search"}, {"type": "image_generation"}, {"type": "local_shell"}]
+HOSTED: list[ToolParam] = [
+    {"type": "web_search"},
+    {"type": "image_generation"},
+    {"type": "local_shell"},
+]
 
 
 @pytest.fixture
@@ -134,7 +143,7 @@ def test_max_output_tokens_one_is_an_incomplete_response(client: openai.OpenAI) 
     assert response.incomplete_details is not None
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.usage is not None and response.usage.output_tokens == 1
-    assert response.output[0].status == "incomplete"
+    assert expect(ResponseOutputMessage, response.output[0]).status == "incomplete"
 
 
 def test_previous_response_id_continues_the_stored_conversation(client: openai.OpenAI) -> None:
@@ -153,8 +162,9 @@ def test_previous_response_id_continues_the_stored_conversation(client: openai.O
     assert second.usage.input_tokens_details.cached_tokens >= 0.9 * first.usage.input_tokens
 
     assert client.responses.retrieve(first.id).output_text == first.output_text
-    deleted = client.responses.delete(first.id)
-    assert deleted is None  # the SDK returns nothing for a 200
+    # Typed as returning an object, so that what it returns can be checked: None.
+    delete: Callable[[str], object] = client.responses.delete
+    assert delete(first.id) is None  # the SDK returns nothing for a 200
     with pytest.raises(openai.NotFoundError) as caught:
         client.responses.create(model="m", input="Hi", previous_response_id=first.id)
     assert caught.value.body["param"] == "previous_response_id"  # type: ignore[index]
@@ -164,7 +174,8 @@ def test_previous_response_id_continues_the_stored_conversation(client: openai.O
 
 def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
     response = client.responses.create(model="m", input=QUESTION, max_output_tokens=2, store=False)
-    assert response.store is False
+    # `store` is no field of the SDK's Response: one of its extra fields.
+    assert response.model_extra is not None and response.model_extra["store"] is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)
 
@@ -173,7 +184,7 @@ def test_forced_function_call_round_trip(client: openai.OpenAI) -> None:
     first = client.responses.create(
         model="m",
         input="What is the weather in Paris?",
-        tools=[WEATHER, FILES, *HOSTED],  # type: ignore[list-item]
+        tools=[WEATHER, FILES, *HOSTED],
         tool_choice={"type": "function", "name": "get_weather"},
         max_output_tokens=40,
     )
@@ -187,10 +198,10 @@ def test_forced_function_call_round_trip(client: openai.OpenAI) -> None:
         model="m",
         input=[
             {"role": "user", "content": "What is the weather in Paris?"},
-            call.model_dump(exclude_none=True),  # type: ignore[list-item]
+            replayed(call),
             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
         ],
-        tools=[WEATHER],  # type: ignore[list-item]
+        tools=[WEATHER],
         max_output_tokens=24,
     )
     assert answered.output and answered.output[0].type == "message"
@@ -331,13 +342,14 @@ def test_reasoning_text_and_calls_in_a_row_are_one_assistant_turn() -> None:
 
 
 def test_a_reasoning_item_without_our_encryption_replays_its_text_or_summary() -> None:
-    for item, text in [
+    cases: list[tuple[dict[str, Any], str]] = [
         (
             {"content": [{"type": "reasoning_text", "text": "raw"}], "encrypted_content": "gAAA"},
             "raw",
         ),
         ({"summary": [{"type": "summary_text", "text": "short"}]}, "short"),
-    ]:
+    ]
+    for item, text in cases:
         request = _request(input=[{"role": "user", "content": "q"}, {"type": "reasoning", **item}])
         assert messages(request, [], tools(request))[-1][REASONING] == text
 

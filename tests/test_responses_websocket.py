@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
-from websockets.sync.client import ClientConnection, connect
+from websockets.sync.client import connect
+from websockets.sync.connection import Connection
 from websockets.typing import Origin
 
 from mlxgate._native import Dialect, ErrorKind
@@ -33,7 +34,7 @@ def ws_url(server: RunningServer, path: str = "/v1/responses") -> str:
     return server.url.replace("http://", "ws://") + path
 
 
-def answer(ws: ClientConnection, body: dict[str, Any] | str | bytes) -> list[dict[str, Any]]:
+def answer(ws: Connection, body: dict[str, Any] | str | bytes) -> list[dict[str, Any]]:
     """The events answering one message, up to the one that ends it."""
     ws.send(body if isinstance(body, str | bytes) else create(body))
     return next_answer(ws)
@@ -43,7 +44,7 @@ def create(body: dict[str, Any]) -> str:
     return json.dumps({"type": "response.create", **body})
 
 
-def next_answer(ws: ClientConnection) -> list[dict[str, Any]]:
+def next_answer(ws: Connection) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     while not events or events[-1]["type"] not in ENDS:
         events.append(json.loads(ws.recv(timeout=120)))
@@ -75,7 +76,7 @@ def text_of(response: dict[str, Any]) -> str:
 def test_a_response_over_websocket_is_the_http_stream_one_message_per_event(
     server: RunningServer,
 ) -> None:
-    body = {"model": "m", "input": QUESTION, "instructions": "Answer in one word."}
+    body: dict[str, Any] = {"model": "m", "input": QUESTION, "instructions": "Answer in one word."}
     body |= {"max_output_tokens": 24, "store": False}
     http = httpx.post(f"{server.url}/v1/responses", json={**body, "stream": True}, timeout=120)
     with connect(ws_url(server)) as ws:

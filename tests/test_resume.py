@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -20,6 +20,7 @@ import pytest
 from mlxgate._native import Reader
 from mlxgate.api import resumable as resumable_streams
 from mlxgate.api.errors import ApiError
+from mlxgate.api.http import Message
 from mlxgate.api.resumable import EventLog
 from support.servers import RunningServer, start_server, stop_server
 
@@ -98,7 +99,7 @@ class CutStream:
 
 
 def _run_cut(
-    url: str, dialect: str, prompt: str, seed: int, **extra: object
+    url: str, dialect: str, prompt: str, seed: int, **extra: Any
 ) -> tuple[bytes, bytes, int]:
     """A stream cut and resumed until it ends: what the client reassembled, what the server
     holds of the stream (replayed from the start), and the number of cuts."""
@@ -151,13 +152,17 @@ def test_streams_cut_at_random_points_reassemble_byte_identical(
     kinds = [
         (dialect, prompt) for dialect in ("anthropic", "openai", "responses") for prompt in PROMPTS
     ]
+
+    def cut(job: tuple[tuple[str, str], int]) -> tuple[tuple[str, str], tuple[bytes, bytes, int]]:
+        return job[0], _run_cut(url, *job[0], job[1])
+
     with ThreadPoolExecutor(4) as pool:
         uncut = dict(zip(kinds, pool.map(lambda kind: _uncut(url, *kind), kinds), strict=True))
         cuts, seed = 0, 0
         while cuts < CUTS:
             batch = [(kinds[(seed + i) % len(kinds)], seed + i) for i in range(4)]
             seed += 4
-            runs = pool.map(lambda job: (job[0], _run_cut(url, *job[0], job[1])), batch)
+            runs = pool.map(cut, batch)
             for kind, (reassembled, record, made) in runs:
                 assert reassembled == record, kind  # nothing lost, nothing twice, byte for byte
                 ids = [int(f[4 : f.index(b"\n")]) for f in _whole_frames(record)]
@@ -251,10 +256,10 @@ class _Connection:
         self.body = b""
         self.gone = asyncio.Event()
 
-    async def send(self, message: dict[str, object]) -> None:
-        self.body += message.get("body", b"")  # type: ignore[operator]
+    async def send(self, message: Message) -> None:
+        self.body += message.get("body", b"")
 
-    async def receive(self) -> dict[str, object]:
+    async def receive(self) -> Message:
         await self.gone.wait()
         return {"type": "http.disconnect"}
 

@@ -16,6 +16,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from mlxgate.config import Config
 from mlxgate.engine import SamplingParams
@@ -28,7 +29,9 @@ from support.servers import RunningServer, metric, start_server, stop_server
 
 QWEN3_VOCAB = 151936
 # A poem the embedded model, greedy, writes as one stanza over and over.
-LOOPING = [{"role": "user", "content": "Write a poem about the sea."}]
+LOOPING: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Write a poem about the sea."}
+]
 SHORT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -158,12 +161,13 @@ def test_a_request_gets_the_models_defaults_and_its_own_settings_win(
 
 
 def test_bad_penalties_are_the_openai_400(tiny_server: RunningServer) -> None:
-    for body, param in [
+    bad: list[tuple[dict[str, float], str]] = [
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"presence_penalty": -3}, "presence_penalty"),
         ({"repetition_penalty": -1}, "repetition_penalty"),
         ({"repetition_context_size": 0}, "repetition_context_size"),
-    ]:
+    ]
+    for body, param in bad:
         response = httpx.post(
             f"{tiny_server.url}/v1/chat/completions",
             json={"model": "a", "messages": [{"role": "user", "content": "hi"}], **body},

@@ -159,7 +159,10 @@ def test_a_draft_model_changes_no_greedy_token(drafted: tuple[Served, Any]) -> N
         assert_same(served.result(reader)[0], expected[i], f"row {i} of 16")
     assert 0 < metrics.accepted_tokens < metrics.drafted_tokens
     # Each sequence's prompt is in the draft's prefix cache: a second turn reuses it.
-    draft = served.engine.speculation.draft_model  # type: ignore[union-attr]
+    speculation = served.engine.speculation
+    assert speculation is not None
+    draft = speculation.draft_model
+    assert draft is not None
     assert len(draft.prefix_cache) > 0
     longer = [*many[1], *expected[1].tokens, 5, 6]
     assert_same(served.generate(longer, STEPS)[0], reference(model, longer, STEPS), "next turn")
@@ -207,9 +210,9 @@ def test_sampling_with_guesses_keeps_the_distribution() -> None:
     top_k = 4
 
     def top(logits: mx.array) -> dict[int, float]:
-        logits = np.array(logits.astype(mx.float32))
-        best = np.argsort(-logits)[:top_k]
-        p = np.exp(logits[best] - logits[best].max())
+        values = np.array(logits.astype(mx.float32))
+        best = np.argsort(-values)[:top_k]
+        p = np.exp(values[best] - values[best].max())
         return dict(zip(best.tolist(), (p / p.sum()).tolist(), strict=True))
 
     first = top(model(mx.array([prompt]))[0, -1])

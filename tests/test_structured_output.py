@@ -13,8 +13,16 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from anthropic.types import MessageParam
+from openai.types.chat import (
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageParam,
+    ChatCompletionToolChoiceOptionParam,
+)
+from openai.types.shared_params import FunctionDefinition
 from pydantic import BaseModel, Field
 
+from support.sdk import functions
 from support.servers import RunningServer
 
 PERSON = {
@@ -43,7 +51,10 @@ PERSON = {
     "additionalProperties": False,
     "$defs": {"language": {"type": "string", "enum": ["en", "fr", "de", "es"]}},
 }
-ASK = [{"role": "user", "content": "Describe a person who lives in Paris, as JSON."}]
+ASKED = "Describe a person who lives in Paris, as JSON."
+# The same message for each SDK, as each types it.
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": ASKED}]
+ASK_CLAUDE: list[MessageParam] = [{"role": "user", "content": ASKED}]
 # A bound on every string and array keeps a 135M model's reply inside max_tokens.
 MAX_TOKENS = 200
 
@@ -63,7 +74,7 @@ def test_json_schema_reply_validates(server: RunningServer) -> None:
     for strict in (True, False):
         completion = client(server).chat.completions.create(
             model="local",
-            messages=ASK,  # type: ignore[arg-type]
+            messages=ASK,
             max_tokens=MAX_TOKENS,
             response_format=schema_format(PERSON, strict),
         )
@@ -133,7 +144,7 @@ def _ask(server: RunningServer, prompt: str, schema: dict[str, Any] | None) -> s
         messages=[{"role": "user", "content": prompt}],
         max_tokens=MAX_TOKENS if schema else 24,
         temperature=0,
-        **({"response_format": schema_format(schema)} if schema else {}),  # type: ignore[arg-type]
+        **({"response_format": schema_format(schema)} if schema else {}),
     )
     return completion.choices[0].message.content or ""
 
@@ -173,7 +184,7 @@ def test_a_schema_the_engine_cannot_enforce_is_400(
             model="local",
             messages=ASK,
             max_tokens=8,
-            response_format=schema_format(schema),  # type: ignore[arg-type]
+            response_format=schema_format(schema),
         )
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == "response_format", error
@@ -224,7 +235,7 @@ def test_anthropic_structured_outputs(server: RunningServer) -> None:
     message = claude.messages.create(
         model="local",
         max_tokens=MAX_TOKENS,
-        messages=ASK,  # type: ignore[arg-type]
+        messages=ASK_CLAUDE,
         output_config={"format": {"type": "json_schema", "schema": PERSON}},
     )
     assert message.stop_reason == "end_turn", message
@@ -245,7 +256,7 @@ def test_anthropic_structured_outputs(server: RunningServer) -> None:
         claude.messages.create(
             model="local",
             max_tokens=8,
-            messages=ASK,  # type: ignore[arg-type]
+            messages=ASK_CLAUDE,
             output_config={"format": {"type": "json_schema", "schema": {"type": "wrong"}}},
         )
     assert caught.value.body["error"]["message"].startswith("output_config.format: ")  # type: ignore[index]
@@ -267,34 +278,39 @@ LOOKUP = {
     "required": ["query"],
     "additionalProperties": False,
 }
+RAIN = "Will it rain in Paris this week?"
 
 
 def test_forced_tool_calls_have_schema_valid_arguments(server: RunningServer) -> None:
     """tool_choice naming a tool, or any tool: the call's arguments validate against its schema
     (Hermes here; tests/test_formats.py holds every format's grammar to the same)."""
-    tools = [
+    tools: list[ChatCompletionFunctionToolParam] = [
         {"type": "function", "function": {"name": "forecast", "parameters": FORECAST}},
         {"type": "function", "function": {"name": "lookup", "parameters": LOOKUP}},
     ]
     schemas = {"forecast": FORECAST, "lookup": LOOKUP}
-    ask = [{"role": "user", "content": "Will it rain in Paris this week?"}]
-    for choice in ({"type": "function", "function": {"name": "forecast"}}, "required"):
+    ask: list[ChatCompletionMessageParam] = [{"role": "user", "content": RAIN}]
+    choices: list[ChatCompletionToolChoiceOptionParam] = [
+        {"type": "function", "function": {"name": "forecast"}},
+        "required",
+    ]
+    for choice in choices:
         completion = client(server).chat.completions.create(
             model="local",
-            messages=ask,  # type: ignore[arg-type]
-            tools=tools,  # type: ignore[arg-type]
-            tool_choice=choice,  # type: ignore[arg-type]
+            messages=ask,
+            tools=tools,
+            tool_choice=choice,
             max_tokens=MAX_TOKENS,
         )
         choice_ = completion.choices[0]
         assert choice_.finish_reason == "tool_calls", choice_
-        call = choice_.message.tool_calls[0].function  # type: ignore[index,union-attr]
+        call = functions(choice_.message)[0]
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])
     message = anthropic_client(server).messages.create(
         model="local",
         max_tokens=MAX_TOKENS,
-        messages=ask,  # type: ignore[arg-type]
-        tools=[{"name": "forecast", "input_schema": FORECAST}],  # type: ignore[list-item,typeddict-item]
+        messages=[{"role": "user", "content": RAIN}],
+        tools=[{"name": "forecast", "input_schema": FORECAST}],
         tool_choice={"type": "tool", "name": "forecast"},
     )
     assert message.stop_reason == "tool_use", message
@@ -307,22 +323,27 @@ def test_a_strict_tool_the_model_does_not_call_leaves_its_text_unchanged(
     """`strict: true` with tool_choice auto holds only the calls the model makes (their schemas:
     tests/test_forced_model.py, tests/test_formats.py); a reply in plain text is the same token
     for token (greedy) as without `strict`, on both APIs."""
-    ask = [{"role": "user", "content": "Will it rain in Paris this week?"}]
+    ask: list[ChatCompletionMessageParam] = [{"role": "user", "content": RAIN}]
+    ask_claude: list[MessageParam] = [{"role": "user", "content": RAIN}]
 
     def reply(strict: bool) -> tuple[str | None, Any]:
-        function = {"name": "forecast", "parameters": FORECAST, "strict": strict}
+        function: FunctionDefinition = {
+            "name": "forecast",
+            "parameters": FORECAST,
+            "strict": strict,
+        }
         completion = client(server).chat.completions.create(
             model="local",
-            messages=ask,  # type: ignore[arg-type]
-            tools=[{"type": "function", "function": function}],  # type: ignore[list-item]
+            messages=ask,
+            tools=[{"type": "function", "function": function}],
             max_tokens=48,
             temperature=0,
         )
         message = anthropic_client(server).messages.create(
             model="local",
             max_tokens=48,
-            messages=ask,  # type: ignore[arg-type]
-            tools=[{"name": "forecast", "input_schema": FORECAST, "strict": strict}],  # type: ignore[list-item,typeddict-unknown-key]
+            messages=ask_claude,
+            tools=[{"name": "forecast", "input_schema": FORECAST, "strict": strict}],
             extra_body={"temperature": 0},
         )
         return completion.choices[0].message.content, message.content

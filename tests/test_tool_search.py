@@ -18,6 +18,14 @@ from typing import Any
 
 import anthropic
 import pytest
+from anthropic.types import (
+    MessageParam,
+    ToolParam,
+    ToolSearchToolBm25_20251119Param,
+    ToolSearchToolRegex20251119Param,
+    ToolUnionParam,
+)
+from anthropic.types.beta import BetaMessageParam, BetaServerToolUseBlock, BetaToolUseBlock
 
 from mlxgate import prompts
 from mlxgate.api.anthropic.requests import MessagesRequest, conversation
@@ -26,7 +34,7 @@ from support.forced import TOOL_RESULT, Script, call_markup, forced_model_dir, s
 from support.servers import RunningServer, start_server, stop_server
 
 FAMILY = "qwen3-coder"
-WEATHER = {
+WEATHER: ToolParam = {
     "name": "get_weather",
     "description": "Forecast the weather for a city.",
     "input_schema": {
@@ -39,14 +47,14 @@ WEATHER = {
     },
     "defer_loading": True,
 }
-EMAIL = {
+EMAIL: ToolParam = {
     "name": "send_email",
     "description": "Send an email message.",
     "input_schema": {"type": "object", "properties": {"to": {"type": "string"}}},
     "defer_loading": True,
 }
 # Claude Code's client-side search tool (its description trimmed).
-TOOL_SEARCH = {
+TOOL_SEARCH: ToolParam = {
     "name": "ToolSearch",
     "description": "Fetches full schema definitions for deferred tools so they can be called.",
     "input_schema": {
@@ -55,8 +63,14 @@ TOOL_SEARCH = {
         "required": ["query"],
     },
 }
-REGEX = {"type": "tool_search_tool_regex_20251119", "name": "tool_search_tool_regex"}
-BM25 = {"type": "tool_search_tool_bm25_20251119", "name": "tool_search_tool_bm25"}
+REGEX: ToolSearchToolRegex20251119Param = {
+    "type": "tool_search_tool_regex_20251119",
+    "name": "tool_search_tool_regex",
+}
+BM25: ToolSearchToolBm25_20251119Param = {
+    "type": "tool_search_tool_bm25_20251119",
+    "name": "tool_search_tool_bm25",
+}
 BETAS = ["advanced-tool-use-2025-11-20"]
 # What the prompt holds only once get_weather's definition is in a tool result.
 WEATHER_LOADED = '<tool_response>\n<functions>\n<function>{"description": "Forecast the weather'
@@ -289,7 +303,9 @@ def create(client: anthropic.Anthropic, stream: bool, **body: Any) -> Any:
             and e.delta.type == "input_json_delta"
         ]
         if block.type in ("tool_use", "server_tool_use"):
-            assert starts[index].input == {} and len(deltas) > 1, "the input streams"
+            start = starts[index]
+            assert isinstance(start, (BetaToolUseBlock, BetaServerToolUseBlock)), start
+            assert start.input == {} and len(deltas) > 1, "the input streams"
             assert json.loads("".join(deltas)) == block.input
         else:
             assert not deltas
@@ -301,11 +317,13 @@ def create(client: anthropic.Anthropic, stream: bool, **body: Any) -> Any:
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not streamed"])
 @pytest.mark.parametrize("search", [REGEX, BM25], ids=["regex", "bm25"])
 def test_a_server_search_pauses_the_turn_and_the_continuation_calls_the_found_tool(
-    client: anthropic.Anthropic, search: dict[str, str], stream: bool
+    client: anthropic.Anthropic,
+    search: ToolSearchToolRegex20251119Param | ToolSearchToolBm25_20251119Param,
+    stream: bool,
 ) -> None:
     asking = "Weather in Paris?" if search is REGEX else "Natural question: weather in Paris?"
-    messages: list[dict[str, Any]] = [{"role": "user", "content": asking}]
-    tools = [search, WEATHER, EMAIL]
+    messages: list[BetaMessageParam] = [{"role": "user", "content": asking}]
+    tools: list[ToolUnionParam] = [search, WEATHER, EMAIL]
     paused = create(client, stream, tools=tools, messages=messages)
     assert paused.stop_reason == "pause_turn"
     call, result = paused.content
@@ -379,8 +397,8 @@ def test_tool_choice_can_force_the_search(client: anthropic.Anthropic) -> None:
 def test_a_client_search_result_makes_its_tool_callable(
     client: anthropic.Anthropic, stream: bool
 ) -> None:
-    tools = [TOOL_SEARCH, WEATHER, EMAIL]
-    messages: list[dict[str, Any]] = [
+    tools: list[ToolUnionParam] = [TOOL_SEARCH, WEATHER, EMAIL]
+    messages: list[MessageParam] = [
         {"role": "user", "content": "Client side: what is the weather in Paris?"}
     ]
     without_deferred = client.messages.count_tokens(

@@ -16,6 +16,8 @@ import anthropic
 import mlx.core as mx
 import openai
 import pytest
+from anthropic.types import ToolParam
+from openai.types.chat import ChatCompletionContentPartParam, ChatCompletionMessageParam
 
 from mlxgate import prompts
 from mlxgate.api.openai.requests import ChatCompletionRequest, conversation
@@ -53,9 +55,11 @@ def vlm(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[R
     stop_server(server)
 
 
-def reference(model_dir: Path, messages: list[dict[str, Any]], images: list[bytes]) -> str:
+def reference(
+    model_dir: Path, messages: list[ChatCompletionMessageParam], images: list[bytes]
+) -> str:
     """mlx-vlm's greedy answer to the OpenAI `messages`, rendered as the server renders them."""
-    from mlx_vlm import load, stream_generate
+    from mlx_vlm import load
     from PIL import Image
 
     request = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
@@ -66,19 +70,19 @@ def reference(model_dir: Path, messages: list[dict[str, Any]], images: list[byte
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     text = prompts.IMAGE_MARK.sub(placeholder, rendered.text)
     pictures = [Image.open(io.BytesIO(i)).convert("RGB") for i in images]
-    tokens = []
-    for step in stream_generate(
+    tokens: list[int] = []
+    for step in tiny_vlms.stream_generate(
         model, processor, text, image=pictures, max_tokens=TOKENS, temperature=0.0
     ):
         if len(tokens) == TOKENS or step.token in rendered.reply.eos_ids:
             break
-        tokens.append(int(step.token))
+        tokens.append(int(tiny_vlms.token(step)))
     mx.clear_cache()
     return str(processor.tokenizer.decode(tokens, skip_special_tokens=True))
 
 
-def openai_messages(image: bytes, text: str = QUESTION) -> list[dict[str, Any]]:
-    parts = [
+def openai_messages(image: bytes, text: str = QUESTION) -> list[ChatCompletionMessageParam]:
+    parts: list[ChatCompletionContentPartParam] = [
         {"type": "image_url", "image_url": {"url": data_url(image)}},
         {"type": "text", "text": text},
     ]
@@ -93,14 +97,14 @@ def test_each_dialect_gives_mlx_vlm_answer(vlm: RunningServer, model_dir: Path) 
         model="m",
         messages=openai_messages(image),
         max_tokens=TOKENS,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     assert chat_answer.choices[0].message.content == want
     prompt_tokens = chat_answer.usage.prompt_tokens if chat_answer.usage else 0
 
     streamed = client.chat.completions.create(
         model="m",
-        messages=openai_messages(image),  # type: ignore[arg-type]
+        messages=openai_messages(image),
         max_tokens=TOKENS,
         temperature=0,
         stream=True,
@@ -147,7 +151,7 @@ def test_each_dialect_gives_mlx_vlm_answer(vlm: RunningServer, model_dir: Path) 
         model="m",
         messages=openai_messages(other),
         max_tokens=TOKENS,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     ).choices[0].message.content == reference(model_dir, openai_messages(other), [other])
 
 
@@ -159,9 +163,9 @@ def test_the_same_screenshot_next_turn_is_reused(vlm: RunningServer) -> None:
         model="m",
         messages=first,
         max_tokens=TOKENS,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
-    turn2 = [
+    turn2: list[ChatCompletionMessageParam] = [
         *first,
         {"role": "assistant", "content": answer.choices[0].message.content},
         {"role": "user", "content": "And the colours?"},
@@ -171,34 +175,38 @@ def test_the_same_screenshot_next_turn_is_reused(vlm: RunningServer) -> None:
         model="m",
         messages=turn2,
         max_tokens=TOKENS,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     first_tokens = answer.usage.prompt_tokens if answer.usage else 0
     # All of turn 1's prompt but its last token (the template's assistant opening, which runs
     # into the reply as turn 2 renders it): the image and everything after it.
-    assert again.usage.prompt_tokens_details.cached_tokens >= first_tokens - 1
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached >= first_tokens - 1
     assert metric(vlm, "mlxgate_engine_vision_seconds_count") == encoded  # not encoded again
 
     # Another image in the same place: nothing from the image on is reused.
-    swapped = [
-        {**turn2[0], "content": openai_messages(png(1, 96, 96), "Describe it.")[0]["content"]}
-    ]
+    swapped = openai_messages(png(1, 96, 96), "Describe it.")  # turn 1's, another image
     other = client.chat.completions.create(
         model="m",
         messages=[*swapped, *turn2[1:]],
         max_tokens=TOKENS,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     assert other.usage is not None and other.usage.prompt_tokens_details is not None
-    assert other.usage.prompt_tokens_details.cached_tokens < 8  # the template's opening at most
+    cached = other.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached < 8  # the template's opening at most
     assert metric(vlm, "mlxgate_engine_vision_seconds_count") == encoded + 1
 
 
 def test_a_tool_results_image_reaches_the_model(vlm: RunningServer) -> None:
     """Claude Code's Read tool returns an image inside a tool_result."""
     claude = anthropic.Anthropic(base_url=vlm.url, api_key="x", max_retries=0)
-    tool = {"name": "Read", "description": "Read a file", "input_schema": {"type": "object"}}
+    tool: ToolParam = {
+        "name": "Read",
+        "description": "Read a file",
+        "input_schema": {"type": "object"},
+    }
 
     def ask(image: bytes) -> anthropic.types.Message:
         source = {
@@ -234,7 +242,7 @@ def test_a_tool_results_image_reaches_the_model(vlm: RunningServer) -> None:
             model="m",
             max_tokens=TOKENS,
             tools=[tool],
-            messages=messages,  # type: ignore[list-item]
+            messages=messages,
         )
 
     encoded = metric(vlm, "mlxgate_engine_vision_seconds_count")

@@ -123,8 +123,8 @@ def reference(server: VisionServed, text: str, images: list[Any]) -> Expected:
     ):
         if len(out.tokens) == STEPS:
             break
-        out.tokens.append(int(step.token))
-        out.logprobs.append(np.array(step.logprobs.astype(mx.float32)).reshape(-1))
+        out.tokens.append(int(tiny_vlms.token(step)))
+        out.logprobs.append(np.array(tiny_vlms.logprobs(step).astype(mx.float32)).reshape(-1))
     return out
 
 

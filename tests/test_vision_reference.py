@@ -18,12 +18,10 @@ TOKENS = 8
 def greedy(family: str, kind: int) -> tuple[list[int], Any]:
     """mlx-vlm's `stream_generate` at temperature 0 on one test image: the tokens and the first
     step's log-probabilities."""
-    from mlx_vlm import stream_generate
-
     model, processor = tiny_vlms.load(family)
     prompt = tiny_vlms.PROMPTS[family].format(text="Describe the image.")
     results = list(
-        stream_generate(
+        tiny_vlms.stream_generate(
             model,
             processor,
             prompt,
@@ -32,9 +30,9 @@ def greedy(family: str, kind: int) -> tuple[list[int], Any]:
             temperature=0.0,
         )
     )
-    first = results[0].logprobs
+    first = tiny_vlms.logprobs(results[0])
     mx.eval(first)
-    return [r.token for r in results], np.array(first.astype(mx.float32))
+    return [tiny_vlms.token(r) for r in results], np.array(first.astype(mx.float32))
 
 
 @pytest.fixture(autouse=True)

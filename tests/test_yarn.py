@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -267,7 +267,7 @@ def test_the_default_server_answers_short_prompts_as_the_model_itself(
             rows.scaled = False
             for _ in range(24):
                 logits = embedded.model(mx.array([item["prompt_ids"] + own]))[0, -1]
-                token = int(mx.argmax(logits).item())
+                token = cast(int, mx.argmax(logits).item())  # an index
                 if token in tokenizer.eos_ids:
                     break
                 own.append(token)

@@ -11,7 +11,7 @@ import httpx2
 from mlxgate.api.reader import events as reader_events
 
 if TYPE_CHECKING:
-    from mlxgate._native import Router
+    from mlxgate._native import FinishReason, Router
     from mlxgate.app import App
 
 
@@ -26,7 +26,7 @@ class FaultyRouter:
     def fail_after(self, steps: int) -> None:
         self._steps_until_fault = steps
 
-    def step(self, *args: Any) -> list[int]:
+    def step(self, *args: Any) -> list[tuple[int, FinishReason]]:
         if self._steps_until_fault is not None:
             if self._steps_until_fault == 0:
                 self._steps_until_fault = None

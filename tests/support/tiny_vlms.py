@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +23,9 @@ from mlx.utils import tree_flatten
 from PIL import Image
 
 from support.forced import write_tokenizer
+
+if TYPE_CHECKING:
+    from mlx_vlm.generate.common import GenerationResult
 
 QWEN_VOCAB = 151936
 _TEXT: dict[str, Any] = {
@@ -340,7 +344,37 @@ def load(family: str) -> tuple[Any, Any]:
 def image_token_id(family: str) -> int:
     """The id the family's processor repeats for each of an image's features."""
     config = FAMILIES[family]
-    return int(config.get("image_token_id", config.get("image_token_index")))
+    token_id = config.get("image_token_id", config.get("image_token_index"))
+    assert token_id is not None, family
+    return int(token_id)
+
+
+def stream_generate(
+    model: Any,
+    processor: Any,
+    prompt: str,
+    image: list[Image.Image] | None = None,
+    **kwargs: Any,
+) -> Iterator[GenerationResult]:
+    """mlx-vlm's own `stream_generate` generator, with the images as PIL images: it takes them
+    (`mlx_vlm.utils.load_image`) though it declares `image` paths or URLs."""
+    from mlx_vlm import stream_generate as generate
+
+    return generate(model, processor, prompt, image=image, **kwargs)  # type: ignore[arg-type]
+
+
+def token(step: GenerationResult) -> int:
+    """The token a generation step produced (mlx-vlm's steps have none only when nothing was
+    generated)."""
+    assert step.token is not None, step
+    return step.token
+
+
+def logprobs(step: GenerationResult) -> mx.array:
+    """A generation step's log-probabilities over the vocabulary: an mx.array, which mlx-vlm
+    declares a list of floats."""
+    assert step.logprobs is not None, step
+    return cast(mx.array, step.logprobs)
 
 
 def image(kind: int, width: int = 80, height: int = 64) -> Image.Image:
