@@ -17,7 +17,7 @@ from typing import Any
 import llguidance
 import openai
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionCustomToolParam, ChatCompletionMessageParam
 from openai.types.responses import (
     CustomToolParam,
     ResponseCompletedEvent,
@@ -76,10 +76,18 @@ def client(server: RunningServer) -> openai.OpenAI:
 
 
 def chat_tool(custom: Mapping[str, object]) -> Any:
-    """A custom tool as Chat Completions takes it, `{"type": "custom", "custom": {...}}`. Its
-    format is in the Responses API's shape, which mlxgate reads on both APIs; the SDK declares a
-    Chat Completions grammar one level down (`format.grammar`), so the tool is no
-    `ChatCompletionCustomToolParam`."""
+    """A custom tool as Chat Completions takes it, `{"type": "custom", "custom": {...}}`, with
+    its format in the Responses API's flat shape, which mlxgate also reads on Chat Completions
+    (the SDK declares the grammar one level down, `format.grammar`: `nested_chat_tool`)."""
+    return {"type": "custom", "custom": custom}
+
+
+def nested_chat_tool(tool: CustomToolParam) -> ChatCompletionCustomToolParam:
+    """`tool` as the SDK types a Chat Completions custom tool: the grammar in `format.grammar`."""
+    custom: Any = {k: v for k, v in tool.items() if k != "type"}
+    if (format := tool.get("format")) and format["type"] == "grammar":
+        grammar = {"syntax": format["syntax"], "definition": format["definition"]}
+        custom["format"] = {"type": "grammar", "grammar": grammar}
     return {"type": "custom", "custom": custom}
 
 
@@ -116,7 +124,7 @@ def test_chat_completions_answers_a_custom_call_streamed_and_not(
     family_server: tuple[str, RunningServer],
 ) -> None:
     _, server = family_server
-    tool = chat_tool({k: v for k, v in APPLY_PATCH.items() if k != "type"})
+    tool = nested_chat_tool(APPLY_PATCH)
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write hello.txt."}]
     sdk = client(server)
     reply = sdk.chat.completions.create(model="local", messages=messages, tools=[tool])
@@ -212,7 +220,7 @@ def test_the_grammar_holds_a_forced_call(family_server: tuple[str, RunningServer
     assert painted(regex) in ("gray", "grey")
 
 
-@pytest.mark.parametrize("api", ["responses", "chat"])
+@pytest.mark.parametrize("api", ["responses", "chat", "chat-flat"])
 def test_a_grammar_that_does_not_compile_is_a_400_naming_the_tool(
     family_server: tuple[str, RunningServer], api: str
 ) -> None:
@@ -223,7 +231,11 @@ def test_a_grammar_that_does_not_compile_is_a_400_naming_the_tool(
         if api == "responses":
             sdk.responses.create(model="local", input="hi", tools=[{**PAINT, "format": bad}])
         else:
-            tool = chat_tool({"name": "paint", "format": bad})
+            tool = (
+                nested_chat_tool({**PAINT, "format": bad})
+                if api == "chat"
+                else chat_tool({"name": "paint", "format": bad})
+            )
             sdk.chat.completions.create(
                 model="local", messages=[{"role": "user", "content": "hi"}], tools=[tool]
             )

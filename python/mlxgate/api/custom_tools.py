@@ -35,19 +35,22 @@ def _grammar(format: Any, where: str, name: str) -> tuple[str | None, str]:
         return None, "The tool's input: raw text, free form."
     if not isinstance(format, dict) or format.get("type") != "grammar":
         raise invalid(f"{where}.format: a custom tool's format is 'text' or 'grammar'")
+    at = f"{where}.format"
+    if isinstance(format.get("grammar"), dict):
+        # Chat Completions declares the grammar one level down; the Responses API, flat.
+        format, at = format["grammar"], f"{at}.grammar"
     syntax, definition = format.get("syntax"), format.get("definition")
     if not isinstance(definition, str) or not definition.strip():
-        raise invalid(f"{where}.format.definition: the grammar of custom tool {name!r} is empty")
+        raise invalid(f"{at}.definition: the grammar of custom tool {name!r} is empty")
     if syntax == "lark":
         grammar = definition
     elif syntax == "regex":
         grammar = "start: /" + definition.replace("/", "\\/") + "/\n"
     else:
-        raise invalid(f"{where}.format.syntax: {syntax!r} is not 'lark' or 'regex'")
+        raise invalid(f"{at}.syntax: {syntax!r} is not 'lark' or 'regex'")
     if (error := _compile_error(grammar)) is not None:
         raise invalid(
-            f"{where}.format.definition: the grammar of custom tool {name!r} cannot be "
-            f"compiled: {error}"
+            f"{at}.definition: the grammar of custom tool {name!r} cannot be compiled: {error}"
         )
     described = f"The tool's input: raw text in this {syntax} grammar:\n{definition.strip()}"
     return grammar, described
