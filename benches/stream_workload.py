@@ -50,8 +50,6 @@ class Workload:
 def load_workload() -> Workload:
     loaded = load(None)
     tokenizer = loaded.tokenizer
-    vocab = Vocab.from_token_strings(
-        tokenizer.token_strings(), tokenizer.vocab_kind, sorted(tokenizer.special_ids)
-    )
+    vocab = tokenizer.native_vocab()
     token_ids = np.array(tokenizer.encode(GENERATED_TEXT), dtype=np.uint32)
     return Workload(loaded, vocab, token_ids)

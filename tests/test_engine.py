@@ -15,7 +15,7 @@ import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from support.tiny_engine import Served
 
 import mlx.core as mx  # isort: skip
-from mlxgate._native import Dialect, Reader, Reply, Router, StreamSpec, Vocab
+from mlxgate._native import Dialect, Reader, Reply, Router, StreamSpec
 from mlxgate.api.anthropic.routes import ADMISSION_ERRORS as ANTHROPIC_ADMISSION_ERRORS
 from mlxgate.engine import (
     Engine,
@@ -56,7 +56,7 @@ def smollm() -> LoadedModel:
 
 def make_engine(smollm: LoadedModel, **settings: Any) -> Engine:
     tok = smollm.tokenizer
-    vocab = Vocab.from_token_strings(tok.token_strings(), tok.vocab_kind, sorted(tok.special_ids))
+    vocab = tok.native_vocab()
     engine = Engine(smollm, Router(vocab), EngineSettings(**settings))
     engine.start()
     return engine
@@ -442,7 +442,7 @@ def test_concurrent_prefix_sharing_does_not_cross_contaminate(engine: Engine) ->
 
 def test_a_reader_that_never_reads_is_cancelled_and_the_others_go_on(smollm: LoadedModel) -> None:
     tok = smollm.tokenizer
-    vocab = Vocab.from_token_strings(tok.token_strings(), tok.vocab_kind, sorted(tok.special_ids))
+    vocab = tok.native_vocab()
     engine = Engine(
         smollm, Router(vocab, max_unread_bytes=512), EngineSettings(stall_timeout_s=0.5)
     )

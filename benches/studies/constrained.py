@@ -106,13 +106,13 @@ def main() -> None:
 
     import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
     from mlxgate import prompts
-    from mlxgate._native import Router, Vocab
+    from mlxgate._native import Router
     from mlxgate.engine import Engine, EngineSettings, Grammar
     from mlxgate.models import load
 
     loaded = load(None, context_length=8192)
     tok = loaded.tokenizer
-    vocab = Vocab.from_token_strings(tok.token_strings(), tok.vocab_kind, sorted(tok.special_ids))
+    vocab = tok.native_vocab()
     # No prefix cache: the second of a pair would find the first's prompts cached.
     settings = EngineSettings(prefix_cache_mb=0)
     engine = Engine(loaded, Router(vocab), settings, end_ids=sorted(tok.eos_ids))

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from mlxgate import prompts, ranks
-from mlxgate._native import Router, Vocab
+from mlxgate._native import Router
 from mlxgate.api.vision_prompts import VisionPrompts
 from mlxgate.config import Config
 from mlxgate.engine import Engine, SamplingParams
@@ -113,12 +113,7 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
     lockstep = RankGroup(group) if group is not None else None
     loaded = load_model(spec, config, ranks.sharder(group, config.pipeline) if group else None)
     tokenizer = loaded.tokenizer
-    vocab = Vocab.from_token_strings(
-        tokenizer.token_strings(),
-        tokenizer.vocab_kind,
-        sorted(tokenizer.special_ids),
-        trim_leading_space=tokenizer.trims_leading_space,
-    )
+    vocab = tokenizer.native_vocab()
     renderer = prompts.Renderer(
         tokenizer,
         tool_format=None if spec.tool_format == "auto" else spec.tool_format,

@@ -14,6 +14,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import SandboxedEnvironment
 from tokenizers import Tokenizer
 
+from mlxgate._native import Vocab
+
 VocabKind = Literal["byte_level", "sentencepiece"]
 
 
@@ -70,6 +72,15 @@ class ChatTokenizer:
         decoder = self.tokenizer.decoder
         steps = json.loads(decoder.__getstate__()).get("decoders", []) if decoder else []
         return bool(steps) and steps[-1] == {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+
+    def native_vocab(self) -> Vocab:
+        """The vocabulary the native router detokenizes with, as this tokenizer decodes."""
+        return Vocab.from_token_strings(
+            self.token_strings(),
+            self.vocab_kind,
+            sorted(self.special_ids),
+            trim_leading_space=self.trims_leading_space,
+        )
 
     @property
     def vocab_size(self) -> int:
