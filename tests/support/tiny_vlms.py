@@ -54,6 +54,9 @@ _QWEN_VISION: dict[str, Any] = {
 _QWEN_PREPROCESSOR = {"min_pixels": 56 * 56, "max_pixels": 112 * 112, "merge_size": 2}
 
 # Byte-level vocabulary (ids 0-255) and the specials the Gemma 3 / Mistral 3 processors need.
+_MISTRAL_SPECIALS = [
+    "<unk>", "<s>", "</s>", "<pad>", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"
+]  # fmt: skip
 _BYTE_SPECIALS = {
     "gemma3": [
         "<pad>",
@@ -65,28 +68,8 @@ _BYTE_SPECIALS = {
         "<start_of_turn>",
         "<end_of_turn>",
     ],
-    "pixtral": [
-        "<unk>",
-        "<s>",
-        "</s>",
-        "<pad>",
-        "[IMG]",
-        "[IMG_BREAK]",
-        "[IMG_END]",
-        "[INST]",
-        "[/INST]",
-    ],
-    "mistral3": [
-        "<unk>",
-        "<s>",
-        "</s>",
-        "<pad>",
-        "[IMG]",
-        "[IMG_BREAK]",
-        "[IMG_END]",
-        "[INST]",
-        "[/INST]",
-    ],
+    "pixtral": _MISTRAL_SPECIALS,
+    "mistral3": _MISTRAL_SPECIALS,
 }
 
 
