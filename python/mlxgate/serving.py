@@ -253,7 +253,13 @@ def follow_rank_0(config: Config) -> None:
     ranks.watch(lockstep, config.rank_timeout)
     engine.start()
     engine.wait()
+    engine.stop()
     log.info("rank %d: rank 0 stopped; exiting", rank)
+    # Not through the interpreter's exit: it would destroy MLX's ring group with its threads
+    # still joinable, and C++ aborts the process (exit -6, "terminate called without an
+    # active exception") when rank 0 has gone first.
+    logging.shutdown()
+    os._exit(0)
 
 
 def _default_memory_budget() -> int:
