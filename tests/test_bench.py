@@ -28,7 +28,11 @@ from mlxgate.trace import Turn
 from support.servers import RunningServer
 
 TTFT_S = 0.080
-GAPS_S = (0.010, 0.030, 0.020, 0.050, 0.015, 0.025)
+# No two alike within 10 ms, so a gap measured at the wrong event is off by 10 ms or more.
+GAPS_S = (0.010, 0.030, 0.020, 0.060, 0.040, 0.050)
+# How close a measured time is to the server's: the median over requests, each request paired
+# with the server's own record (a loaded 2-core machine delays a frame or its record by ~2 ms).
+MEASURED_WITHIN_S = 0.003
 
 
 def _sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
@@ -119,6 +123,7 @@ class FakeServer:
         )
         await writer.drain()
         written: list[float] = []
+        self.written.append(written)  # (complete before the stream's end reaches the client)
         due = time.monotonic() + TTFT_S
         for frame, gap in zip(tokens, (0.0, *GAPS_S), strict=True):
             due += gap
@@ -129,7 +134,6 @@ class FakeServer:
         writer.write(b"".join(after))
         await writer.drain()
         writer.close()
-        self.written.append(written)
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -153,28 +157,27 @@ async def _send_all(url: str, dialect: str, count: int) -> list[Record]:
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-def test_measured_times_match_the_servers_within_a_millisecond(
-    fake: FakeServer, dialect: str
-) -> None:
+def test_measured_times_match_the_servers_within_3_ms(fake: FakeServer, dialect: str) -> None:
     fake.written.clear()
-    records = asyncio.run(_send_all(fake.url, dialect, 7))
+    records = asyncio.run(_send_all(fake.url, dialect, 11))
     assert len(fake.written) == len(records)
     for record in records:
         assert record.ok, record.error
         assert record.output_tokens == len(GAPS_S) + 1 == len(record.delta_times)
         assert record.text == "tok " * (len(GAPS_S) + 1)
         assert record.cached_tokens == 3
-    # The figures a report gives (medians over the run) against the truth the server kept.
-    ttft = statistics.median(r.ttft_s or 0 for r in records)
-    true_ttft = statistics.median(
-        w[0] - r.sent_at for r, w in zip(records, fake.written, strict=True)
+    # Each request's measured times against the truth the server kept for that request, the
+    # median over requests (a request the machine delivered late does not count; a time taken
+    # at the wrong event fails every request).
+    pairs = list(zip(records, fake.written, strict=True))
+    assert abs(statistics.median((r.ttft_s or 0) - (w[0] - r.sent_at) for r, w in pairs)) < (
+        MEASURED_WITHIN_S
     )
-    assert abs(ttft - true_ttft) < 0.001
-    assert true_ttft >= TTFT_S
+    assert statistics.median(w[0] - r.sent_at for r, w in pairs) >= TTFT_S
     for i, gap in enumerate(GAPS_S):
-        measured = statistics.median(r.gaps[i] for r in records)
+        error = statistics.median(r.gaps[i] - (w[i + 1] - w[i]) for r, w in pairs)
+        assert abs(error) < MEASURED_WITHIN_S, (i, error)
         true = statistics.median(w[i + 1] - w[i] for w in fake.written)
-        assert abs(measured - true) < 0.001, (i, measured, true)
         assert abs(true - gap) < 0.005  # the fake server kept its schedule
 
 
