@@ -360,6 +360,8 @@ def test_a_run_directory_is_complete(fake: FakeServer, tmp_path: Path) -> None:
     }
     assert all(r.ok and len(r.delta_times) == len(GAPS_S) + 1 for r in records)
     summary = json.loads((out / "summary.json").read_text())
+    cpu = summary["machine"]["cpu"]  # which CPU, and which of the kernels' instruction sets
+    assert f"({cpu})" in report and ("avx2" in cpu) == ("avx2" in Path("/proc/cpuinfo").read_text())
     runs = {(r["target"], r["concurrency"]): r for r in summary["runs"]}
     assert set(runs) == {("first", 1), ("second", 1), ("first", 2), ("second", 2)}
     for figures in runs.values():
@@ -475,6 +477,36 @@ def test_spawned_servers_are_measured_and_stopped(
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"build_llama_server\.sh"):
         spawn.command("llama-server", 8080, 4)
+
+
+def test_llama_server_is_spawned_to_hold_what_mlxgate_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded model at mlxgate's context (YaRN x4) split over the slots, or in one slot for
+    long prompts; a GGUF brought with --gguf at its own context, served by both under its name."""
+    from mlxgate.models import default_model_path
+
+    monkeypatch.setenv("LLAMA_SERVER", "/bin/true")
+
+    many = spawn.command("llama-server", 8080, 32)
+    assert many[many.index("--parallel") + 1] == "32" and "--kv-unified" not in many
+    assert many[many.index("--ctx-size") + 1] == "65536" and "--jinja" in many
+    long = spawn.command("llama-server-long", 8080, 32)
+    assert long[long.index("--parallel") + 1] == "1"
+    assert long[long.index("--ctx-size") + 1] == "32768"
+    assert long[long.index("--rope-scale") + 1] == "4"
+    gguf = tmp_path / "brought.gguf"
+    gguf.symlink_to(default_model_path())  # (any GGUF: the embedded model's says 8192)
+    brought = spawn.command("llama-server-long", 8080, 32, gguf)
+    assert brought[brought.index("--model") + 1] == str(gguf)
+    assert brought[brought.index("--ctx-size") + 1] == "8192" and "--rope-scaling" not in brought
+    assert brought[brought.index("--alias") + 1] == spawn.served_name("mlxgate", gguf) == "brought"
+    ours = spawn.command("mlxgate", 8080, 32, gguf)
+    assert ours[ours.index("--model") + 1] == str(gguf)
+    with pytest.raises(ValueError, match="embedded"):
+        spawn.command("mlx_lm", 8080, 1, gguf)
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--spawn", "mlxgate", "--gguf", str(tmp_path / "missing.gguf")])
 
 
 def test_targets_and_objectives_are_parsed_or_refused() -> None:

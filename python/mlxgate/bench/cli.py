@@ -48,8 +48,13 @@ def parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--spawn", action="append", choices=SERVERS, default=[], metavar="SERVER",
-        help="start a known server on the embedded model for the run (repeatable): "
+        help="start a known server on the embedded model (or --gguf) for the run (repeatable): "
         f"{', '.join(SERVERS)} (llama-server from the PATH or $LLAMA_SERVER)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--gguf", type=Path, default=None, metavar="FILE",
+        help="the GGUF file the spawned servers serve instead of the embedded model "
+        "(mlxgate and llama-server)",
     )  # fmt: skip
     bench.add_argument(
         "--concurrency", type=_levels, default=Sweep.levels, metavar="C,C,...",
@@ -110,12 +115,16 @@ def main(argv: list[str]) -> None:
         replay = Replay(args.trace, args.sessions, args.max_tokens)
     if not args.target and not args.spawn:
         bench.error("name a --target to measure, or --spawn a server")
+    if args.gguf is not None and not args.gguf.is_file():
+        bench.error(f"--gguf {args.gguf}: no such file")
+    if args.gguf is not None and "mlx_lm" in args.spawn:
+        bench.error("--spawn mlx_lm serves the embedded model's export only, not a --gguf")
     out = args.out or Path(f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
     extra = tuple(name for name in args.scenarios if name in SCENARIOS)
     sizes = Sizes.quick() if args.quick else Sizes()
     slots = max([*args.concurrency, sizes.long_prompts, sizes.hol_streams + 1, args.sessions])
     try:
-        spawned = [spawn(name, slots, out / "logs").target() for name in args.spawn]
+        spawned = [spawn(name, slots, out / "logs", args.gguf).target() for name in args.spawn]
         targets = [*args.target, *spawned]
         run_bench(targets, sweep, args.slo, out, replay=replay, scenarios=extra, sizes=sizes)
     finally:

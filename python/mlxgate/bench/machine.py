@@ -1,5 +1,5 @@
-"""What a benchmark reads of the machine: a server's CPU time from /proc (its whole process
-tree: granian runs the app in a worker) and the load average around a run."""
+"""What a benchmark reads of the machine: its CPU, a server's CPU time from /proc (its whole
+process tree: granian runs the app in a worker) and the load average around a run."""
 
 from __future__ import annotations
 
@@ -10,6 +10,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# The instruction sets the kernels (and llama.cpp) choose between, as /proc/cpuinfo names them.
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni")
+
+
+def cpu_described() -> str:
+    """The CPU's model and its vector instruction sets, e.g. "AMD EPYC 7B13 (avx2 fma f16c)",
+    and whether mlxgate was told to keep off AVX-512 (MLXGATE_NO_AVX512)."""
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    described = f"{model} ({' '.join(f for f in VECTOR_FLAGS if f in flags) or 'no AVX2'})"
+    if os.environ.get("MLXGATE_NO_AVX512"):
+        described += ", MLXGATE_NO_AVX512 set"
+    return described
 
 
 def process_tree(root: int) -> list[int]:

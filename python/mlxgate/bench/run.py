@@ -24,7 +24,7 @@ from tqdm import tqdm
 from mlxgate.bench import plots
 from mlxgate.bench.figures import Slo, percentile, summarize
 from mlxgate.bench.load import Load, Prompt, run, story_prompt
-from mlxgate.bench.machine import cpu_seconds, load_average
+from mlxgate.bench.machine import cpu_described, cpu_seconds, load_average
 from mlxgate.bench.records import Record
 from mlxgate.bench.replay import replay as replay_trace
 from mlxgate.bench.scenarios import SCENARIOS, SPECULATION_COUNTERS, Outcome, Sizes
@@ -82,6 +82,7 @@ def run_bench(
     summary: dict[str, Any] = {
         "machine": {
             "platform": platform.platform(),
+            "cpu": cpu_described(),
             "cpus": os.cpu_count(),
             "load_before": load_average(),
         },
@@ -203,8 +204,9 @@ def report(summary: dict[str, Any]) -> str:
     lines = [
         "# mlxgate bench",
         "",
-        f"{machine['platform']}, {machine['cpus']} CPUs; load average {machine['load_before']:.2f}"
-        f" before, {machine['load_after']:.2f} after. Tokens are counted by the servers' usage.",
+        f"{machine['platform']}, {machine['cpus']} CPUs ({machine.get('cpu', 'not recorded')}); "
+        f"load average {machine['load_before']:.2f} before, {machine['load_after']:.2f} after. "
+        "Tokens are counted by the servers' usage.",
         "",
         "Targets: "
         + ", ".join(f"`{t['name']}` ({t['url']}, {t['dialect']})" for t in summary["targets"]),

@@ -13,7 +13,12 @@ Instruct), on a free loopback port, for the run:
   with as many slots as the run's highest concurrency, continuous batching, and the context
   mlxgate serves the model with;
 - `llama-server-8k`: the same, tuned as its users run it: the GGUF's own 8k context (no YaRN),
-  256-token batches.
+  256-token batches;
+- `llama-server-long`: `llama-server` with one slot, which holds the whole context, for the
+  long-prompt scenario (a slot holds the context split evenly, and llama-server cuts a longer
+  prompt without an error).
+
+With `gguf` (`mlxgate bench --gguf FILE`) mlxgate and llama-server serve that file instead.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ SERVERS = (
     "mlx_lm",
     "llama-server",
     "llama-server-8k",
+    "llama-server-long",
 )
+LLAMA_SERVERS = ("llama-server", "llama-server-8k", "llama-server-long")
 EXPORT_DIR = Path.home() / ".cache" / "mlxgate" / "smollm2-mlx"
 # What each speaks best, and the model name its requests carry.
 DIALECT = {
@@ -50,6 +57,7 @@ DIALECT = {
     "mlx_lm": "openai",
     "llama-server": "openai",
     "llama-server-8k": "openai",
+    "llama-server-long": "openai",
 }
 MODEL = {
     "mlxgate": "SmolLM2-135M-Instruct",
@@ -58,7 +66,14 @@ MODEL = {
     "mlx_lm": "default_model",
     "llama-server": "smollm2",
     "llama-server-8k": "smollm2",
+    "llama-server-long": "smollm2",
 }
+
+
+def served_name(name: str, gguf: Path | None) -> str:
+    """The model name requests to spawned server `name` carry: the embedded model's, or the
+    file's stem."""
+    return MODEL[name] if gguf is None else gguf.stem
 
 
 def free_port() -> int:
@@ -83,46 +98,68 @@ def mlx_lm_command(model_dir: Path, port: int | str, extra: Sequence[str] = ()) 
     return [sys.executable, "-c", code]
 
 
-def command(name: str, port: int, slots: int) -> list[str]:
-    """The command line that serves the embedded model as `name` on `port`."""
+def command(name: str, port: int, slots: int, gguf: Path | None = None) -> list[str]:
+    """The command line that serves the embedded model (or the file `gguf`) as `name` on
+    `port`."""
+    model = [] if gguf is None else ["--model", str(gguf)]
     if name == "mlxgate":
-        return mlxgate_command(port)
+        return mlxgate_command(port, model)
     if name == "mlxgate-plain":
-        return mlxgate_command(port, ["--max-draft-tokens", "0"])
+        return mlxgate_command(port, [*model, "--max-draft-tokens", "0"])
     if name == "mlxgate-float32":
-        return mlxgate_command(port, ["--weights", "float32", "--no-cpu-kernels"])
+        return mlxgate_command(port, [*model, "--weights", "float32", "--no-cpu-kernels"])
     if name == "mlx_lm":
+        if gguf is not None:
+            raise ValueError("mlx_lm serves the embedded model's export only (not a --gguf)")
         from mlxgate.models.export import export
 
         return mlx_lm_command(export(EXPORT_DIR), port)
-    if name in ("llama-server", "llama-server-8k"):
-        from mlxgate.models import DEFAULT_MODEL_CONTEXT, default_model_path
-
-        binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
-        if binary is None:
-            raise FileNotFoundError(
-                "no llama-server on the PATH (or in $LLAMA_SERVER): "
-                "benches/build_llama_server.sh builds one"
-            )
-        # The context mlxgate serves the model with (YaRN x4 on its 8,192), and the model's own
-        # chat template (`--jinja`: tools need it, and llama-server's built-in chatml drops the
-        # default system prompt). Not `--kv-unified`: in the llama.cpp build_llama_server.sh
-        # builds it does not enlarge a slot, and every step attends over all the cells (C=32:
-        # 51 tok/s with it, 89 without, issue 50). A slot holds the context split evenly, and
-        # llama-server cuts a longer prompt without an error: the report's prompt tokens show it.
-        context = DEFAULT_MODEL_CONTEXT
-        common = [
-            binary, "--model", str(default_model_path()), "--host", "127.0.0.1",
-            "--port", str(port), "--alias", MODEL[name], "--jinja",
-            "--parallel", str(slots), "--cont-batching", "--threads", str(os.cpu_count() or 1),
-        ]  # fmt: skip
-        if name == "llama-server-8k":
-            return [*common, "--ctx-size", str(max(8192, 2048 * slots)), "-b", "256", "-ub", "256"]
-        return [
-            *common, "--ctx-size", str(max(context, 2048 * slots)), "--rope-scaling", "yarn",
-            "--rope-scale", str(context // 8192), "--yarn-orig-ctx", "8192",
-        ]  # fmt: skip
+    if name in LLAMA_SERVERS:
+        return llama_server_command(name, port, slots, gguf)
     raise ValueError(f"unknown server {name!r} (one of {', '.join(SERVERS)})")
+
+
+def llama_server_command(name: str, port: int, slots: int, gguf: Path | None) -> list[str]:
+    from mlxgate.models import DEFAULT_MODEL_CONTEXT, default_model_path
+
+    binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    if binary is None:
+        raise FileNotFoundError(
+            "no llama-server on the PATH (or in $LLAMA_SERVER): "
+            "benches/build_llama_server.sh builds one"
+        )
+    # The model's own chat template (`--jinja`: tools need it, and llama-server's built-in
+    # chatml drops the default system prompt). Not `--kv-unified`: in the llama.cpp
+    # build_llama_server.sh builds it does not enlarge a slot, and every step attends over all
+    # the cells (C=32: 51 tok/s with it, 89 without, issue 50). A slot holds the context split
+    # evenly, and llama-server cuts a longer prompt without an error: the report's prompt tokens
+    # show it.
+    if name == "llama-server-long":
+        slots = 1
+    common = [
+        binary, "--model", str(gguf or default_model_path()), "--host", "127.0.0.1",
+        "--port", str(port), "--alias", served_name(name, gguf), "--jinja",
+        "--parallel", str(slots), "--cont-batching", "--threads", str(os.cpu_count() or 1),
+    ]  # fmt: skip
+    if name == "llama-server-8k":
+        return [*common, "--ctx-size", str(max(8192, 2048 * slots)), "-b", "256", "-ub", "256"]
+    # The context mlxgate serves the model with: the embedded model's YaRN x4 on its 8,192, a
+    # file's own.
+    if gguf is None:
+        context = DEFAULT_MODEL_CONTEXT
+        rope = ["--rope-scaling", "yarn", "--rope-scale", str(context // 8192)]
+        rope += ["--yarn-orig-ctx", "8192"]
+    else:
+        context, rope = own_context(gguf), []
+    return [*common, "--ctx-size", str(max(context, 2048 * slots)), *rope]
+
+
+def own_context(gguf: Path) -> int:
+    """The context a GGUF file says its model was trained for."""
+    from mlxgate.models.gguf import read_metadata
+
+    meta = read_metadata(gguf)
+    return int(meta[f"{meta['general.architecture']}.context_length"])
 
 
 @dataclass(eq=False)  # identity: a started server is tracked in a set
@@ -138,6 +175,7 @@ class Server:
     cwd: Path | None = None
     env: Mapping[str, str] | None = None  # the whole environment (None: this process's)
     tracked: bool = True  # in RUNNING while it runs, for `stop_all` (the tests keep their own)
+    model: str | None = None  # the model name its requests carry (None: MODEL[name])
 
     @property
     def url(self) -> str:
@@ -151,7 +189,8 @@ class Server:
     def target(self) -> Target:
         dialect = DIALECT[self.name]
         # A server that speaks only chat completions gets an agent trace's turns as such.
-        return Target(self.name, self.url, dialect, self.pid, MODEL[self.name], dialect == "openai")
+        model = self.model or MODEL[self.name]
+        return Target(self.name, self.url, dialect, self.pid, model, dialect == "openai")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -211,9 +250,11 @@ def stop_all() -> None:
         server.stop(grace_s=5.0)
 
 
-def spawn(name: str, slots: int, log_dir: Path) -> Server:
-    """Start `name` on a free port and wait until it answers /health."""
+def spawn(name: str, slots: int, log_dir: Path, gguf: Path | None = None) -> Server:
+    """Start `name` (on the embedded model, or the file `gguf`) on a free port and wait until it
+    answers /health."""
     port = free_port()
-    server = Server(name, command(name, port, slots), port, log_dir / f"{name}.log")
+    server = Server(name, command(name, port, slots, gguf), port, log_dir / f"{name}.log")
+    server.model = served_name(name, gguf)
     server.start()
     return server
