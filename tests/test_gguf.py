@@ -211,6 +211,42 @@ def test_gemma3_is_served_as_mlx_lm_generates_it(
         served.engine.stop()
 
 
+def test_the_start_up_line_says_how_each_block_type_is_served_and_what_it_costs(
+    gemma3: Path, gemma3_loaded: tuple[LoadedModel, Path]
+) -> None:
+    """Every block type of the file, with the bytes it is served in against the file's: Q6_K is
+    widened to float32 (its d * scale * q needs 24 bits), Q5_0 to 8 bits; the totals are the
+    file's tensors and the converted weights."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    loaded, directory = gemma3_loaded
+    assert loaded.blocks == gguf.blocks_described(directory)
+    described = loaded.blocks
+    assert described is not None
+    blocks = json.loads((directory / gguf.BLOCKS_FILE).read_text())
+    assert set(blocks) == {"F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+    assert blocks["Q6_K"]["served_as"] == "float32" and blocks["Q6_K"]["tensors"] == 9
+    assert blocks["Q5_0"]["served_as"].startswith("8-bit affine")
+    assert blocks["Q4_K"]["served_as"].startswith("4-bit affine")
+    q6 = blocks["Q6_K"]
+    assert q6["bytes"] == 4 * 11_796_480 and q6["file_bytes"] == 11_796_480 * 210 // 256
+    assert "Q6_K as float32 (9 tensors, 9.7 MB in the file, 47.2 MB served, 4.88x)" in described
+    reader = GGUFReader(gemma3)
+    in_file = sum(int(t.n_bytes) for t in reader.tensors)
+    assert sum(b["file_bytes"] for b in blocks.values()) == in_file
+    served = sum(int(np.prod(a.shape)) * a.dtype.size for a in mx_arrays(directory))
+    assert sum(b["bytes"] for b in blocks.values()) == served
+    assert described.endswith(f"{in_file / 1e6:.1f} MB in the file, {served / 1e6:.1f} MB "
+                              f"served, {served / in_file:.2f}x")  # fmt: skip
+
+
+def mx_arrays(directory: Path) -> list[Any]:
+    import mlx.core as mx
+
+    return list(mx.load(str(directory / "model.safetensors")).values())  # type: ignore[union-attr]
+
+
 # llama.cpp's greedy continuations of the same prompt ids (benches/record_llama_gemma3.py; the
 # fixture names the command). llama.cpp multiplies by 8-bit activations where mlxgate uses
 # float32, which flips a greedy choice where two tokens nearly tie: after that the texts differ.

@@ -179,6 +179,8 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
         described_sampling(sampling, sampling_sources),
         time.monotonic() - started,
     )
+    if loaded.blocks is not None:
+        log.info("model %s: GGUF blocks %s", spec.name, loaded.blocks)
     return ServedModel(
         spec.name,
         engine,

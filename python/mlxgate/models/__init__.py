@@ -39,6 +39,7 @@ class LoadedModel:
     # What its files recommend for sampling (models/sampling_defaults.py), and which files.
     sampling: dict[str, float | int] = field(default_factory=dict)
     sampling_source: str = "generation_config.json"
+    blocks: str | None = None  # a GGUF's block types and how each is served (gguf.py)
 
     def describe_context(self) -> str:
         return self.context.describe() if self.context else str(self.context_length)
@@ -222,7 +223,7 @@ def _load_gguf(
     rope_scaling: str,
     shard: Callable[[nn.Module], None] | None = None,
 ) -> LoadedModel:
-    from mlxgate.models.gguf import converted
+    from mlxgate.models.gguf import blocks_described, converted
 
     directory = converted(path)
     model, tokenizer, served = _load_directory(
@@ -230,6 +231,8 @@ def _load_gguf(
     )
     loaded = _loaded(name, model, tokenizer, served, str(path), directory)
     loaded.sampling_source = "the GGUF's general.sampling keys"
+    if dequantize_to is None:
+        loaded.blocks = blocks_described(directory)
     return loaded
 
 

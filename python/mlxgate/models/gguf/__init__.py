@@ -3,9 +3,11 @@
 The directory is what mlx-lm loads: `config.json` from the file's metadata (architectures.py),
 the tensors under mlx-lm's names (tensors.py: blocks as MLX's affine quantization where that is
 exact, else float32), and the tokenizer transformers builds from the file's metadata
-(`tokenizer.json`, its config and chat template), and `generation_config.json` from its
-`general.sampling.*` keys if it has them. It is keyed by the file's path, size and
-modification time (and the transformers version), so a changed file is converted again.
+(`tokenizer.json`, its config and chat template), `generation_config.json` from its
+`general.sampling.*` keys if it has them, and `gguf_blocks.json`: how each block type of the
+file is served and what that costs in bytes (`blocks_described`). It is keyed by the file's
+path, size and modification time (and the transformers version), so a changed file is converted
+again.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from typing import Any
 log = logging.getLogger("mlxgate")
 
 # Part of the cache key: a change to what convert() writes converts every file again.
-CONVERSION_VERSION = 4
+CONVERSION_VERSION = 5
+
+# What convert() writes about each block type (blocks_described).
+BLOCKS_FILE = "gguf_blocks.json"
 
 # llama.cpp's sampling keys (`general.sampling.*`) as generation_config.json names them
 # (models/sampling_defaults.py).
@@ -100,6 +105,7 @@ def convert(path: Path, out: Path) -> None:
         known = ", ".join(ARCHITECTURES)
         raise ValueError(f"{path.name}: GGUF architecture {name!r} is not supported ({known})")
     weights: dict[str, mx.array] = {}
+    blocks: dict[str, dict[str, Any]] = {}  # block type -> how it is served, what it costs
     ropes = {}  # llama.cpp's per-frequency rope factors: a scaling in mlx-lm's config
     for tensor in reader.tensors:
         if tensor.name.startswith(ROPE_TENSORS):
@@ -108,6 +114,13 @@ def convert(path: Path, out: Path) -> None:
         parameter = arch.parameter(tensor.name)
         lookup = parameter.startswith("model.embed_tokens.")
         arrays = tensors.read(tensor.tensor_type, tensor.data, lookup)
+        kind = blocks.setdefault(
+            tensor.tensor_type.name,
+            {"served_as": tensors.served_as(arrays), "tensors": 0, "file_bytes": 0, "bytes": 0},
+        )
+        kind["tensors"] += 1
+        kind["file_bytes"] += int(tensor.n_bytes)
+        kind["bytes"] += sum(int(array.nbytes) for array in arrays.values())
         if "scales" not in arrays:
             arrays["weight"] = unshift(arch, parameter, arrays["weight"])
         stem = parameter.rsplit(".", 1)[0]
@@ -119,8 +132,34 @@ def convert(path: Path, out: Path) -> None:
     write_tokenizer(meta, out)
     if sampling := generation_config(meta):
         (out / "generation_config.json").write_text(json.dumps(sampling, indent=2))
+    (out / BLOCKS_FILE).write_text(json.dumps(blocks, indent=2))
     (out / "config.json").write_text(json.dumps(settings, indent=2))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+def blocks_described(directory: Path) -> str | None:
+    """How a converted file's block types are served, largest first, for the start-up line:
+    e.g. "Q8_0 as 8-bit affine (float16 scales) (10 tensors, 179.8 MB in the file, 190.4 MB
+    served, 1.06x), ...; 246.2 MB in the file, 345.1 MB served (1.40x)"; None for a directory
+    that is not a conversion."""
+    try:
+        blocks = json.loads((directory / BLOCKS_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    parts = []
+    for kind, block in sorted(blocks.items(), key=lambda item: -item[1]["bytes"]):
+        part = f"{kind} as {block['served_as']}"
+        if block["bytes"] > block["file_bytes"]:
+            part += f" ({block['tensors']} tensors, {_costs(block['file_bytes'], block['bytes'])})"
+        parts.append(part)
+    in_file = sum(block["file_bytes"] for block in blocks.values())
+    served = sum(block["bytes"] for block in blocks.values())
+    return f"{', '.join(parts)}; {_costs(in_file, served)}"
+
+
+def _costs(in_file: int, served: int) -> str:
+    growth = served / max(1, in_file)
+    return f"{in_file / 1e6:.1f} MB in the file, {served / 1e6:.1f} MB served, {growth:.2f}x"
 
 
 def generation_config(meta: dict[str, Any]) -> dict[str, float | int]:

@@ -40,6 +40,15 @@ def read(
     return {"weight": values(kind, data)}
 
 
+def served_as(arrays: dict[str, np.ndarray[Any, Any]]) -> str:
+    """How `read` holds a tensor, e.g. "4-bit affine (float16 scales)", "float32"."""
+    weight = arrays["weight"]
+    if "scales" not in arrays:
+        return str(weight.dtype)
+    bits = 32 * weight.shape[-1] // (arrays["scales"].shape[-1] * GROUP)
+    return f"{bits}-bit affine ({arrays['scales'].dtype} scales)"
+
+
 def _half_exact(array: np.ndarray[Any, Any]) -> bool:
     return bool(np.array_equal(array.astype(np.float16).astype(np.float32), array))
 
