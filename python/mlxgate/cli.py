@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ranks.end_with_launcher()
     if config.ranks > 1 and not ranks.launched():
-        sys.exit(ranks.launch_local(config.ranks, argv))
+        sys.exit(ranks.launch_local(config.ranks, argv, config.rank_timeout))
     if ranks.launched() and ranks.rank_of_process() != 0:
         from mlxgate import serving
 

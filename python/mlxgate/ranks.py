@@ -239,13 +239,14 @@ def leader_failed(engine: Engine, message: str) -> None:
     exit_failed(message, FAIL_GRACE_S)
 
 
-def launch_local(ranks: int, argv: list[str]) -> int:
+def launch_local(ranks: int, argv: list[str], rank_timeout: float) -> int:
     """`mlxgate serve --ranks N`: N ranks of this command on this machine, over the ring backend
     on loopback, started as `mlx.launch --backend ring -n N` starts them (its hostfile and
     MLX_RANK), each computing on its N-th of the cores, each ending with this process. Once one
-    ends (rank 0, or another with an error), the rest get STOP_AFTER_S to end on their own,
-    then are stopped. Returns the first exit code that is not 0 (mlx.launch itself exits 0
-    whatever its ranks did).
+    ends (rank 0, or another with an error), the rest get STOP_AFTER_S to end on their own, on
+    top of the time rank 0's watchdog takes to fail the group and tell its clients
+    (`rank_timeout` + FAIL_GRACE_S), then are stopped. Returns the first exit code that is not 0
+    (mlx.launch itself exits 0 whatever its ranks did).
     """
     ports = _free_ports(ranks)
     shared = tempfile.mkdtemp(prefix="mlxgate-ranks-")
@@ -271,13 +272,15 @@ def launch_local(ranks: int, argv: list[str]) -> int:
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     ended_at: float | None = None
+    # (Stopped sooner, rank 0 would die before its clients hear that the group failed.)
+    patience_s = rank_timeout + FAIL_GRACE_S + STOP_AFTER_S
     try:
         while any(process.poll() is None for process in processes):
             time.sleep(0.1)
             codes = [process.poll() for process in processes]
             if ended_at is None and (codes[0] is not None or any(codes)):
                 ended_at = time.monotonic()
-            if ended_at is not None and time.monotonic() - ended_at > STOP_AFTER_S:
+            if ended_at is not None and time.monotonic() - ended_at > patience_s:
                 for process in processes:
                     if process.poll() is None:
                         process.kill()
