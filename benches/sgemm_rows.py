@@ -7,8 +7,8 @@ streams, the thresholds A/B interleaved step by step in one process.
 
 Run it with and without MLXGATE_NO_AVX512=1 (the kernels' two instruction sets). Each row is
 the median step time of each threshold over the rounds (each round: per threshold an untimed
-step, then two timed), and the ratio of the first threshold's
-to each other's (above 1: the other is faster).
+step, then two timed), and the ratio of the first threshold's to each other's (above 1: the
+other is faster).
 """
 
 from __future__ import annotations

@@ -254,7 +254,7 @@ def spawn(name: str, slots: int, log_dir: Path, gguf: Path | None = None) -> Ser
     """Start `name` (on the embedded model, or the file `gguf`) on a free port and wait until it
     answers /health."""
     port = free_port()
-    server = Server(name, command(name, port, slots, gguf), port, log_dir / f"{name}.log")
-    server.model = served_name(name, gguf)
+    argv = command(name, port, slots, gguf)
+    server = Server(name, argv, port, log_dir / f"{name}.log", model=served_name(name, gguf))
     server.start()
     return server
