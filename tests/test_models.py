@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any, cast
 
 import numpy as np
@@ -19,6 +22,18 @@ def smollm() -> LoadedModel:
 
 def test_openblas_is_in_use() -> None:
     assert blas.blas_in_use() == "OpenBLAS"
+
+
+@pytest.mark.parametrize(("given", "read"), [(None, blas.THREAD_TIMEOUT), ("20", "20")])
+def test_openblas_threads_spin_briefly_unless_told_otherwise(given: str | None, read: str) -> None:
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when it loads: mlxgate's short spin, or the
+    user's own value."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if given is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = given
+    code = "import os, mlxgate; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == read, done.stderr
 
 
 def test_metadata(smollm: LoadedModel) -> None:

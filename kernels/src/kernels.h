@@ -23,10 +23,10 @@ struct QuantizedWeight {
 // Whether this CPU runs the kernels below (x86-64 with AVX2, FMA and F16C).
 bool cpu_supported();
 
-// out[r, c] = sum_j x[r, j] * w[c, j] for rows [0, rows) and columns [c0, c1), the weight
-// dequantized in registers; each weight row is read once for all rows.
+// out[r, c] = sum_j x[r * x_stride + j] * w[c, j] for rows [0, rows) and columns [c0, c1), the
+// weight dequantized in registers; each weight row is read once for all rows.
 void quantized_matmul_columns(
-    const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1);
+    const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out, int c0, int c1);
 
 // The same with AVX-512 (kernels_avx512.cpp), which quantized_matmul_columns takes where
 // avx512_supported() says the CPU has it, unless use_avx512(false) (or MLXGATE_NO_AVX512=1 in
@@ -35,7 +35,7 @@ bool avx512_supported();
 void use_avx512(bool use);
 bool using_avx512();
 void quantized_matmul_columns_avx512(
-    const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1);
+    const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out, int c0, int c1);
 
 // The dequantized weight's rows [c0, c1) into dst ([c1 - c0, k], row-major).
 void dequantize_columns(const QuantizedWeight& w, float* dst, int c0, int c1);

