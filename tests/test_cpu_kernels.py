@@ -85,6 +85,17 @@ def test_quantized_matmul_equals_mlx(
             close(got, want)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_one_row_with_more_groups_than_its_kernel_holds_takes_the_general_path(
+    ext: Any, width: str, bits: int
+) -> None:
+    k = 32 * 520  # MAX_ROW_GROUPS is 512
+    packed, scales, biases = quantized(5, k, bits, 32, mx.float16, seed=15)
+    x = mx.random.normal((1, k), key=mx.random.key(16))
+    want = mx.quantized_matmul(x, packed, scales, biases, True, 32, bits)
+    close(ext.quantized_matmul(x, packed, scales, biases, True, 32, bits), want)
+
+
 def test_quantized_matmul_takes_batches_and_views(ext: Any, width: str) -> None:
     packed, scales, biases = quantized(96, 128, 4, 32, mx.float16, seed=7)
     x = mx.random.normal((3, 128, 5), key=mx.random.key(8)).transpose(0, 2, 1)  # not contiguous

@@ -9,6 +9,10 @@ namespace mlxgate {
 // How a quantized weight's scales and biases are stored (MLX keeps them in the model's dtype).
 enum class ScaleType { float32, float16, bfloat16 };
 
+// The most groups a row of one weight has for the one-row kernels (k = 16,384 at group 32); a
+// weight with more takes the general path.
+constexpr int MAX_ROW_GROUPS = 512;
+
 struct QuantizedWeight {
   const uint32_t* packed;  // [n, k * bits / 32], MLX's affine layout (element j at bit j * bits)
   const void* scales;      // [n, k / group]
@@ -23,8 +27,23 @@ struct QuantizedWeight {
 // Whether this CPU runs the kernels below (x86-64 with AVX2, FMA and F16C).
 bool cpu_supported();
 
+// Whether quantized_matmul_columns takes its one row by a kernel of its own (a decode step of
+// one stream). For a 4-bit weight that kernel unpacks the weights 32 at a time, low nibbles then
+// high, so it takes x in pairs order: each block of 32 as its 16 even elements, then its 16 odd
+// ones.
+// (Internal linkage: each file keeps its own copy, built for its own instructions.)
+namespace {
+inline bool one_row(int rows, const QuantizedWeight& w) {
+  return rows == 1 && w.k / w.group <= MAX_ROW_GROUPS;
+}
+inline bool takes_pairs(int rows, const QuantizedWeight& w) {
+  return one_row(rows, w) && w.bits == 4;
+}
+}  // namespace
+
 // out[r, c] = sum_j x[r * x_stride + j] * w[c, j] for rows [0, rows) and columns [c0, c1), the
-// weight dequantized in registers; each weight row is read once for all rows.
+// weight dequantized in registers; each weight row is read once for all rows. x in pairs order
+// where takes_pairs(rows, w).
 void quantized_matmul_columns(
     const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out, int c0, int c1);
 

@@ -77,9 +77,46 @@ inline void dot_remainder(
   }
 }
 
+// One row against output column c, as the AVX2 file's dot_row (scales converted up front, 4-bit
+// weights unpacked by nibble against x in pairs order, two chains of multiply-adds). Needs
+// groups <= MAX_ROW_GROUPS.
+template <int BITS>
+inline float dot_row(const float* x, const QuantizedWeight& w, int c) {
+  const int groups = w.k / w.group;
+  const long row_words = static_cast<long>(w.k) * BITS / 32;
+  const uint32_t* packed = w.packed + c * row_words;
+  const ColumnScales column(w, c);
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int g = 0; g < groups; ++g) {
+    const __m512 scale = _mm512_set1_ps(column.scales[g]);
+    const __m512 bias = _mm512_set1_ps(column.biases[g]);
+    for (int j = g * w.group; j < (g + 1) * w.group; j += 32) {  // groups are 32 or 64
+      __m512 q[2];
+      if constexpr (BITS == 4) {  // the 32 weights' 16 bytes: low nibbles even, high odd
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + j / 8));
+        const __m128i nibble = _mm_set1_epi8(0x0F);
+        q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)));
+        q[1] = _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)));
+      } else {
+        for (int v = 0; v < 2; ++v) q[v] = unpack16<BITS>(packed + (j + 16 * v) * BITS / 32);
+      }
+      for (int v = 0; v < 2; ++v) {
+        const __m512 weight = _mm512_fmadd_ps(q[v], scale, bias);
+        acc[v] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(x + j + 16 * v), acc[v]);
+      }
+    }
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+}
+
 template <int BITS>
 void matmul_columns(
     const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
+  if (one_row(rows, w)) {
+    for (int c = c0; c < c1; ++c) out[c] = dot_row<BITS>(x, w, c);
+    return;
+  }
   for (int c = c0; c < c1; ++c) {
     int r = 0;
     for (; r + 16 <= rows; r += 16) {

@@ -88,12 +88,24 @@ long spread_stride(int k) {
   return 16 * (lines % 2 == 0 ? lines + 1 : lines);
 }
 
-const float* spread_rows(const float* x, int rows, int k, long stride) {
+// In pairs order where the kernel takes it (kernels.h: one row of a 4-bit weight).
+const float* spread_rows(const float* x, int rows, const QuantizedWeight& w, long stride) {
   thread_local std::vector<float> buffer;
   buffer.resize(static_cast<size_t>(rows) * stride + 16);
   const auto at = (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63};
   float* spread = reinterpret_cast<float*>(at);
-  for (int r = 0; r < rows; ++r) std::copy_n(x + static_cast<long>(r) * k, k, spread + r * stride);
+  if (takes_pairs(rows, w)) {
+    for (int j = 0; j < w.k; j += 32) {
+      for (int i = 0; i < 16; ++i) {
+        spread[j + i] = x[j + 2 * i];
+        spread[j + 16 + i] = x[j + 2 * i + 1];
+      }
+    }
+    return spread;
+  }
+  for (int r = 0; r < rows; ++r) {
+    std::copy_n(x + static_cast<long>(r) * w.k, w.k, spread + r * stride);
+  }
   return spread;
 }
 
@@ -132,7 +144,7 @@ class QuantizedMatmul : public Kernel {
         return;
       }
       const long x_stride = spread_stride(weight.k);
-      const float* spread = spread_rows(xs, rows, weight.k, x_stride);
+      const float* spread = spread_rows(xs, rows, weight, x_stride);
       const int tasks = (weight.n + COLUMNS_PER_TASK - 1) / COLUMNS_PER_TASK;
       parallel_for(tasks, [&](int t) {
         const int c0 = t * COLUMNS_PER_TASK;
