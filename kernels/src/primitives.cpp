@@ -28,7 +28,9 @@ constexpr int ROWS_PER_TASK = 16;
 // Query rows of one head each attention task takes (at most the kernel's MAX_ROWS).
 constexpr int ATTENTION_ROWS = 16;
 
-int sgemm_rows_ = 64;
+// From 48 rows the tiles win on both instruction sets and both real models' steps (1.07-1.31x
+// at 48 and 56 rows; 32 and 40 are a wash): benches/results/sgemm-rows-48-20261128.md.
+int sgemm_rows_ = 48;
 
 bool on_cpu(const mx::Stream& stream) { return stream.device == mx::Device::cpu; }
 
