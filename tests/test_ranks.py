@@ -174,12 +174,34 @@ def test_the_embedded_model_on_three_ranks_answers_as_one_process(
 CHUNKED = ("--max-prefill-chunk", "32", "--min-prefill-chunk", "32", "--max-prefill-tokens", "32")
 
 
+def slow_chunks(tmp: Path, env: pytest.MonkeyPatch) -> None:
+    """Each prompt chunk a rank computes takes 50 ms more, as a larger model's would: a long
+    prompt prefills for seconds, so a client can leave mid-prefill on a machine of any speed (a
+    tiny model's 32-token chunk takes about a millisecond)."""
+    hook = tmp / "slow_chunks"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('MLX_RANK') is not None:\n"
+        "    import time\n"
+        "    from mlxgate.engine.prefill import Prefill\n"
+        "    forward = Prefill._forward_prompt\n"
+        "    def slow(self, tokens, pending):\n"
+        "        time.sleep(0.05)\n"
+        "        return forward(self, tokens, pending)\n"
+        "    Prefill._forward_prompt = slow\n"
+    )
+    env.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    )
+
+
 @pytest.fixture(scope="module", params=["tensor", "pipeline"])
 def pair(
     request: pytest.FixtureRequest, models: Models, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[RunningServer, RunningServer]]:
-    """A tiny model in one process and on two ranks, prefilling in small chunks: the llama
-    tensor parallel, deepseek_v3 pipelined."""
+    """A tiny model in one process and on two ranks, prefilling in small chunks (slow ones on
+    the ranks: `slow_chunks`): the llama tensor parallel, deepseek_v3 pipelined."""
     tmp = tmp_path_factory.mktemp("pair")
     how: tuple[str, ...]
     if request.param == "tensor":
@@ -187,7 +209,9 @@ def pair(
     else:
         model, how = models["deepseek_v3"], ("--pipeline",)
     one = served(tmp, model, *CHUNKED)
-    two = served(tmp, model, "--ranks", "2", *how, *CHUNKED)
+    with pytest.MonkeyPatch.context() as env:
+        slow_chunks(tmp, env)
+        two = served(tmp, model, "--ranks", "2", *how, *CHUNKED)
     yield one, two
     stop_server(two)
     stop_server(one)
@@ -253,8 +277,14 @@ def test_a_cancel_mid_prefill_on_two_ranks(pair: tuple[RunningServer, RunningSer
     long = conversation(6, "summarize: " + " ".join(WORDS * 150))
     request = {"model": "m", "messages": long, "max_tokens": 8, "stream": True}
     cancelled = metric(two, "mlxgate_engine_requests_cancelled_total")
+    prefilled = metric(two, "mlxgate_engine_prefill_tokens_total")
     with httpx.stream("POST", f"{two.url}/v1/chat/completions", json=request, timeout=60) as r:
         assert r.status_code == 200
+        # It leaves once some chunks are in (one that leaves at once may leave before the first).
+        deadline = time.monotonic() + 30
+        while metric(two, "mlxgate_engine_prefill_tokens_total") < prefilled + 256:
+            assert time.monotonic() < deadline, "the prompt's prefill began"
+            time.sleep(0.02)
     deadline = time.monotonic() + 30
     while metric(two, "mlxgate_engine_requests_cancelled_total") == cancelled:
         assert time.monotonic() < deadline, "the cancel reached the engine"
