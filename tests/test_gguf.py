@@ -191,14 +191,20 @@ def test_gemma3_is_served_as_mlx_lm_generates_it(
     gemma3_loaded: tuple[LoadedModel, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Q4_K, Q5_0, Q6_K and Q8_0 blocks, sliding and global layers: the engine's greedy tokens
-    are mlx-lm's own `generate_step` on the converted directory, loaded by mlx-lm alone (MLX's
-    own kernels), up to a step where mlx-lm's two best tokens tie within float rounding."""
-    from mlx_lm.utils import load as mlx_lm_load
+    are mlx-lm's own `generate_step` on the converted directory, loaded by mlx-lm (MLX's own
+    ops; what MLX cannot multiply or look up exactly served as models/gguf/loading.py serves it
+    without the kernels), up to a step where mlx-lm's two best tokens tie within float
+    rounding."""
+    from mlx_lm.utils import load_model
 
+    from mlxgate.models.gguf import loading
     from support import tiny_engine
 
     loaded, directory = gemma3_loaded
-    reference_model = mlx_lm_load(str(directory))[0]  # (model, tokenizer) without the config
+    with loading.groups_of_16():
+        reference_model = load_model(directory)[0]
+    loading.prepare(reference_model, dequantized=False)
+    assert loading.widen_groups_of_16(reference_model) == 9  # its Q6_K tensors
     # The engine's vocabulary reads token i as "i,".
     monkeypatch.setattr(tiny_engine, "VOCAB", loaded.model.args.vocab_size)
     served = tiny_engine.Served(loaded.model)
@@ -214,9 +220,9 @@ def test_gemma3_is_served_as_mlx_lm_generates_it(
 def test_the_start_up_line_says_how_each_block_type_is_served_and_what_it_costs(
     gemma3: Path, gemma3_loaded: tuple[LoadedModel, Path]
 ) -> None:
-    """Every block type of the file, with the bytes it is served in against the file's: Q6_K is
-    widened to float32 (its d * scale * q needs 24 bits), Q5_0 to 8 bits; the totals are the
-    file's tensors and the converted weights."""
+    """Every block type of the file, with the bytes it is served in against the file's: Q6_K as
+    8 bits in groups of 16 (its sub-blocks, under float32 scales d * sc), Q5_0 as 8 bits; the
+    totals are the file's tensors and the converted weights."""
     import mlx.core as mx
     from gguf import GGUFReader
 
@@ -226,12 +232,17 @@ def test_the_start_up_line_says_how_each_block_type_is_served_and_what_it_costs(
     assert described is not None
     blocks = json.loads((directory / gguf.BLOCKS_FILE).read_text())
     assert set(blocks) == {"F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"}
-    assert blocks["Q6_K"]["served_as"] == "float32" and blocks["Q6_K"]["tensors"] == 9
-    assert blocks["Q5_0"]["served_as"].startswith("8-bit affine")
-    assert blocks["Q4_K"]["served_as"].startswith("4-bit affine")
     q6 = blocks["Q6_K"]
-    assert q6["bytes"] == 4 * 11_796_480 and q6["file_bytes"] == 11_796_480 * 210 // 256
-    assert "Q6_K as float32 (9 tensors, 9.7 MB in the file, 47.2 MB served, 4.88x)" in described
+    assert q6["served_as"] == "8-bit affine in groups of 16 (float32 scales)"
+    assert q6["tensors"] == 9
+    assert blocks["Q5_0"]["served_as"].startswith("8-bit affine (")
+    assert blocks["Q4_K"]["served_as"].startswith("4-bit affine (")
+    # A byte per value, and a float32 scale and bias per 16 values.
+    assert q6["bytes"] == 11_796_480 * 3 // 2 and q6["file_bytes"] == 11_796_480 * 210 // 256
+    assert (
+        "Q6_K as 8-bit affine in groups of 16 (float32 scales) (9 tensors, 9.7 MB in the file, "
+        "17.7 MB served, 1.83x)"
+    ) in described
     reader = GGUFReader(gemma3)
     in_file = sum(int(t.n_bytes) for t in reader.tensors)
     assert sum(b["file_bytes"] for b in blocks.values()) == in_file

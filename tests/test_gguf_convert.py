@@ -30,11 +30,13 @@ from mlx_lm.utils import _get_classes
 import mlxgate  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlxgate import models
 from mlxgate.models import embedded, gguf
+from mlxgate.models.cpu import kernels
 from mlxgate.models.gguf.tensors import AFFINE_BITS
 from support.tiny_models import config as tiny_config
 
 # The block types a llama.cpp quantization writes (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0), and what
-# mlxgate makes of each: (bits of MLX's affine quantization, group 32) or float32 values.
+# mlxgate makes of each: the bits of MLX's affine quantization (in groups of 32; Q6_K's of 16)
+# or float32 values.
 BLOCK_TYPES = {
     Q.F32: None,
     Q.F16: None,
@@ -46,7 +48,7 @@ BLOCK_TYPES = {
     Q.Q5_1: 8,
     Q.Q4_K: 4,
     Q.Q5_K: 8,
-    Q.Q6_K: None,
+    Q.Q6_K: 8,
 }
 
 
@@ -120,12 +122,17 @@ LAYER = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2}  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", list(BLOCK_TYPES), ids=lambda kind: kind.name)
+@pytest.mark.parametrize(
+    ("kind", "cpu_kernels"),
+    [*((kind, True) for kind in BLOCK_TYPES), (Q.Q6_K, False)],
+    ids=lambda value: value.name if isinstance(value, Q) else "" if value else "no-kernels",
+)
 def test_each_block_type_loads_as_llama_cpp_decodes_it(
-    kind: Q, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kind: Q, cpu_kernels: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A llama-architecture file whose every matrix is `kind`: each loaded weight, dequantized
-    by MLX, equals `gguf.quants.dequantize` of the stored blocks bit for bit."""
+    by MLX, equals `gguf.quants.dequantize` of the stored blocks bit for bit; groups of 16,
+    which only mlxgate's kernels multiply, are float32 values without them."""
     monkeypatch.setenv("MLXGATE_CACHE", str(tmp_path / "cache"))
     cfg = {**tiny_config("llama"), **LAYER}
     rng = np.random.default_rng(int(kind))
@@ -158,12 +165,15 @@ def test_each_block_type_loads_as_llama_cpp_decodes_it(
     writer.write_tensors_to_file()
     writer.close()
 
-    loaded = models.load(str(path), cpu_kernels=False)
+    loaded = models.load(str(path), cpu_kernels=cpu_kernels)
     # Each module under the name llama.cpp's own map gives its weight.
     names = get_tensor_name_map(MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
     modules = {names.get_name(n): m for n, m in loaded.model.named_modules() if names.get_name(n)}
     reader = {t.name: t for t in GGUFReader(path).tensors}
     bits = BLOCK_TYPES[kind]
+    group = 16 if kind == Q.Q6_K else 32
+    if group == 16 and not (cpu_kernels and kernels.unavailable() is None):
+        bits = None
     for name in shapes:
         tensor = reader[f"{name}.weight"]
         assert tensor.tensor_type == kind
@@ -173,17 +183,18 @@ def test_each_block_type_loads_as_llama_cpp_decodes_it(
             assert module.weight.dtype == mx.float32
             got = np.array(module.weight)
         else:
-            assert (module.bits, module.group_size) == (bits, 32), name
-            # float16 where that holds them exactly, always float32 for the embedding.
-            half = kind not in (Q.Q4_K, Q.Q5_K) and name != "token_embd"
+            assert (module.bits, module.group_size) == (bits, group), name
+            # float16 where that holds them exactly (the K-quants' d * sc does not)
+            half = kind not in (Q.Q4_K, Q.Q5_K, Q.Q6_K)
             assert module.scales.dtype == (mx.float16 if half else mx.float32), name
             scales, biases = module.scales.astype(mx.float32), module.biases.astype(mx.float32)
-            got = np.array(mx.dequantize(module.weight, scales, biases, 32, module.bits))
+            got = np.array(mx.dequantize(module.weight, scales, biases, group, module.bits))
         np.testing.assert_array_equal(got, want, err_msg=name)
-        if name == "token_embd":  # looked up: the rows themselves
+        if name == "token_embd":  # looked up: the rows themselves, in float32
             rows = loaded.model.model.embed_tokens(mx.arange(16))
-            np.testing.assert_array_equal(np.array(rows.astype(mx.float32)), want[:16])
-    assert AFFINE_BITS.get(kind) == bits
+            assert rows.dtype == mx.float32
+            np.testing.assert_array_equal(np.array(rows), want[:16])
+    assert AFFINE_BITS.get(kind) == BLOCK_TYPES[kind]
 
 
 # (b) Architectures, written under the tensor names of llama.cpp's own map (gguf-py's

@@ -19,7 +19,7 @@ struct QuantizedWeight {
   const void* biases;      // [n, k / group]
   ScaleType scale_type;
   int bits;   // 4 or 8
-  int group;  // 32 or 64
+  int group;  // 16 (8 bits: GGUF's Q6_K), 32 or 64
   int n;
   int k;
 };
@@ -28,13 +28,13 @@ struct QuantizedWeight {
 bool cpu_supported();
 
 // Whether quantized_matmul_columns takes its one row by a kernel of its own (a decode step of
-// one stream). For a 4-bit weight that kernel unpacks the weights 32 at a time, low nibbles then
-// high, so it takes x in pairs order: each block of 32 as its 16 even elements, then its 16 odd
-// ones.
+// one stream), which reads the weights 32 at a time. For a 4-bit weight it unpacks them low
+// nibbles then high, so it takes x in pairs order: each block of 32 as its 16 even elements,
+// then its 16 odd ones.
 // (Internal linkage: each file keeps its own copy, built for its own instructions.)
 namespace {
 inline bool one_row(int rows, const QuantizedWeight& w) {
-  return rows == 1 && w.k / w.group <= MAX_ROW_GROUPS;
+  return rows == 1 && w.k % 32 == 0 && w.k / w.group <= MAX_ROW_GROUPS;
 }
 inline bool takes_pairs(int rows, const QuantizedWeight& w) {
   return one_row(rows, w) && w.bits == 4;

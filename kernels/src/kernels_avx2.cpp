@@ -86,10 +86,24 @@ inline float dot_row(const float* x, const QuantizedWeight& w, int c) {
   const uint32_t* packed = w.packed + c * row_words;
   const ColumnScales column(w, c);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  if (BITS == 8 && w.group == 16) {  // GGUF's Q6_K: two groups to the 32 weights
+    for (int g = 0; g < groups; g += 2) {
+      const int j = g * 16;
+      for (int v = 0; v < 4; ++v) {
+        const __m256 scale = _mm256_broadcast_ss(column.scales + g + v / 2);
+        const __m256 bias = _mm256_broadcast_ss(column.biases + g + v / 2);
+        const __m256 weight =
+            _mm256_fmadd_ps(unpack8<BITS>(packed + (j + 8 * v) / 8 * words_per_8), scale, bias);
+        acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(x + j + 8 * v), acc[v]);
+      }
+    }
+    return horizontal_sum(
+        _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  }
   for (int g = 0; g < groups; ++g) {
     const __m256 scale = _mm256_broadcast_ss(column.scales + g);
     const __m256 bias = _mm256_broadcast_ss(column.biases + g);
-    for (int j = g * w.group; j < (g + 1) * w.group; j += 32) {  // groups are 32 or 64
+    for (int j = g * w.group; j < (g + 1) * w.group; j += 32) {  // here groups are 32 or 64
       __m256 q[4];
       if constexpr (BITS == 4) {  // the 32 weights' 16 bytes: low nibbles even, high odd
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + j / 8));

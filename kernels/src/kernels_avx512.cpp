@@ -87,10 +87,21 @@ inline float dot_row(const float* x, const QuantizedWeight& w, int c) {
   const uint32_t* packed = w.packed + c * row_words;
   const ColumnScales column(w, c);
   __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  if (BITS == 8 && w.group == 16) {  // GGUF's Q6_K: a group to each 16 weights
+    for (int g = 0; g < groups; g += 2) {
+      for (int v = 0; v < 2; ++v) {
+        const int j = (g + v) * 16;
+        const __m512 weight = _mm512_fmadd_ps(unpack16<BITS>(packed + j * BITS / 32),
+            _mm512_set1_ps(column.scales[g + v]), _mm512_set1_ps(column.biases[g + v]));
+        acc[v] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(x + j), acc[v]);
+      }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  }
   for (int g = 0; g < groups; ++g) {
     const __m512 scale = _mm512_set1_ps(column.scales[g]);
     const __m512 bias = _mm512_set1_ps(column.biases[g]);
-    for (int j = g * w.group; j < (g + 1) * w.group; j += 32) {  // groups are 32 or 64
+    for (int j = g * w.group; j < (g + 1) * w.group; j += 32) {  // here groups are 32 or 64
       __m512 q[2];
       if constexpr (BITS == 4) {  // the 32 weights' 16 bytes: low nibbles even, high odd
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + j / 8));

@@ -387,7 +387,7 @@ mx::array quantized_matmul(
   const int group = group_size.value_or(64);
   const int width = bits.value_or(4);
   const bool fits = cpu_supported() && on_cpu(stream) && transpose && mode == "affine" &&
-      biases.has_value() && (width == 4 || width == 8) && (group == 32 || group == 64) &&
+      biases.has_value() && (width == 4 || width == 8) && (group == 32 || group == 64 || (group == 16 && width == 8)) &&
       x.dtype() == mx::float32 && x.ndim() >= 1 && w.dtype() == mx::uint32 && w.ndim() == 2 &&
       scale_type(scales.dtype()).has_value() && biases->dtype() == scales.dtype() &&
       x.shape(-1) == w.shape(1) * 32 / width && x.shape(-1) % group == 0 &&

@@ -14,8 +14,8 @@ namespace mlxgate {
 
 namespace mx = mlx::core;
 
-// mx.quantized_matmul for the affine mode, 4 or 8 bits, group 32 or 64, float32 activations,
-// transposed weights (what QuantizedLinear computes).
+// mx.quantized_matmul for the affine mode, 4 or 8 bits, group 32 or 64 (or 16 at 8 bits), float32
+// activations, transposed weights (what QuantizedLinear computes).
 mx::array quantized_matmul(
     const mx::array& x, const mx::array& w, const mx::array& scales,
     const std::optional<mx::array>& biases, bool transpose, std::optional<int> group_size,

@@ -3,6 +3,7 @@ every one through mlx-lm's own loader and tokenizer (a GGUF file converted once,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,8 @@ from mlx.utils import tree_flatten, tree_map
 
 from mlxgate.models import context, sampling_defaults, vision, yarn
 from mlxgate.models.context import ServedContext
-from mlxgate.models.cpu import install_kernels
+from mlxgate.models.cpu import install_kernels, kernels
+from mlxgate.models.gguf import loading
 from mlxgate.models.tokenizer import ChatTokenizer
 
 if TYPE_CHECKING:
@@ -81,9 +83,11 @@ def _load_directory(
     trust_remote_code: bool,
     dequantize_to: mx.Dtype | None = None,
     shard: Callable[[nn.Module], None] | None = None,
+    prepare: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, ChatTokenizer, ServedContext]:
     """`dequantize_to`: serve quantized weights dequantized, in that dtype. `shard`: cuts the
-    model to this rank's part (ranks.py) before its weights are read."""
+    model to this rank's part (ranks.py) before its weights are read. `prepare`: what the model
+    needs as soon as mlx-lm built it (a GGUF conversion's: models/gguf/loading.py)."""
     from mlx_lm.utils import dequantize_model, load_config, load_model
 
     config = load_config(path)
@@ -92,6 +96,8 @@ def _load_directory(
     model, _ = load_model(
         path, lazy=True, model_config=overrides, trust_remote_code=trust_remote_code
     )
+    if prepare is not None:
+        prepare(model)
     if dequantize_to is not None and "quantization" in config:
         model = dequantize_model(model)
         model.update(tree_map(lambda w: w.astype(dequantize_to), model.parameters()))
@@ -167,6 +173,8 @@ def load(
         loaded.kernels = "MLX's own (mlxgate's CPU kernels do not reach mlx-vlm's models)"
     else:
         loaded.kernels = install_kernels(loaded.model, native=cpu_kernels)
+    if not kernels.installed(loaded.model):
+        loading.widen_groups_of_16(loaded.model)  # (a GGUF file's Q6_K tensors)
     return loaded
 
 
@@ -226,9 +234,11 @@ def _load_gguf(
     from mlxgate.models.gguf import blocks_described, converted
 
     directory = converted(path)
-    model, tokenizer, served = _load_directory(
-        directory, context_length, rope_scaling, False, dequantize_to, shard
-    )
+    prepare = functools.partial(loading.prepare, dequantized=dequantize_to is not None)
+    with loading.groups_of_16():
+        model, tokenizer, served = _load_directory(
+            directory, context_length, rope_scaling, False, dequantize_to, shard, prepare
+        )
     loaded = _loaded(name, model, tokenizer, served, str(path), directory)
     loaded.sampling_source = "the GGUF's general.sampling keys"
     if dequantize_to is None:

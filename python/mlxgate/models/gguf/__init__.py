@@ -25,7 +25,7 @@ from typing import Any
 log = logging.getLogger("mlxgate")
 
 # Part of the cache key: a change to what convert() writes converts every file again.
-CONVERSION_VERSION = 5
+CONVERSION_VERSION = 6
 
 # What convert() writes about each block type (blocks_described).
 BLOCKS_FILE = "gguf_blocks.json"
@@ -112,11 +112,11 @@ def convert(path: Path, out: Path) -> None:
             ropes[tensor.name] = tensors.values(tensor.tensor_type, tensor.data).reshape(-1)
             continue
         parameter = arch.parameter(tensor.name)
-        lookup = parameter.startswith("model.embed_tokens.")
-        arrays = tensors.read(tensor.tensor_type, tensor.data, lookup)
+        arrays = tensors.read(tensor.tensor_type, tensor.data)
+        served_as = tensors.served_as(tensor.tensor_type, arrays)
         kind = blocks.setdefault(
             tensor.tensor_type.name,
-            {"served_as": tensors.served_as(arrays), "tensors": 0, "file_bytes": 0, "bytes": 0},
+            {"served_as": served_as, "tensors": 0, "file_bytes": 0, "bytes": 0},
         )
         kind["tensors"] += 1
         kind["file_bytes"] += int(tensor.n_bytes)
