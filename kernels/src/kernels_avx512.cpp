@@ -1,7 +1,7 @@
 // The quantized matmul with AVX-512 (F, BW, VL, DQ), for the CPUs that have it: sixteen weights
-// a register and up to sixteen rows a pass, twice the multiply-adds of the AVX2 kernel per
-// dequantized weight, which is what a step of many rows (32 streams, a verify pass) is bound
-// by. Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq; run after avx512_supported().
+// a register and eight rows by two columns a block (16 sums in registers, where AVX2 holds eight),
+// twice the multiply-adds of the AVX2 kernel per load, which is what a step of many rows (32
+// streams, a verify pass) is bound by. Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq; run after avx512_supported().
 #include "kernels.h"
 
 #include <algorithm>
@@ -42,38 +42,66 @@ inline __m512 unpack16(const uint32_t* words) {
   }
 }
 
-template <int BITS, int ROWS>
-inline void dot_rows(
+// ROWS rows of x against COLS columns from c: each load of x serves COLS columns, so that the
+// multiply-adds rather than the loads bound a step of many rows. A column's sums run in the same
+// order whatever the block, so its values do not depend on which columns share it.
+template <int BITS, int ROWS, int COLS>
+inline void dot_block(
     const float* x, long x_stride, const QuantizedWeight& w, int c, float* out, long out_stride) {
   const int groups = w.k / w.group;
   const long row_words = static_cast<long>(w.k) * BITS / 32;
   const uint32_t* packed = w.packed + c * row_words;
-  __m512 acc[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[COLS][ROWS];
+  for (int cc = 0; cc < COLS; ++cc)
+    for (int r = 0; r < ROWS; ++r) acc[cc][r] = _mm512_setzero_ps();
   for (int g = 0; g < groups; ++g) {
-    const long at = static_cast<long>(c) * groups + g;
-    const __m512 scale = _mm512_set1_ps(scale_at(w.scales, w.scale_type, at));
-    const __m512 bias = _mm512_set1_ps(scale_at(w.biases, w.scale_type, at));
+    float scale[COLS], bias[COLS];
+    for (int cc = 0; cc < COLS; ++cc) {
+      const long at = static_cast<long>(c + cc) * groups + g;
+      scale[cc] = scale_at(w.scales, w.scale_type, at);
+      bias[cc] = scale_at(w.biases, w.scale_type, at);
+    }
     for (int j = g * w.group; j < (g + 1) * w.group; j += 16) {
-      const __m512 weight = _mm512_fmadd_ps(unpack16<BITS>(packed + j * BITS / 32), scale, bias);
+      __m512 weight[COLS];
+      for (int cc = 0; cc < COLS; ++cc) {
+        weight[cc] = _mm512_fmadd_ps(unpack16<BITS>(packed + cc * row_words + j * BITS / 32),
+            _mm512_set1_ps(scale[cc]), _mm512_set1_ps(bias[cc]));
+      }
       for (int r = 0; r < ROWS; ++r) {
-        acc[r] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(x + r * x_stride + j), acc[r]);
+        const __m512 xv = _mm512_loadu_ps(x + r * x_stride + j);
+        for (int cc = 0; cc < COLS; ++cc) acc[cc][r] = _mm512_fmadd_ps(weight[cc], xv, acc[cc][r]);
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r) out[r * out_stride + c] = _mm512_reduce_add_ps(acc[r]);
+  for (int cc = 0; cc < COLS; ++cc)
+    for (int r = 0; r < ROWS; ++r) out[r * out_stride + c + cc] = _mm512_reduce_add_ps(acc[cc][r]);
 }
 
-template <int BITS, int ROWS>
-inline void dot_remainder(
+template <int BITS, int ROWS, int COLS>
+inline void block_remainder(
     int rows, const float* x, long x_stride, const QuantizedWeight& w, int c, float* out,
     long out_stride) {
   if constexpr (ROWS > 0) {
     if (rows == ROWS) {
-      dot_rows<BITS, ROWS>(x, x_stride, w, c, out, out_stride);
+      dot_block<BITS, ROWS, COLS>(x, x_stride, w, c, out, out_stride);
     } else {
-      dot_remainder<BITS, ROWS - 1>(rows, x, x_stride, w, c, out, out_stride);
+      block_remainder<BITS, ROWS - 1, COLS>(rows, x, x_stride, w, c, out, out_stride);
     }
+  }
+}
+
+// Every row of x against COLS columns from c, ROWS rows a block.
+template <int BITS, int ROWS, int COLS>
+inline void all_rows(
+    const float* x, long x_stride, int rows, const QuantizedWeight& w, int c, float* out) {
+  int r = 0;
+  for (; r + ROWS <= rows; r += ROWS) {
+    dot_block<BITS, ROWS, COLS>(
+        x + r * x_stride, x_stride, w, c, out + static_cast<long>(r) * w.n, w.n);
+  }
+  if (r < rows) {
+    block_remainder<BITS, ROWS - 1, COLS>(
+        rows - r, x + r * x_stride, x_stride, w, c, out + static_cast<long>(r) * w.n, w.n);
   }
 }
 
@@ -128,16 +156,10 @@ void matmul_columns(
     for (int c = c0; c < c1; ++c) out[c] = dot_row<BITS>(x, w, c);
     return;
   }
-  for (int c = c0; c < c1; ++c) {
-    int r = 0;
-    for (; r + 16 <= rows; r += 16) {
-      dot_rows<BITS, 16>(x + r * x_stride, x_stride, w, c, out + static_cast<long>(r) * w.n, w.n);
-    }
-    if (r < rows) {
-      dot_remainder<BITS, 15>(
-          rows - r, x + r * x_stride, x_stride, w, c, out + static_cast<long>(r) * w.n, w.n);
-    }
-  }
+  // Eight rows by two columns: 16 sums in registers, each row's load used twice.
+  int c = c0;
+  for (; c + 2 <= c1; c += 2) all_rows<BITS, 8, 2>(x, x_stride, rows, w, c, out);
+  if (c < c1) all_rows<BITS, 8, 1>(x, x_stride, rows, w, c, out);
 }
 
 // e^x for sixteen floats, as exp8 in kernels_avx2.cpp (Cephes' expf); -inf gives 0.
