@@ -206,6 +206,64 @@ def test_attention_gives_zeros_for_a_row_with_every_key_masked(ext: Any, width: 
     assert not got[:, :, 2].any() and got[:, :, :2].any()
 
 
+@pytest.mark.parametrize(("bits", "group"), [(8, 64), (8, 32), (4, 64), (4, 32)])
+@pytest.mark.parametrize(
+    ("batch", "heads", "kv_heads", "n", "t", "dim"),
+    [
+        (1, 9, 3, 1, 1, 64),  # a first decode step
+        (2, 9, 3, 1, 70, 64),  # decode, grouped query heads
+        (3, 4, 4, 5, 71, 128),  # a verify pass
+        (2, 8, 2, 130, 130, 64),  # a whole prompt: key blocks, partly masked rows
+        (1, 4, 1, 17, 40, 256),  # Gemma's head size
+    ],
+)
+def test_attention_over_a_quantized_cache_equals_mlx_lm(
+    ext: Any,
+    width: str,
+    bits: int,
+    group: int,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    n: int,
+    t: int,
+    dim: int,
+) -> None:
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    q = mx.random.normal((batch, heads, n, dim), key=mx.random.key(n * t))
+    full = mx.random.normal((2, batch, kv_heads, t + 9, dim), key=mx.random.key(t))
+    # Triples of views of a longer cache, as mlx-lm's QuantizedKVCache returns them.
+    k, v = (
+        [part[:, :, :t] for part in mx.quantize(full[i], group_size=group, bits=bits)]
+        for i in (0, 1)
+    )
+    reference: Any = quantized_scaled_dot_product_attention  # (typed for masks as arrays)
+    keep = mx.random.uniform(shape=(batch, 1, n, t), key=mx.random.key(5)) > 0.3
+    keep = keep | (mx.arange(t) == 0)
+    additive = mx.random.normal((batch, 1, n, t), key=mx.random.key(6))  # mlx-lm's shape
+    for mask in (None, "causal", keep, additive):
+        want = reference(  # (it scales its queries in place)
+            mx.array(q), tuple(k), tuple(v), scale=dim**-0.5, mask=mask, group_size=group, bits=bits
+        )
+        got = ext.quantized_scaled_dot_product_attention(
+            q, k, v, scale=dim**-0.5, mask=mask, group_size=group, bits=bits
+        )
+        assert got is not None
+        close(got, want, 1e-5)
+
+
+def test_attention_over_a_quantized_cache_it_cannot_read_is_left_to_mlx_lm(ext: Any) -> None:
+    q = mx.random.normal((1, 2, 1, 64))
+    k = list(mx.quantize(mx.random.normal((1, 2, 8, 64)), group_size=64, bits=8))
+    kv3 = list(mx.quantize(mx.random.normal((1, 2, 8, 64)), group_size=64, bits=3))
+    call = ext.quantized_scaled_dot_product_attention
+    assert call(q, kv3, kv3, scale=0.125, group_size=64, bits=3) is None  # 3 bits
+    assert call(q.astype(mx.float16), k, k, scale=0.125, group_size=64, bits=8) is None
+    assert call(q, k, k, scale=0.125, mask="sliding", group_size=64, bits=8) is None
+    assert call(q, k, k, scale=0.125, group_size=64, bits=8) is not None
+
+
 def tiny_quantized_llama() -> nn.Module:
     from mlx_lm.models import llama
     from mlx_lm.utils import quantize_model

@@ -232,7 +232,22 @@ def smollm() -> LoadedModel:
     return load(None, context_length=8192)
 
 
-def test_the_embedded_model_batches_and_reuses_exactly(smollm: LoadedModel) -> None:
+def test_the_embedded_model_batches_and_reuses_exactly(
+    smollm: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxgate.models.cpu import kernels
+
+    kernel_calls = []
+    if kernels.unavailable() is None:  # its attention over the quantized keys is the kernel's
+        extension = kernels.extension()
+        attend = extension.quantized_scaled_dot_product_attention
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            out = attend(*args, **kwargs)
+            kernel_calls.append(out is not None)
+            return out
+
+        monkeypatch.setattr(extension, "quantized_scaled_dot_product_attention", counted)
     engine: Engine = make_engine(smollm, kv_bits=8)
     try:
         assert all(type(c) is not KVCache for c in engine._adapter.make_cache())
@@ -252,6 +267,7 @@ def test_the_embedded_model_batches_and_reuses_exactly(smollm: LoadedModel) -> N
         ]
         assert [text(m) for m in again] == alone
         assert "Paris" in alone[0]
+        assert kernels.unavailable() is not None or (kernel_calls and all(kernel_calls))
     finally:
         engine.stop()
 

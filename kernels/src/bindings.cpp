@@ -4,6 +4,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "kernels.h"
 #include "pool.h"
@@ -59,4 +60,21 @@ NB_MODULE(_ext, m) {
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::kw_only(), "scale"_a,
       "mask"_a = nb::none(), "stream"_a = nb::none(),
       "mx.fast.scaled_dot_product_attention without sinks, with the kernel where it applies.");
+  m.def(
+      "quantized_scaled_dot_product_attention",
+      [](const mx::array& q, const std::vector<mx::array>& k, const std::vector<mx::array>& v,
+         float scale, const std::optional<std::variant<std::string, mx::array>>& mask,
+         int group_size, int bits, mx::StreamOrDevice s) {
+        if (mask && std::holds_alternative<mx::array>(*mask)) {
+          return mlxgate::quantized_scaled_dot_product_attention(
+              q, k, v, scale, "array", std::get<mx::array>(*mask), group_size, bits, s);
+        }
+        const std::string mode = mask ? std::get<std::string>(*mask) : "";
+        return mlxgate::quantized_scaled_dot_product_attention(
+            q, k, v, scale, mode, std::nullopt, group_size, bits, s);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::kw_only(), "scale"_a,
+      "mask"_a = nb::none(), "group_size"_a, "bits"_a, "stream"_a = nb::none(),
+      "mlx-lm's attention over its quantized KV cache (keys and values as mx.quantize triples), "
+      "or None where the kernel does not apply.");
 }

@@ -302,6 +302,12 @@ Strided4 strided(const mx::array& a, std::vector<float>& copy) {
   return {copy.data(), batch, head, row};
 }
 
+void set_mask(Attention& a, const mx::array& mask) {
+  a.mask = a.mask_kind == MaskKind::boolean ? static_cast<const void*>(mask.data<bool>())
+                                            : static_cast<const void*>(mask.data<float>());
+  for (int axis = 0; axis < 4; ++axis) a.mask_strides[axis] = mask.strides(axis);
+}
+
 class ScaledDotProductAttention : public Kernel {
  public:
   ScaledDotProductAttention(mx::Stream stream, float scale, MaskKind mask_kind)
@@ -326,12 +332,7 @@ class ScaledDotProductAttention : public Kernel {
           static_cast<int>(q.shape(1)), static_cast<int>(k.shape(1)),
           static_cast<int>(q.shape(2)), static_cast<int>(k.shape(2)),
           static_cast<int>(q.shape(3)), static_cast<int>(v.shape(3)), scale, kind, nullptr, {}};
-      if (operands.size() > 3) {
-        const auto& mask = operands[3];
-        a.mask = kind == MaskKind::boolean ? static_cast<const void*>(mask.data<bool>())
-                                           : static_cast<const void*>(mask.data<float>());
-        for (int axis = 0; axis < 4; ++axis) a.mask_strides[axis] = mask.strides(axis);
-      }
+      if (operands.size() > 3) set_mask(a, operands[3]);
       const int batch = static_cast<int>(q.shape(0));
       const int chunks = (a.n + ATTENTION_ROWS - 1) / ATTENTION_ROWS;
       parallel_for(batch * a.heads * chunks, [&](int task) {
@@ -355,6 +356,83 @@ class ScaledDotProductAttention : public Kernel {
   MaskKind mask_kind_;
 };
 
+// Keys or values of batch row b, key head h, as a quantized weight of `rows` rows: an
+// mx.quantize triple [batch, heads, rows, ...] whose rows lie one after another (the op checks).
+QuantizedWeight cache_rows(
+    const std::vector<mx::array>& triple, int b, int h, int rows, int dim, int group, int bits) {
+  const auto at = [&](const mx::array& a) {
+    return a.data<char>() + (b * a.strides(0) + h * a.strides(1)) * a.itemsize();
+  };
+  return {reinterpret_cast<const uint32_t*>(at(triple[0])), at(triple[1]), at(triple[2]),
+          *scale_type(triple[1].dtype()), bits, group, rows, dim};
+}
+
+// Attention over a quantized cache (mlx-lm's QuantizedKVCache): per batch row and key head, its
+// keys and values dequantized once into the task's own buffer, then the float kernel over them
+// for each query head that shares them. Inputs: queries, the keys' and the values' triples, the
+// mask where it is an array.
+class QuantizedAttention : public Kernel {
+ public:
+  QuantizedAttention(mx::Stream stream, float scale, MaskKind mask_kind, int group, int bits)
+      : Kernel(stream), scale_(scale), mask_kind_(mask_kind), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& input : inputs) encoder.set_input_array(input);
+    encoder.set_output_array(out);
+    std::vector<mx::array> operands;
+    for (const auto& input : inputs) operands.push_back(mx::array::unsafe_weak_copy(input));
+    encoder.dispatch([operands = std::move(operands), scale = scale_, kind = mask_kind_,
+                      group = group_, bits = bits_, o = out.data<float>()] {
+      const auto& q = operands[0];
+      const std::vector<mx::array> keys(operands.begin() + 1, operands.begin() + 4);
+      const std::vector<mx::array> values(operands.begin() + 4, operands.begin() + 7);
+      const int kv_heads = static_cast<int>(keys[0].shape(1));
+      const int t = static_cast<int>(keys[0].shape(2));
+      const int dk = static_cast<int>(q.shape(3));
+      const int dv = static_cast<int>(values[0].shape(3)) * 32 / bits;
+      std::vector<float> copy;
+      Attention a{strided(q, copy), {}, {}, static_cast<int>(q.shape(1)), kv_heads,
+                  static_cast<int>(q.shape(2)), t, dk, dv, scale, kind, nullptr, {}};
+      if (operands.size() > 7) set_mask(a, operands[7]);
+      const int repeats = a.heads / kv_heads;
+      parallel_for(static_cast<int>(q.shape(0)) * kv_heads, [&](int task) {
+        const int b = task / kv_heads;
+        const int kv_head = task % kv_heads;
+        thread_local std::vector<float> buffer;
+        buffer.resize(static_cast<size_t>(t) * (dk + dv));
+        float* dequantized_values = buffer.data() + static_cast<size_t>(t) * dk;
+        dequantize_columns(cache_rows(keys, b, kv_head, t, dk, group, bits), buffer.data(), 0, t);
+        dequantize_columns(
+            cache_rows(values, b, kv_head, t, dv, group, bits), dequantized_values, 0, t);
+        Attention mine = a;  // this task's key head alone, at offset 0 of its buffer
+        mine.keys = {buffer.data(), 0, 0, dk};
+        mine.values = {dequantized_values, 0, 0, dv};
+        for (int head = kv_head * repeats; head < (kv_head + 1) * repeats; ++head) {
+          for (int r0 = 0; r0 < a.n; r0 += ATTENTION_ROWS) {
+            attention_rows(mine, b, head, r0, std::min(a.n, r0 + ATTENTION_ROWS), o);
+          }
+        }
+      });
+    });
+  }
+
+  const char* name() const override { return "MlxgateQuantizedAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& that = static_cast<const QuantizedAttention&>(other);
+    return scale_ == that.scale_ && mask_kind_ == that.mask_kind_ && group_ == that.group_ &&
+        bits_ == that.bits_;
+  }
+
+ private:
+  float scale_;
+  MaskKind mask_kind_;
+  int group_;
+  int bits_;
+};
+
 // The inverse frequencies of a rope with this base, computed by MLX's own ops as its rope
 // computes them, once per (base, dims).
 mx::array inverse_frequencies(float base, int dims, const mx::Stream& s) {
@@ -372,6 +450,30 @@ mx::array inverse_frequencies(float base, int dims, const mx::Stream& s) {
   mx::eval(freqs);
   computed.emplace_back(base, dims, freqs);
   return freqs;
+}
+
+// The kernel's mask for attention's mask argument ("causal", an array, none), or nullopt
+// where the kernel takes no such mask.
+std::optional<MaskKind> mask_kind(const std::string& mode, const std::optional<mx::array>& mask) {
+  if (mode == "causal") return MaskKind::causal;
+  if (mask.has_value()) {
+    if (mask->ndim() > 4) return std::nullopt;
+    if (mask->dtype() == mx::bool_) return MaskKind::boolean;
+    if (mask->dtype() == mx::float32) return MaskKind::additive;
+    return std::nullopt;
+  }
+  if (!mode.empty() && mode != "array") return std::nullopt;
+  return MaskKind::none;
+}
+
+// An array mask, as the kernel reads it: broadcast to [batch, heads, queries, keys].
+void add_mask(
+    std::vector<mx::array>& inputs, MaskKind kind, const std::optional<mx::array>& mask,
+    const mx::array& queries, int keys, const mx::Stream& stream) {
+  if (kind == MaskKind::boolean || kind == MaskKind::additive) {
+    inputs.push_back(mx::broadcast_to(
+        *mask, {queries.shape(0), queries.shape(1), queries.shape(2), keys}, stream));
+  }
 }
 
 }  // namespace
@@ -445,27 +547,58 @@ mx::array scaled_dot_product_attention(
       keys.shape(0) == values.shape(0) && keys.shape(1) == values.shape(1) &&
       queries.shape(1) % keys.shape(1) == 0 && keys.shape(2) == values.shape(2) &&
       queries.shape(3) == keys.shape(3) && queries.shape(2) <= keys.shape(2);
-  MaskKind kind = MaskKind::none;
-  if (mask_mode == "causal") {
-    kind = MaskKind::causal;
-  } else if (mask.has_value()) {
-    kind = mask->dtype() == mx::bool_ ? MaskKind::boolean : MaskKind::additive;
-    fits = fits && mask->ndim() <= 4 && (kind == MaskKind::boolean || mask->dtype() == mx::float32);
-  } else if (!mask_mode.empty() && mask_mode != "array") {
-    fits = false;
-  }
-  if (!fits) {
+  const auto kind = mask_kind(mask_mode, mask);
+  if (!fits || !kind) {
     return mx::fast::scaled_dot_product_attention(
         queries, keys, values, scale, mask_mode, mask, std::nullopt, false, s);
   }
   std::vector<mx::array> inputs = {queries, keys, values};
-  if (kind == MaskKind::boolean || kind == MaskKind::additive) {
-    inputs.push_back(mx::broadcast_to(
-        *mask, {queries.shape(0), queries.shape(1), queries.shape(2), keys.shape(2)}, stream));
-  }
+  add_mask(inputs, *kind, mask, queries, keys.shape(2), stream);
   return mx::array(
       {queries.shape(0), queries.shape(1), queries.shape(2), values.shape(3)}, mx::float32,
-      std::make_shared<ScaledDotProductAttention>(stream, scale, kind), std::move(inputs));
+      std::make_shared<ScaledDotProductAttention>(stream, scale, *kind), std::move(inputs));
+}
+
+std::optional<mx::array> quantized_scaled_dot_product_attention(
+    const mx::array& queries, const std::vector<mx::array>& keys,
+    const std::vector<mx::array>& values, float scale, const std::string& mask_mode,
+    const std::optional<mx::array>& mask, int group_size, int bits, mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  const auto kind = mask_kind(mask_mode, mask);
+  if (!cpu_supported() || !on_cpu(stream) || !kind || queries.dtype() != mx::float32 ||
+      queries.ndim() != 4 || queries.size() == 0 || keys.size() != 3 || values.size() != 3 ||
+      (bits != 4 && bits != 8) || group_size % 8 != 0 || group_size <= 0) {
+    return std::nullopt;
+  }
+  const auto triple_fits = [&](const std::vector<mx::array>& triple, int dim) {
+    const auto& packed = triple[0];
+    for (const auto& part : triple) {
+      if (part.ndim() != 4 || part.strides(3) != 1 || part.strides(2) != part.shape(3) ||
+          part.shape(0) != queries.shape(0) || part.shape(1) != packed.shape(1) ||
+          part.shape(2) != packed.shape(2)) {
+        return false;
+      }
+    }
+    return packed.dtype() == mx::uint32 && packed.shape(3) * 32 / bits == dim &&
+        dim % group_size == 0 && scale_type(triple[1].dtype()).has_value() &&
+        triple[2].dtype() == triple[1].dtype() && triple[1].shape(3) == dim / group_size &&
+        triple[2].shape(3) == dim / group_size;
+  };
+  const auto t = keys[0].ndim() == 4 ? keys[0].shape(2) : 0;
+  if (!triple_fits(keys, queries.shape(3)) || values[0].ndim() != 4 ||
+      !triple_fits(values, values[0].shape(3) * 32 / bits) || values[0].shape(1) != keys[0].shape(1) ||
+      values[0].shape(2) != t || queries.shape(1) % keys[0].shape(1) != 0 ||
+      queries.shape(2) > t || t == 0) {
+    return std::nullopt;
+  }
+  std::vector<mx::array> inputs = {queries};
+  inputs.insert(inputs.end(), keys.begin(), keys.end());
+  inputs.insert(inputs.end(), values.begin(), values.end());
+  add_mask(inputs, *kind, mask, queries, t, stream);
+  return mx::array(
+      {queries.shape(0), queries.shape(1), queries.shape(2), values[0].shape(3) * 32 / bits},
+      mx::float32, std::make_shared<QuantizedAttention>(stream, scale, *kind, group_size, bits),
+      std::move(inputs));
 }
 
 }  // namespace mlxgate

@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "mlx/array.h"
 #include "mlx/stream.h"
@@ -35,6 +36,14 @@ mx::array rope(
 mx::array scaled_dot_product_attention(
     const mx::array& queries, const mx::array& keys, const mx::array& values, float scale,
     const std::string& mask_mode, const std::optional<mx::array>& mask, mx::StreamOrDevice s);
+
+// Attention over mlx-lm's quantized KV cache (what its quantized_scaled_dot_product_attention
+// computes): keys and values as mx.quantize triples [batch, kv_heads, t, ...], 4 or 8 bits;
+// nullopt where the kernel does not apply (the caller keeps mlx-lm's way).
+std::optional<mx::array> quantized_scaled_dot_product_attention(
+    const mx::array& queries, const std::vector<mx::array>& keys,
+    const std::vector<mx::array>& values, float scale, const std::string& mask_mode,
+    const std::optional<mx::array>& mask, int group_size, int bits, mx::StreamOrDevice s);
 
 // Rows from which quantized_matmul dequantizes a tile of the weight and calls the BLAS sgemm
 // instead of its own dot products (prefill chunks); 0 turns the sgemm path off.

@@ -3,6 +3,7 @@
 from mlxgate_kernels._ext import (
     cpu_supported,
     quantized_matmul,
+    quantized_scaled_dot_product_attention,
     rms_norm,
     rope,
     scaled_dot_product_attention,
@@ -16,6 +17,7 @@ from mlxgate_kernels._ext import (
 __all__ = [
     "cpu_supported",
     "quantized_matmul",
+    "quantized_scaled_dot_product_attention",
     "rms_norm",
     "rope",
     "scaled_dot_product_attention",

@@ -1,3 +1,5 @@
+from collections.abc import Sequence
+
 import mlx.core as mx
 
 def cpu_supported() -> bool: ...
@@ -45,3 +47,14 @@ def scaled_dot_product_attention(
     mask: str | mx.array | None = None,
     stream: mx.Stream | mx.Device | None = None,
 ) -> mx.array: ...
+def quantized_scaled_dot_product_attention(
+    q: mx.array,
+    k: Sequence[mx.array],
+    v: Sequence[mx.array],
+    *,
+    scale: float,
+    mask: str | mx.array | None = None,
+    group_size: int,
+    bits: int,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array | None: ...

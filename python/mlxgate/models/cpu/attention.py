@@ -156,14 +156,28 @@ def kernel_attention(
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention` with the kernel; a row whose keys are all masked
-    (a padded slot) gives zeros, as `scaled_dot_product_attention`'s does."""
+    """mlx-lm's `scaled_dot_product_attention` with the kernel, over float keys and values or a
+    quantized cache's (`--kv-bits`: dequantized a key head at a time inside the kernel, where
+    mlx-lm's way is MLX's generic quantized matmul); a row whose keys are all masked (a padded
+    slot) gives zeros, as `scaled_dot_product_attention`'s does."""
     if isinstance(cache, Banded):
         return _band_by_band(kernel_attention, queries, keys, values, cache, scale, mask, sinks)
     extension = kernels.extension()
+    if hasattr(cache, "bits") and sinks is None:  # keys/values as (packed, scales, biases)
+        out = extension.quantized_scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            scale=scale,
+            mask=mask,
+            group_size=cache.group_size,
+            bits=cache.bits,
+        )
+        if out is not None:
+            return out  # type: ignore[no-any-return]
     if (
         sinks is not None
-        or hasattr(cache, "bits")  # keys/values as (packed, scales, biases)
+        or hasattr(cache, "bits")
         or not (
             extension.using_avx512()
             or queries.shape[2] <= KERNEL_QUERIES
