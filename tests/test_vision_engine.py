@@ -10,6 +10,7 @@ import io
 import tempfile
 import threading
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,9 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 class VisionServed:
     """The engine over one tiny VLM, loaded as `--model DIR` loads it; token i reads `i,`."""
 
-    def __init__(self, loaded: LoadedModel, **settings: Any) -> None:
+    def __init__(self, loaded: LoadedModel, directory: Path, **settings: Any) -> None:
         self.loaded = loaded
+        self.directory = directory
         rows = loaded.model.language_model.model.embed_tokens.weight.shape[0]
         vocab = Vocab.from_token_bytes([f"{i},".encode() for i in range(rows)], [])
         self.engine = Engine(loaded, Router(vocab), EngineSettings(**settings))
@@ -86,7 +88,8 @@ def directories() -> Iterator[dict[str, Path]]:
 def served(directories: dict[str, Path], family: str, **settings: Any) -> VisionServed:
     key = f"{family}{sorted(settings.items())}"
     if key not in _served:
-        _served[key] = VisionServed(models.load(str(directories[family])), **settings)
+        directory = directories[family]
+        _served[key] = VisionServed(models.load(str(directory)), directory, **settings)
     return _served[key]
 
 
@@ -107,14 +110,22 @@ def prompt(family: str, text: str, image: bool = True) -> str:
     return template.format(text=text)
 
 
+@cache
+def plain_model(directory: Path) -> Any:
+    """mlx-vlm's own model from `directory`, on MLX's ops (the served one has mlxgate's kernels
+    on its language model)."""
+    from mlx_vlm.utils import load
+
+    return load(str(directory))[0]
+
+
 def reference(server: VisionServed, text: str, images: list[Any]) -> Expected:
-    """mlx-vlm's own greedy generation."""
+    """mlx-vlm's own greedy generation, on its own instance of the model."""
     from mlx_vlm import stream_generate
 
-    loaded = server.loaded
     out = Expected([], [])
     for step in stream_generate(
-        loaded.model,
+        plain_model(server.directory),
         server.vision.processor,
         text,
         image=images or None,
@@ -126,6 +137,23 @@ def reference(server: VisionServed, text: str, images: list[Any]) -> Expected:
         out.tokens.append(int(tiny_vlms.token(step)))
         out.logprobs.append(np.array(tiny_vlms.logprobs(step).astype(mx.float32)).reshape(-1))
     return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_kernels_serve_the_language_model_not_the_tower(
+    directories: dict[str, Path], family: str
+) -> None:
+    from mlxgate.models.cpu import attention, kernels, rebind
+
+    loaded = models.load(str(directories[family]))  # (an engine's adapter wraps the layers)
+    model = loaded.model
+    assert attention.installed(model.language_model)
+    assert not attention.installed(plain_model(directories[family]).language_model)
+    if kernels.unavailable() is None:
+        assert kernels.installed(model.language_model)
+        rebound = [m for m in model.vision_tower.modules() if type(m).__module__ == rebind.__name__]
+        assert not rebound, "the vision tower keeps MLX's ops"
+        assert "on the language model" in loaded.kernels
 
 
 @pytest.mark.parametrize("family", FAMILIES)

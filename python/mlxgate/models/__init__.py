@@ -169,8 +169,9 @@ def load(
         context_length = DEFAULT_MODEL_CONTEXT
     dequantize_to = mx.float32 if weights == "float32" else None
     loaded = _load(spec, dequantize_to, trust_remote_code, context_length, rope_scaling, shard)
-    if loaded.vision is not None:
-        loaded.kernels = "MLX's own (mlxgate's CPU kernels do not reach mlx-vlm's models)"
+    if loaded.vision is not None:  # the language model; the vision tower keeps MLX's ops
+        served = install_kernels(loaded.model.language_model, native=cpu_kernels)
+        loaded.kernels = f"{served} on the language model, MLX's own on the vision tower"
     else:
         loaded.kernels = install_kernels(loaded.model, native=cpu_kernels)
     if not kernels.installed(loaded.model):

@@ -235,13 +235,24 @@ def installed(model: nn.Module) -> bool:
     )
 
 
+def _originals() -> list[Callable[..., mx.array]]:
+    """The attentions model code calls under `_NAME`: mlx-lm's, and mlx-vlm's for its language
+    models (the same arguments and results, plus caches mlxgate never makes)."""
+    found = [base.scaled_dot_product_attention]
+    try:
+        from mlx_vlm.models import base as vlm_base
+    except ImportError:
+        return found
+    return [*found, vlm_base.scaled_dot_product_attention]
+
+
 def install(model: nn.Module, kernel: bool = True) -> bool:
     """Route the attention of `model` (this instance only, CPU only) through this module: its
     `scaled_dot_product_attention`, and with `kernel`, where mlxgate-kernels serve on this
     machine, `kernel_attention` in front of it. Returns whether any layer took it."""
-    taken = rebind.install(
-        model, _NAME, base.scaled_dot_product_attention, scaled_dot_product_attention
-    )
+    taken = False
+    for original in _originals():
+        taken |= rebind.install(model, _NAME, original, scaled_dot_product_attention)
     if kernel and kernels.unavailable() is None:
         rebind.install(model, _NAME, scaled_dot_product_attention, kernel_attention)
     return taken

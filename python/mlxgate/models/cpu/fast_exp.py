@@ -68,5 +68,11 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 
 def install(model: nn.Module) -> bool:
-    """Give `model` (this instance only) this SwiGLU where it uses mlx-lm's (CPU only)."""
-    return rebind.install(model, "swiglu", activations.swiglu, swiglu)
+    """Give `model` (this instance only) this SwiGLU where it uses mlx-lm's or mlx-vlm's (CPU
+    only)."""
+    taken = rebind.install(model, "swiglu", activations.swiglu, swiglu)
+    try:
+        from mlx_vlm.models import activations as vlm_activations
+    except ImportError:
+        return taken
+    return rebind.install(model, "swiglu", vlm_activations.swiglu, swiglu) or taken
