@@ -194,6 +194,12 @@ class VisionAdapter(ModelAdapter):
     def per_row_positions(self) -> bool:
         return self.m_rope
 
+    @property
+    def banded_attention(self) -> bool:
+        """One band: the kernels' attention serves mlx-vlm's layers, but its models' masks are
+        not held band by band against mlx-vlm by any test yet."""
+        return False
+
     def make_cache(self) -> list[Any]:
         made = getattr(self.language_model, "make_cache", None)
         own = made() if made is not None else [None] * len(self.layers)
