@@ -71,6 +71,42 @@ inline void dot_rows(
   for (int r = 0; r < ROWS; ++r) out[r * out_stride + c] = horizontal_sum(acc[r]);
 }
 
+// ROWS rows of x against COLS columns from c: each load of x serves COLS columns, so that the
+// multiply-adds rather than the loads bound a step of many rows. A column's sums run in the same
+// order as dot_rows', so its values do not depend on the block.
+template <int BITS, int ROWS, int COLS>
+inline void dot_block(
+    const float* x, long x_stride, const QuantizedWeight& w, int c, float* out, long out_stride) {
+  constexpr int words_per_8 = BITS / 4;
+  const int groups = w.k / w.group;
+  const long row_words = static_cast<long>(w.k) * BITS / 32;
+  const uint32_t* packed = w.packed + c * row_words;
+  __m256 acc[COLS][ROWS];
+  for (int cc = 0; cc < COLS; ++cc)
+    for (int r = 0; r < ROWS; ++r) acc[cc][r] = _mm256_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    float scale[COLS], bias[COLS];
+    for (int cc = 0; cc < COLS; ++cc) {
+      const long at = static_cast<long>(c + cc) * groups + g;
+      scale[cc] = scale_at(w.scales, w.scale_type, at);
+      bias[cc] = scale_at(w.biases, w.scale_type, at);
+    }
+    for (int j = g * w.group; j < (g + 1) * w.group; j += 8) {
+      __m256 weight[COLS];
+      for (int cc = 0; cc < COLS; ++cc) {
+        weight[cc] = _mm256_fmadd_ps(unpack8<BITS>(packed + cc * row_words + j / 8 * words_per_8),
+            _mm256_set1_ps(scale[cc]), _mm256_set1_ps(bias[cc]));
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * x_stride + j);
+        for (int cc = 0; cc < COLS; ++cc) acc[cc][r] = _mm256_fmadd_ps(weight[cc], xv, acc[cc][r]);
+      }
+    }
+  }
+  for (int cc = 0; cc < COLS; ++cc)
+    for (int r = 0; r < ROWS; ++r) out[r * out_stride + c + cc] = horizontal_sum(acc[cc][r]);
+}
+
 // One row against output column c (a decode step of one stream), which is bound by the
 // instructions per weight rather than by the row's loads. As dot_rows<BITS, 1>, but with fewer
 // of them: the column's scales and biases converted to floats up front; 4-bit weights unpacked
@@ -126,6 +162,27 @@ inline float dot_row(const float* x, const QuantizedWeight& w, int c) {
   return horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
+// Every row of x against column c, eight rows a block.
+template <int BITS>
+void column_rows(const float* x, long x_stride, int rows, const QuantizedWeight& w, int c, float* out) {
+  int r = 0;
+  for (; r + 8 <= rows; r += 8) {
+    dot_rows<BITS, 8>(x + r * x_stride, x_stride, w, c, out + r * w.n, w.n);
+  }
+  const float* xr = x + r * x_stride;
+  float* outr = out + static_cast<long>(r) * w.n;
+  switch (rows - r) {
+    case 7: dot_rows<BITS, 7>(xr, x_stride, w, c, outr, w.n); break;
+    case 6: dot_rows<BITS, 6>(xr, x_stride, w, c, outr, w.n); break;
+    case 5: dot_rows<BITS, 5>(xr, x_stride, w, c, outr, w.n); break;
+    case 4: dot_rows<BITS, 4>(xr, x_stride, w, c, outr, w.n); break;
+    case 3: dot_rows<BITS, 3>(xr, x_stride, w, c, outr, w.n); break;
+    case 2: dot_rows<BITS, 2>(xr, x_stride, w, c, outr, w.n); break;
+    case 1: dot_rows<BITS, 1>(xr, x_stride, w, c, outr, w.n); break;
+    default: break;
+  }
+}
+
 template <int BITS>
 void matmul_columns(
     const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out, int c0, int c1) {
@@ -134,24 +191,23 @@ void matmul_columns(
     return;
   }
   // Column outer, row blocks inner: a weight row is read from memory once, whatever the rows.
-  for (int c = c0; c < c1; ++c) {
-    int r = 0;
-    for (; r + 8 <= rows; r += 8) {
-      dot_rows<BITS, 8>(x + r * x_stride, x_stride, w, c, out + r * w.n, w.n);
-    }
-    const float* xr = x + r * x_stride;
-    float* outr = out + static_cast<long>(r) * w.n;
-    switch (rows - r) {
-      case 7: dot_rows<BITS, 7>(xr, x_stride, w, c, outr, w.n); break;
-      case 6: dot_rows<BITS, 6>(xr, x_stride, w, c, outr, w.n); break;
-      case 5: dot_rows<BITS, 5>(xr, x_stride, w, c, outr, w.n); break;
-      case 4: dot_rows<BITS, 4>(xr, x_stride, w, c, outr, w.n); break;
-      case 3: dot_rows<BITS, 3>(xr, x_stride, w, c, outr, w.n); break;
-      case 2: dot_rows<BITS, 2>(xr, x_stride, w, c, outr, w.n); break;
-      case 1: dot_rows<BITS, 1>(xr, x_stride, w, c, outr, w.n); break;
-      default: break;
+  // From eight rows, two columns a block of four rows (1.01-1.13x a step at 8-32 rows:
+  // benches/results/column-pairs-20261128.md), the rows past a multiple of four a column at a time.
+  int c = c0;
+  if (rows >= 8) {
+    const int blocked = rows / 4 * 4;
+    for (; c + 2 <= c1; c += 2) {
+      for (int r = 0; r < blocked; r += 4) {
+        dot_block<BITS, 4, 2>(
+            x + r * x_stride, x_stride, w, c, out + static_cast<long>(r) * w.n, w.n);
+      }
+      for (int cc = 0; cc < 2 && blocked < rows; ++cc) {
+        column_rows<BITS>(x + blocked * x_stride, x_stride, rows - blocked, w, c + cc,
+            out + static_cast<long>(blocked) * w.n);
+      }
     }
   }
+  for (; c < c1; ++c) column_rows<BITS>(x, x_stride, rows, w, c, out);
 }
 
 template <int BITS>
