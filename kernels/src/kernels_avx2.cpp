@@ -46,34 +46,10 @@ inline __m256 unpack8(const uint32_t* words) {
   }
 }
 
-// ROWS rows of x against output column c, over the whole reduction.
-template <int BITS, int ROWS>
-inline void dot_rows(
-    const float* x, long x_stride, const QuantizedWeight& w, int c, float* out, long out_stride) {
-  constexpr int words_per_8 = BITS / 4;  // words holding 8 weights
-  const int groups = w.k / w.group;
-  const long row_words = static_cast<long>(w.k) * BITS / 32;
-  const uint32_t* packed = w.packed + c * row_words;
-  __m256 acc[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-  for (int g = 0; g < groups; ++g) {
-    const long at = static_cast<long>(c) * groups + g;
-    const __m256 scale = _mm256_set1_ps(scale_at(w.scales, w.scale_type, at));
-    const __m256 bias = _mm256_set1_ps(scale_at(w.biases, w.scale_type, at));
-    for (int j = g * w.group; j < (g + 1) * w.group; j += 8) {
-      const __m256 weight =
-          _mm256_fmadd_ps(unpack8<BITS>(packed + j / 8 * words_per_8), scale, bias);
-      for (int r = 0; r < ROWS; ++r) {
-        acc[r] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(x + r * x_stride + j), acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < ROWS; ++r) out[r * out_stride + c] = horizontal_sum(acc[r]);
-}
-
-// ROWS rows of x against COLS columns from c: each load of x serves COLS columns, so that the
-// multiply-adds rather than the loads bound a step of many rows. A column's sums run in the same
-// order as dot_rows', so its values do not depend on the block.
+// ROWS rows of x against COLS columns from c, over the whole reduction: each load of x serves
+// COLS columns, so that the multiply-adds rather than the loads bound a step of many rows. A
+// column's sums run in the same order whatever the block, so its values do not depend on which
+// columns share it.
 template <int BITS, int ROWS, int COLS>
 inline void dot_block(
     const float* x, long x_stride, const QuantizedWeight& w, int c, float* out, long out_stride) {
@@ -108,7 +84,7 @@ inline void dot_block(
 }
 
 // One row against output column c (a decode step of one stream), which is bound by the
-// instructions per weight rather than by the row's loads. As dot_rows<BITS, 1>, but with fewer
+// instructions per weight rather than by the row's loads. As dot_block<BITS, 1, 1>, but with fewer
 // of them: the column's scales and biases converted to floats up front; 4-bit weights unpacked
 // 32 at a time (the low nibbles of 16 bytes, then the high ones: x comes in pairs order, see
 // kernels.h); four chains of multiply-adds instead of one, so that no FMA
@@ -167,18 +143,18 @@ template <int BITS>
 void column_rows(const float* x, long x_stride, int rows, const QuantizedWeight& w, int c, float* out) {
   int r = 0;
   for (; r + 8 <= rows; r += 8) {
-    dot_rows<BITS, 8>(x + r * x_stride, x_stride, w, c, out + r * w.n, w.n);
+    dot_block<BITS, 8, 1>(x + r * x_stride, x_stride, w, c, out + r * w.n, w.n);
   }
   const float* xr = x + r * x_stride;
   float* outr = out + static_cast<long>(r) * w.n;
   switch (rows - r) {
-    case 7: dot_rows<BITS, 7>(xr, x_stride, w, c, outr, w.n); break;
-    case 6: dot_rows<BITS, 6>(xr, x_stride, w, c, outr, w.n); break;
-    case 5: dot_rows<BITS, 5>(xr, x_stride, w, c, outr, w.n); break;
-    case 4: dot_rows<BITS, 4>(xr, x_stride, w, c, outr, w.n); break;
-    case 3: dot_rows<BITS, 3>(xr, x_stride, w, c, outr, w.n); break;
-    case 2: dot_rows<BITS, 2>(xr, x_stride, w, c, outr, w.n); break;
-    case 1: dot_rows<BITS, 1>(xr, x_stride, w, c, outr, w.n); break;
+    case 7: dot_block<BITS, 7, 1>(xr, x_stride, w, c, outr, w.n); break;
+    case 6: dot_block<BITS, 6, 1>(xr, x_stride, w, c, outr, w.n); break;
+    case 5: dot_block<BITS, 5, 1>(xr, x_stride, w, c, outr, w.n); break;
+    case 4: dot_block<BITS, 4, 1>(xr, x_stride, w, c, outr, w.n); break;
+    case 3: dot_block<BITS, 3, 1>(xr, x_stride, w, c, outr, w.n); break;
+    case 2: dot_block<BITS, 2, 1>(xr, x_stride, w, c, outr, w.n); break;
+    case 1: dot_block<BITS, 1, 1>(xr, x_stride, w, c, outr, w.n); break;
     default: break;
   }
 }

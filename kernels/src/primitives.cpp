@@ -302,6 +302,23 @@ Strided4 strided(const mx::array& a, std::vector<float>& copy) {
   return {copy.data(), batch, head, row};
 }
 
+// Runs `work(operands, out)` on the stream's thread: `out` allocated, every input and `out`
+// registered with the stream's encoder, the operands the inputs as the task holds them (weak
+// copies: the encoder keeps the arrays alive).
+template <typename Work>
+void dispatch_over(
+    const mx::Stream& stream, const std::vector<mx::array>& inputs, mx::array& out, Work work) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& input : inputs) encoder.set_input_array(input);
+  encoder.set_output_array(out);
+  std::vector<mx::array> operands;
+  for (const auto& input : inputs) operands.push_back(mx::array::unsafe_weak_copy(input));
+  encoder.dispatch([operands = std::move(operands), work = std::move(work), o = out.data<float>()] {
+    work(operands, o);
+  });
+}
+
 void set_mask(Attention& a, const mx::array& mask) {
   a.mask = a.mask_kind == MaskKind::boolean ? static_cast<const void*>(mask.data<bool>())
                                             : static_cast<const void*>(mask.data<float>());
@@ -314,15 +331,8 @@ class ScaledDotProductAttention : public Kernel {
       : Kernel(stream), scale_(scale), mask_kind_(mask_kind) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
-    std::vector<mx::array> operands;
-    for (const auto& input : inputs) operands.push_back(mx::array::unsafe_weak_copy(input));
-    encoder.dispatch([operands = std::move(operands), scale = scale_, kind = mask_kind_,
-                      o = out.data<float>()] {
+    dispatch_over(stream(), inputs, outputs[0], [scale = scale_, kind = mask_kind_](
+                                                    const std::vector<mx::array>& operands, float* o) {
       const auto& q = operands[0];
       const auto& k = operands[1];
       const auto& v = operands[2];
@@ -377,15 +387,9 @@ class QuantizedAttention : public Kernel {
       : Kernel(stream), scale_(scale), mask_kind_(mask_kind), group_(group), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
-    std::vector<mx::array> operands;
-    for (const auto& input : inputs) operands.push_back(mx::array::unsafe_weak_copy(input));
-    encoder.dispatch([operands = std::move(operands), scale = scale_, kind = mask_kind_,
-                      group = group_, bits = bits_, o = out.data<float>()] {
+    dispatch_over(stream(), inputs, outputs[0],
+                  [scale = scale_, kind = mask_kind_, group = group_, bits = bits_](
+                      const std::vector<mx::array>& operands, float* o) {
       const auto& q = operands[0];
       const std::vector<mx::array> keys(operands.begin() + 1, operands.begin() + 4);
       const std::vector<mx::array> values(operands.begin() + 4, operands.begin() + 7);

@@ -24,6 +24,7 @@ tokens of context that attention took 5.5 ms of a layer's ~12 ms. Here it is wri
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -237,13 +238,13 @@ def installed(model: nn.Module) -> bool:
 
 def _originals() -> list[Callable[..., mx.array]]:
     """The attentions model code calls under `_NAME`: mlx-lm's, and mlx-vlm's for its language
-    models (the same arguments and results, plus caches mlxgate never makes)."""
+    models (the same arguments and results, plus caches mlxgate never makes) once an mlx-vlm
+    model's code has imported it (a text model's load does not pay for importing mlx-vlm)."""
     found = [base.scaled_dot_product_attention]
-    try:
-        from mlx_vlm.models import base as vlm_base
-    except ImportError:
-        return found
-    return [*found, vlm_base.scaled_dot_product_attention]
+    vlm_base = sys.modules.get("mlx_vlm.models.base")
+    if vlm_base is not None:
+        found.append(vlm_base.scaled_dot_product_attention)
+    return found
 
 
 def install(model: nn.Module, kernel: bool = True) -> bool:

@@ -14,6 +14,7 @@ callers compile what comes before the view and what comes after it.
 from __future__ import annotations
 
 import math
+import sys
 from functools import partial
 
 import mlx.core as mx
@@ -71,8 +72,7 @@ def install(model: nn.Module) -> bool:
     """Give `model` (this instance only) this SwiGLU where it uses mlx-lm's or mlx-vlm's (CPU
     only)."""
     taken = rebind.install(model, "swiglu", activations.swiglu, swiglu)
-    try:
-        from mlx_vlm.models import activations as vlm_activations
-    except ImportError:
-        return taken
-    return rebind.install(model, "swiglu", vlm_activations.swiglu, swiglu) or taken
+    vlm_activations = sys.modules.get("mlx_vlm.models.activations")  # imported by its models
+    if vlm_activations is not None:
+        taken = rebind.install(model, "swiglu", vlm_activations.swiglu, swiglu) or taken
+    return taken
