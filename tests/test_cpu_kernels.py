@@ -145,6 +145,77 @@ def test_where_the_kernel_does_not_apply_the_answer_is_mlx_own(ext: Any) -> None
         np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)), np.asarray(want))
 
 
+def experts(count: int, n: int, k: int, bits: int, group: int, dtype: mx.Dtype) -> tuple:
+    w = mx.random.normal((count, n, k), key=mx.random.key(n + k))
+    packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    return packed, scales.astype(dtype), biases.astype(dtype)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (8, 32), (8, 64)])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=str)
+def test_gather_qmm_equals_mlx(
+    ext: Any, width: str, bits: int, group: int, dtype: mx.Dtype
+) -> None:
+    """mlx-lm's SwitchGLU calls: a decode step's or a prompt's tokens, each sent to `top` of the
+    experts (an expert chosen twice, experts chosen by none, many rows to one: the sgemm tiles),
+    and the sorted form it takes from 64 positions on."""
+    for count, n, groups in [(8, 37, 2), (16, 130, 3), (4, 64, 5)]:
+        k = group * groups
+        packed, scales, biases = experts(count, n, k, bits, group, dtype)
+        for batch, tokens, top in [(1, 1, 2), (2, 1, 3), (3, 1, 8), (1, 17, 4), (3, 40, 2)]:
+            x = mx.random.normal((batch, tokens, 1, 1, k), key=mx.random.key(tokens))
+            chosen = mx.random.randint(0, count, (batch, tokens, top), key=mx.random.key(top))
+            chosen = chosen.astype(mx.uint32)
+            order = mx.argsort(chosen.flatten())
+            calls: list[tuple[mx.array, mx.array, dict[str, Any]]] = [
+                (x, chosen, {}),
+                (x.flatten(0, -3)[order // top], chosen.flatten()[order], {"sorted_indices": True}),
+            ]
+            for rows, indices, sort in calls:
+                want = mx.gather_qmm(
+                    rows, packed, scales, biases, None, indices, True, group, bits, **sort
+                )
+                got = ext.gather_qmm(
+                    rows, packed, scales, biases, None, indices, True, group, bits, **sort
+                )
+                close(got, want)
+
+
+def test_gather_qmm_takes_both_indices_and_many_rows_a_matrix(ext: Any) -> None:
+    packed, scales, biases = experts(3, 40, 96, 4, 32, mx.float16)
+    x = mx.random.normal((5, 3, 96), key=mx.random.key(1))  # three rows a matrix
+    lhs = mx.array([[4, 0], [2, 2], [1, 3]])
+    rhs = mx.array([[2], [0], [2]])  # broadcast against lhs
+    want = mx.gather_qmm(x, packed, scales, biases, lhs, rhs, True, 32, 4)
+    got = ext.gather_qmm(x, packed, scales, biases, lhs, rhs, True, 32, 4)
+    assert got.shape == (3, 2, 3, 40)
+    close(got, want)
+    matched = x[:3]  # no indices: the i-th matrix of x by the i-th expert
+    close(
+        ext.gather_qmm(matched, packed, scales, biases, None, None, True, 32, 4),
+        mx.gather_qmm(matched, packed, scales, biases, None, None, True, 32, 4),
+    )
+
+
+def test_gather_qmm_where_the_kernel_does_not_apply_is_mlx_own(ext: Any) -> None:
+    w = mx.random.normal((4, 64, 128), key=mx.random.key(2))
+    x = mx.random.normal((2, 1, 1, 128), key=mx.random.key(3))
+    chosen = mx.array([[1, 3], [0, 0]], dtype=mx.uint32)
+    p3, s3, b3 = mx.quantize(w, group_size=32, bits=3)
+    packed, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    cases: list[tuple[tuple[mx.array, mx.array, mx.array, mx.array], dict[str, Any]]] = [
+        ((x, p3, s3, b3), {"group_size": 32, "bits": 3}),
+        ((x.astype(mx.float16), packed, scales, biases), {"group_size": 32, "bits": 4}),
+        ((x[..., :64], packed, scales, biases), {"group_size": 32, "bits": 4, "transpose": False}),
+    ]
+    for (a, w, s, b), options in cases:
+        want = mx.gather_qmm(a, w, s, b, rhs_indices=chosen, **options)
+        got = ext.gather_qmm(a, w, s, b, rhs_indices=chosen, **options)
+        np.testing.assert_array_equal(
+            np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32))
+        )
+
+
 def test_rms_norm_equals_mlx(ext: Any) -> None:
     for d in (7, 64, 77, 576):
         weight = mx.random.normal((d,), key=mx.random.key(d))
@@ -303,6 +374,22 @@ def test_kernels_go_to_one_instance_not_to_mlx_or_its_siblings() -> None:
     assert "as_linear" in vars(type(ours.model.embed_tokens))
     close(ours(tokens), before, 1e-4)
     np.testing.assert_array_equal(np.asarray(sibling(tokens)), np.asarray(before))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_the_experts_of_a_mixture_go_through_the_kernel(ext: Any, arch: str) -> None:
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    from support.tiny_models import twins
+
+    ours, plain = twins(arch, "affine")
+    switches = [m for m in ours.modules() if isinstance(m, QuantizedSwitchLinear)]
+    assert switches
+    assert kernels.install(ours)
+    for switch in switches:
+        assert type(switch).__call__.__globals__["mx"].gather_qmm is ext.gather_qmm
+    tokens = mx.array([[5, 17, 3, 99, 42, 7], [1, 2, 3, 4, 5, 6]])
+    close(ours(tokens), plain(tokens), 1e-4)
 
 
 def test_without_the_extension_the_model_keeps_mlx_ops(monkeypatch: pytest.MonkeyPatch) -> None:

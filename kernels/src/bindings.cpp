@@ -32,6 +32,12 @@ NB_MODULE(_ext, m) {
         "group_size"_a = nb::none(), "bits"_a = nb::none(), "mode"_a = "affine",
         nb::kw_only(), "stream"_a = nb::none(),
         "mx.quantized_matmul, with the kernel where it applies.");
+  m.def("gather_qmm", &mlxgate::gather_qmm, nb::arg("x"), nb::arg("w"), "scales"_a,
+        "biases"_a = nb::none(), "lhs_indices"_a = nb::none(), "rhs_indices"_a = nb::none(),
+        "transpose"_a = true, "group_size"_a = nb::none(), "bits"_a = nb::none(),
+        "mode"_a = "affine", "global_scale"_a = nb::none(), nb::kw_only(),
+        "sorted_indices"_a = false, "stream"_a = nb::none(),
+        "mx.gather_qmm, with the kernel where it applies.");
   m.def("rms_norm", &mlxgate::rms_norm, nb::arg("x"), nb::arg("weight").none(), "eps"_a,
         nb::kw_only(), "stream"_a = nb::none(), "mx.fast.rms_norm, with the kernel where it applies.");
   m.def(

@@ -90,25 +90,61 @@ long spread_stride(int k) {
   return 16 * (lines % 2 == 0 ? lines + 1 : lines);
 }
 
-// In pairs order where the kernel takes it (kernels.h: one row of a 4-bit weight).
-const float* spread_rows(const float* x, int rows, const QuantizedWeight& w, long stride) {
-  thread_local std::vector<float> buffer;
+// One row of x as the dot products read it: copied, or in pairs order where the kernel takes it
+// (kernels.h: one row of a 4-bit weight).
+void spread_row(const float* x, bool pairs, int k, float* dst) {
+  if (!pairs) {
+    std::copy_n(x, k, dst);
+    return;
+  }
+  for (int j = 0; j < k; j += 32) {
+    for (int i = 0; i < 16; ++i) {
+      dst[j + i] = x[j + 2 * i];
+      dst[j + 16 + i] = x[j + 2 * i + 1];
+    }
+  }
+}
+
+// A 64-byte aligned buffer of this thread's for `rows` spread rows `stride` floats apart.
+float* spread_buffer(std::vector<float>& buffer, int rows, long stride) {
   buffer.resize(static_cast<size_t>(rows) * stride + 16);
   const auto at = (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63};
-  float* spread = reinterpret_cast<float*>(at);
-  if (takes_pairs(rows, w)) {
-    for (int j = 0; j < w.k; j += 32) {
-      for (int i = 0; i < 16; ++i) {
-        spread[j + i] = x[j + 2 * i];
-        spread[j + 16 + i] = x[j + 2 * i + 1];
-      }
-    }
-    return spread;
-  }
+  return reinterpret_cast<float*>(at);
+}
+
+const float* spread_rows(const float* x, int rows, const QuantizedWeight& w, long stride) {
+  thread_local std::vector<float> buffer;
+  float* spread = spread_buffer(buffer, rows, stride);
+  const bool pairs = takes_pairs(rows, w);
   for (int r = 0; r < rows; ++r) {
-    std::copy_n(x + static_cast<long>(r) * w.k, w.k, spread + r * stride);
+    spread_row(x + static_cast<long>(r) * w.k, pairs, w.k, spread + r * stride);
   }
   return spread;
+}
+
+// Many rows (a prefill chunk): the weight dequantized a tile at a time, each tile multiplied
+// by OpenBLAS, whose blocking beats dot products once the rows outnumber the registers. x's
+// rows lie `x_stride` floats apart; out is [rows, w.n].
+void multiply_by_tiles(
+    Sgemm sgemm, const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out) {
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(SGEMM_TILE_COLUMNS) * w.k);
+  float* tile = scratch.data();  // the workers see this thread's buffer, not their own
+  for (int c0 = 0; c0 < w.n; c0 += SGEMM_TILE_COLUMNS) {
+    const int columns = std::min(SGEMM_TILE_COLUMNS, w.n - c0);
+    const int tasks = (columns + COLUMNS_PER_TASK - 1) / COLUMNS_PER_TASK;
+    parallel_for(tasks, [&](int t) {
+      const int a = c0 + t * COLUMNS_PER_TASK;
+      const int b = std::min(c0 + columns, a + COLUMNS_PER_TASK);
+      dequantize_columns(w, tile + static_cast<size_t>(a - c0) * w.k, a, b);
+    });
+    sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, rows, columns, w.k, 1.0f, x,
+          static_cast<int>(x_stride), tile, w.k, 0.0f, out + c0, w.n);
+  }
+}
+
+bool by_tiles(int rows) {
+  return find_sgemm() != nullptr && sgemm_rows_ > 0 && rows >= sgemm_rows_;
 }
 
 class Kernel : public mx::Primitive {
@@ -140,9 +176,8 @@ class QuantizedMatmul : public Kernel {
     encoder.dispatch([x = mx::array::unsafe_weak_copy(x), rows, weight, o = out.data<float>()] {
       const RowMajor input(x);
       const float* xs = input.data();
-      Sgemm sgemm = find_sgemm();
-      if (sgemm != nullptr && sgemm_rows_ > 0 && rows >= sgemm_rows_) {
-        multiply_by_tiles(sgemm, xs, rows, weight, o);
+      if (by_tiles(rows)) {
+        multiply_by_tiles(find_sgemm(), xs, weight.k, rows, weight, o);
         return;
       }
       const long x_stride = spread_stride(weight.k);
@@ -163,26 +198,6 @@ class QuantizedMatmul : public Kernel {
   }
 
  private:
-  // Many rows (a prefill chunk): the weight dequantized a tile at a time, each tile multiplied
-  // by OpenBLAS, whose blocking beats dot products once the rows outnumber the registers.
-  static void multiply_by_tiles(
-      Sgemm sgemm, const float* x, int rows, const QuantizedWeight& w, float* out) {
-    thread_local std::vector<float> scratch;
-    scratch.resize(static_cast<size_t>(SGEMM_TILE_COLUMNS) * w.k);
-    float* tile = scratch.data();  // the workers see this thread's buffer, not their own
-    for (int c0 = 0; c0 < w.n; c0 += SGEMM_TILE_COLUMNS) {
-      const int columns = std::min(SGEMM_TILE_COLUMNS, w.n - c0);
-      const int tasks = (columns + COLUMNS_PER_TASK - 1) / COLUMNS_PER_TASK;
-      parallel_for(tasks, [&](int t) {
-        const int a = c0 + t * COLUMNS_PER_TASK;
-        const int b = std::min(c0 + columns, a + COLUMNS_PER_TASK);
-        dequantize_columns(w, tile + static_cast<size_t>(a - c0) * w.k, a, b);
-      });
-      sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, rows, columns, w.k, 1.0f, x, w.k,
-            tile, w.k, 0.0f, out + c0, w.n);
-    }
-  }
-
   int group_;
   int bits_;
 };
@@ -437,6 +452,130 @@ class QuantizedAttention : public Kernel {
   int bits_;
 };
 
+// Broadcast uint32 indices, one per position in row-major order (a broadcast has strides 0, so
+// its buffer holds fewer elements than it has).
+std::vector<uint32_t> indices(const mx::array& a) {
+  std::vector<uint32_t> out(a.size());
+  const auto* data = a.data<uint32_t>();
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t at = 0;
+    size_t rest = i;
+    for (int axis = static_cast<int>(a.ndim()) - 1; axis >= 0; --axis) {
+      at += static_cast<int64_t>(rest % a.shape(axis)) * a.strides(axis);
+      rest /= a.shape(axis);
+    }
+    out[i] = data[at];
+  }
+  return out;
+}
+
+// One expert's matrix of a [experts, n, ...] quantized stack (mlx-lm's SwitchLinear).
+QuantizedWeight expert(const QuantizedWeight& stack, const mx::array& scales, int e) {
+  const long values = static_cast<long>(stack.n) * stack.k;
+  QuantizedWeight w = stack;
+  w.packed += values * stack.bits / 32 * e;
+  w.scales = static_cast<const char*>(stack.scales) + values / stack.group * e * scales.itemsize();
+  w.biases = static_cast<const char*>(stack.biases) + values / stack.group * e * scales.itemsize();
+  return w;
+}
+
+// mx.gather_qmm: out[p] = x[lhs[p]] @ w[rhs[p]].T for every position p of the broadcast
+// indices. The positions are grouped by expert, so each expert's weight is read once for all
+// the rows sent to it (a decode step's rows, a prefill chunk's tokens), by the same dot products
+// (or sgemm tiles) as quantized_matmul. Inputs: x [..., m, k], the stack's weight, scales
+// and biases [experts, n, ...], the lhs and rhs indices broadcast to one shape (uint32); out
+// [that shape..., m, n].
+class GatherQuantizedMatmul : public Kernel {
+ public:
+  GatherQuantizedMatmul(mx::Stream stream, int group, int bits)
+      : Kernel(stream), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto work = [group = group_, bits = bits_](
+                          const std::vector<mx::array>& operands, float* o) {
+      const auto& x = operands[0];
+      const auto& w = operands[1];
+      const int experts = static_cast<int>(w.shape(0));
+      const int m = static_cast<int>(x.shape(-2));
+      const QuantizedWeight stack{
+          w.data<uint32_t>(), operands[2].data<void>(), operands[3].data<void>(),
+          *scale_type(operands[2].dtype()), bits, group, static_cast<int>(w.shape(1)),
+          static_cast<int>(x.shape(-1))};
+      const int n = stack.n, k = stack.k;
+      const auto batches = static_cast<uint32_t>(x.size() / (static_cast<size_t>(m) * k));
+      const auto lhs = indices(operands[4]);
+      const auto rhs = indices(operands[5]);
+      const int positions = static_cast<int>(lhs.size());
+
+      // The positions in expert order (an index out of range gives zeros, as no expert).
+      const auto valid = [&](int p) {
+        return rhs[p] < static_cast<uint32_t>(experts) && lhs[p] < batches;
+      };
+      std::vector<int> starts(experts + 1, 0), order;
+      for (int p = 0; p < positions; ++p) {
+        if (valid(p)) ++starts[rhs[p] + 1];
+      }
+      for (int e = 0; e < experts; ++e) starts[e + 1] += starts[e];
+      order.resize(starts[experts]);
+      std::vector<int> filled(starts.begin(), starts.end() - 1);
+      for (int p = 0; p < positions; ++p) {
+        if (valid(p)) order[filled[rhs[p]]++] = p;
+      }
+
+      // Each expert's rows spread one after another, and its tasks: sgemm tiles for many rows
+      // (which split their own work), column blocks of the dot products for the rest.
+      const RowMajor input(x);
+      const long stride = spread_stride(k);
+      thread_local std::vector<float> buffer;
+      float* spread = spread_buffer(buffer, static_cast<int>(order.size()) * m, stride);
+      std::vector<float> results(order.size() * m * n);
+      std::vector<std::pair<int, int>> tasks;  // (expert, first column)
+      for (int e = 0; e < experts; ++e) {
+        const int rows = (starts[e + 1] - starts[e]) * m;
+        if (rows == 0) continue;
+        const bool pairs = takes_pairs(rows, stack);
+        float* first = spread + static_cast<long>(starts[e]) * m * stride;
+        for (int i = starts[e]; i < starts[e + 1]; ++i) {
+          for (int r = 0; r < m; ++r) {
+            spread_row(input.data() + (static_cast<long>(lhs[order[i]]) * m + r) * k, pairs, k,
+                       spread + (static_cast<long>(i) * m + r) * stride);
+          }
+        }
+        if (by_tiles(rows)) {
+          multiply_by_tiles(find_sgemm(), first, stride, rows, expert(stack, operands[2], e),
+                            results.data() + static_cast<long>(starts[e]) * m * n);
+          continue;
+        }
+        for (int c = 0; c < n; c += COLUMNS_PER_TASK) tasks.emplace_back(e, c);
+      }
+      parallel_for(static_cast<int>(tasks.size()), [&](int t) {
+        const auto [e, c0] = tasks[t];
+        const long row = static_cast<long>(starts[e]) * m;
+        quantized_matmul_columns(spread + row * stride, stride, (starts[e + 1] - starts[e]) * m,
+                                 expert(stack, operands[2], e), results.data() + row * n, c0,
+                                 std::min(n, c0 + COLUMNS_PER_TASK));
+      });
+
+      const long block = static_cast<long>(m) * n;
+      std::fill_n(o, static_cast<long>(positions) * block, 0.0f);
+      for (size_t i = 0; i < order.size(); ++i) {
+        std::copy_n(results.data() + i * block, block, o + order[i] * block);
+      }
+    };
+    dispatch_over(stream(), inputs, outputs[0], work);
+  }
+
+  const char* name() const override { return "MlxgateGatherQuantizedMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& that = static_cast<const GatherQuantizedMatmul&>(other);
+    return group_ == that.group_ && bits_ == that.bits_;
+  }
+
+ private:
+  int group_;
+  int bits_;
+};
+
 // The inverse frequencies of a rope with this base, computed by MLX's own ops as its rope
 // computes them, once per (base, dims).
 mx::array inverse_frequencies(float base, int dims, const mx::Stream& s) {
@@ -485,6 +624,25 @@ void add_mask(
 void set_sgemm_rows(int rows) { sgemm_rows_ = rows; }
 int sgemm_rows() { return sgemm_rows_; }
 
+// The quantized matmul's conditions on a weight of these shapes (a matrix's or an expert
+// stack's: the leading axes of w, scales and biases agree).
+bool quantized_fits(
+    const mx::array& x, const mx::array& w, const mx::array& scales,
+    const std::optional<mx::array>& biases, bool transpose, int group, int width,
+    const std::string& mode) {
+  const int axes = static_cast<int>(w.ndim());
+  return cpu_supported() && transpose && mode == "affine" && biases.has_value() &&
+      (width == 4 || width == 8) && (group == 32 || group == 64 || (group == 16 && width == 8)) &&
+      x.dtype() == mx::float32 && x.ndim() >= 1 && w.dtype() == mx::uint32 &&
+      scale_type(scales.dtype()).has_value() && biases->dtype() == scales.dtype() &&
+      x.shape(-1) == w.shape(-1) * 32 / width && x.shape(-1) % group == 0 &&
+      scales.ndim() == axes &&
+      std::equal(w.shape().begin(), w.shape().end() - 1, scales.shape().begin()) &&
+      scales.shape(-1) == x.shape(-1) / group && biases->shape() == scales.shape() &&
+      scales.flags().row_contiguous && biases->flags().row_contiguous &&
+      w.flags().row_contiguous && x.size() > 0;
+}
+
 mx::array quantized_matmul(
     const mx::array& x, const mx::array& w, const mx::array& scales,
     const std::optional<mx::array>& biases, bool transpose, std::optional<int> group_size,
@@ -492,15 +650,8 @@ mx::array quantized_matmul(
   const auto stream = mx::to_stream(s);
   const int group = group_size.value_or(64);
   const int width = bits.value_or(4);
-  const bool fits = cpu_supported() && on_cpu(stream) && transpose && mode == "affine" &&
-      biases.has_value() && (width == 4 || width == 8) && (group == 32 || group == 64 || (group == 16 && width == 8)) &&
-      x.dtype() == mx::float32 && x.ndim() >= 1 && w.dtype() == mx::uint32 && w.ndim() == 2 &&
-      scale_type(scales.dtype()).has_value() && biases->dtype() == scales.dtype() &&
-      x.shape(-1) == w.shape(1) * 32 / width && x.shape(-1) % group == 0 &&
-      scales.ndim() == 2 && scales.shape(0) == w.shape(0) &&
-      scales.shape(1) == x.shape(-1) / group && biases->shape() == scales.shape() &&
-      scales.flags().row_contiguous && biases->flags().row_contiguous &&
-      w.flags().row_contiguous && x.size() > 0;
+  const bool fits = on_cpu(stream) && w.ndim() == 2 &&
+      quantized_fits(x, w, scales, biases, transpose, group, width, mode);
   if (!fits) {
     return mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits, mode, s);
   }
@@ -509,6 +660,45 @@ mx::array quantized_matmul(
   return mx::array(
       std::move(shape), mx::float32, std::make_shared<QuantizedMatmul>(stream, group, width),
       {x, w, scales, *biases});
+}
+
+mx::array gather_qmm(
+    const mx::array& x, const mx::array& w, const mx::array& scales,
+    const std::optional<mx::array>& biases, const std::optional<mx::array>& lhs_indices,
+    const std::optional<mx::array>& rhs_indices, bool transpose, std::optional<int> group_size,
+    std::optional<int> bits, const std::string& mode, const std::optional<mx::array>& global_scale,
+    bool sorted_indices, mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  const int group = group_size.value_or(64);
+  const int width = bits.value_or(4);
+  const auto integral = [](const std::optional<mx::array>& a) {
+    return !a || mx::issubdtype(a->dtype(), mx::integer);
+  };
+  const bool fits = on_cpu(stream) && w.ndim() == 3 && x.ndim() >= 2 && !global_scale &&
+      integral(lhs_indices) && integral(rhs_indices) &&
+      quantized_fits(x, w, scales, biases, transpose, group, width, mode);
+  if (!fits) {
+    return mx::gather_qmm(x, w, scales, biases, lhs_indices, rhs_indices, transpose, group_size,
+                          bits, mode, global_scale, sorted_indices, s);
+  }
+  // As MLX: missing indices are every batch of x (of w) in order, and the two broadcast.
+  const auto every = [&](const mx::Shape& batch) {
+    int count = 1;
+    for (const auto d : batch) count *= d;
+    return mx::reshape(mx::arange(count, mx::uint32, stream), batch, stream);
+  };
+  auto lhs = lhs_indices ? *lhs_indices : every(mx::Shape(x.shape().begin(), x.shape().end() - 2));
+  auto rhs = rhs_indices ? *rhs_indices : every(mx::Shape(w.shape().begin(), w.shape().end() - 2));
+  auto both = mx::broadcast_arrays({lhs, rhs}, stream);
+  auto shape = both[0].shape();
+  shape.push_back(x.shape(-2));
+  shape.push_back(w.shape(1));
+  const auto flat = [&](const mx::array& a) {
+    return mx::flatten(mx::astype(a, mx::uint32, stream), stream);
+  };
+  return mx::array(
+      std::move(shape), mx::float32, std::make_shared<GatherQuantizedMatmul>(stream, group, width),
+      {x, w, scales, *biases, flat(both[0]), flat(both[1])});
 }
 
 mx::array rms_norm(

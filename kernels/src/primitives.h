@@ -22,6 +22,15 @@ mx::array quantized_matmul(
     const std::optional<mx::array>& biases, bool transpose, std::optional<int> group_size,
     std::optional<int> bits, const std::string& mode, mx::StreamOrDevice s);
 
+// mx.gather_qmm on the same weights (a stack of experts' matrices), for mlx-lm's
+// QuantizedSwitchLinear: each expert's matrix read once for every row routed to it.
+mx::array gather_qmm(
+    const mx::array& x, const mx::array& w, const mx::array& scales,
+    const std::optional<mx::array>& biases, const std::optional<mx::array>& lhs_indices,
+    const std::optional<mx::array>& rhs_indices, bool transpose, std::optional<int> group_size,
+    std::optional<int> bits, const std::string& mode, const std::optional<mx::array>& global_scale,
+    bool sorted_indices, mx::StreamOrDevice s);
+
 // mx.fast.rms_norm for float32 rows.
 mx::array rms_norm(
     const mx::array& x, const std::optional<mx::array>& weight, float eps, mx::StreamOrDevice s);

@@ -2,6 +2,7 @@
 
 from mlxgate_kernels._ext import (
     cpu_supported,
+    gather_qmm,
     quantized_matmul,
     quantized_scaled_dot_product_attention,
     rms_norm,
@@ -16,6 +17,7 @@ from mlxgate_kernels._ext import (
 
 __all__ = [
     "cpu_supported",
+    "gather_qmm",
     "quantized_matmul",
     "quantized_scaled_dot_product_attention",
     "rms_norm",

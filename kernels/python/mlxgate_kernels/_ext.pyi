@@ -20,6 +20,22 @@ def quantized_matmul(
     *,
     stream: mx.Stream | mx.Device | None = None,
 ) -> mx.array: ...
+def gather_qmm(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None = None,
+    lhs_indices: mx.array | None = None,
+    rhs_indices: mx.array | None = None,
+    transpose: bool = True,
+    group_size: int | None = None,
+    bits: int | None = None,
+    mode: str = "affine",
+    global_scale: mx.array | None = None,
+    *,
+    sorted_indices: bool = False,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array: ...
 def rms_norm(
     x: mx.array,
     weight: mx.array | None,

@@ -2,15 +2,16 @@
 
 The kernels are MLX primitives written for x86 CPUs with AVX2: a quantized matmul that
 dequantizes MLX's affine 4- and 8-bit weights in registers and reads each weight once for all
-the rows of a step, single-op RMSNorm and RoPE (MLX composes these from ~10 ops each on the
-CPU), and attention in one pass over the keys (MLX's CPU attention is a dozen ops and the whole
-score matrix). A model's modules call the first three as `mx.quantized_matmul`,
-`mx.fast.rms_norm` and `mx.fast.rope` (nn.QuantizedLinear, nn.QuantizedEmbedding, nn.RMSNorm,
-mlx-lm's ropes): each of this model's modules is given a copy of `mlx.core` in which those are
-the kernels (models/cpu/rebind.py), so no other model in the process changes. The attention
-kernel is one of the ways models/cpu/attention.py picks from for the model's attention. Each
-kernel is MLX's own op wherever it does not apply (another device or dtype, 3-bit weights,
-attention sinks...).
+the rows of a step (and its gathered form for mixtures of experts, each expert's matrix read
+once for the rows routed to it), single-op RMSNorm and RoPE (MLX composes these from ~10 ops
+each on the CPU), and attention in one pass over the keys (MLX's CPU attention is a dozen ops
+and the whole score matrix). A model's modules call the first four as `mx.quantized_matmul`,
+`mx.gather_qmm`, `mx.fast.rms_norm` and `mx.fast.rope` (nn.QuantizedLinear,
+nn.QuantizedEmbedding, mlx-lm's QuantizedSwitchLinear, nn.RMSNorm, mlx-lm's ropes): each of
+this model's modules is given a copy of `mlx.core` in which those are the kernels
+(models/cpu/rebind.py), so no other model in the process changes. The attention kernel is one
+of the ways models/cpu/attention.py picks from for the model's attention. Each kernel is MLX's
+own op wherever it does not apply (another device or dtype, 3-bit weights, attention sinks...).
 """
 
 from __future__ import annotations
@@ -60,14 +61,17 @@ def describe() -> str:
 
 @cache
 def _mlx_core_with_kernels() -> types.ModuleType:
-    """A copy of `mlx.core` whose quantized_matmul, fast.rms_norm and fast.rope are the kernels."""
+    """A copy of `mlx.core` whose quantized_matmul, gather_qmm, fast.rms_norm and fast.rope are
+    the kernels."""
     extension = _extension()
     fast = types.ModuleType(mx.fast.__name__)
     fast.__dict__.update(vars(mx.fast))
     fast.__dict__.update(rms_norm=extension.rms_norm, rope=extension.rope)
     core = types.ModuleType(mx.__name__)
     core.__dict__.update(vars(mx))
-    core.__dict__.update(fast=fast, quantized_matmul=extension.quantized_matmul)
+    core.__dict__.update(
+        fast=fast, quantized_matmul=extension.quantized_matmul, gather_qmm=extension.gather_qmm
+    )
     return core
 
 
