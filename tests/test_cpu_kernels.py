@@ -216,6 +216,30 @@ def test_gather_qmm_where_the_kernel_does_not_apply_is_mlx_own(ext: Any) -> None
         )
 
 
+def test_gated_activations_equal_mlx(ext: Any) -> None:
+    from mlx_lm.models.activations import swiglu
+
+    for shape in [(1, 1, 2048), (1, 1, 7), (3, 5, 1536), (65, 1, 40), (1, 300, 96)]:
+        gate = mx.random.normal(shape, key=mx.random.key(shape[-1])) * 4
+        up = mx.random.normal(shape, key=mx.random.key(shape[0]))
+        close(ext.activation(gate, up, kind="silu"), swiglu(gate, up), 1e-6)
+        close(ext.activation(gate, kind="gelu_tanh"), nn.gelu_approx(gate), 1e-6)
+        close(ext.activation(gate, up, kind="gelu_tanh"), nn.gelu_approx(gate) * up, 1e-6)
+    far = mx.array([-1e4, -100.0, -30.0, 0.0, 30.0, 100.0, 1e4])
+    close(ext.activation(far, kind="silu"), nn.silu(far), 1e-6)
+    close(ext.activation(far, kind="gelu_tanh"), nn.gelu_approx(far), 1e-6)
+    view = mx.random.normal((64, 24)).T  # not contiguous
+    close(ext.activation(view, view, kind="silu"), swiglu(view, view), 1e-6)
+
+
+def test_gated_activations_it_cannot_take_are_left_to_mlx(ext: Any) -> None:
+    x = mx.random.normal((2, 64))
+    assert ext.activation(x.astype(mx.float16), kind="silu") is None
+    assert ext.activation(x, x[:1], kind="silu") is None  # broadcast: not the kernel's
+    assert ext.activation(x, kind="relu") is None
+    assert ext.activation(x, kind="gelu_tanh") is not None
+
+
 def test_rms_norm_equals_mlx(ext: Any) -> None:
     for d in (7, 64, 77, 576):
         weight = mx.random.normal((d,), key=mx.random.key(d))
@@ -390,6 +414,25 @@ def test_the_experts_of_a_mixture_go_through_the_kernel(ext: Any, arch: str) -> 
         assert type(switch).__call__.__globals__["mx"].gather_qmm is ext.gather_qmm
     tokens = mx.array([[5, 17, 3, 99, 42, 7], [1, 2, 3, 4, 5, 6]])
     close(ours(tokens), plain(tokens), 1e-4)
+
+
+def test_gemma_norms_make_their_offset_once_and_give_the_same_numbers() -> None:
+    from mlx_lm.models import gemma3_text
+
+    from mlxgate.models.cpu import offset_norms
+    from support.tiny_models import twins
+
+    ours, plain = twins("gemma3_text", "affine")
+    tokens = mx.array([[5, 17, 3, 99, 42, 7]])
+    assert offset_norms.install(ours)
+    norms = [m for m in ours.modules() if isinstance(m, gemma3_text.RMSNorm)]
+    assert norms and all(type(m).__call__ is not gemma3_text.RMSNorm.__call__ for m in norms)
+    np.testing.assert_array_equal(np.asarray(ours(tokens)), np.asarray(plain(tokens)))
+    # A replaced weight is followed, not the sum made from the old one.
+    changed = mx.random.normal(ours.model.norm.weight.shape)
+    ours.model.norm.weight = changed
+    plain.model.norm.weight = changed
+    np.testing.assert_array_equal(np.asarray(ours(tokens)), np.asarray(plain(tokens)))
 
 
 def test_without_the_extension_the_model_keeps_mlx_ops(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,6 +38,10 @@ NB_MODULE(_ext, m) {
         "mode"_a = "affine", "global_scale"_a = nb::none(), nb::kw_only(),
         "sorted_indices"_a = false, "stream"_a = nb::none(),
         "mx.gather_qmm, with the kernel where it applies.");
+  m.def("activation", &mlxgate::activation, nb::arg("x"), "up"_a = nb::none(), nb::kw_only(),
+        "kind"_a, "stream"_a = nb::none(),
+        "A gated MLP's activation, kind(x) * up: \"silu\" (mlx-lm's swiglu(x, up)) or "
+        "\"gelu_tanh\" (nn.gelu_approx), or None where the kernel does not apply.");
   m.def("rms_norm", &mlxgate::rms_norm, nb::arg("x"), nb::arg("weight").none(), "eps"_a,
         nb::kw_only(), "stream"_a = nb::none(), "mx.fast.rms_norm, with the kernel where it applies.");
   m.def(

@@ -63,6 +63,15 @@ void dequantize_columns(const QuantizedWeight& w, float* dst, int c0, int c1);
 void rms_norm_rows(
     const float* x, const float* weight, float eps, int d, float* out, int r0, int r1);
 
+// The activations of gated MLPs: SiLU (SwiGLU's) and GELU's tanh form (Gemma's GeGLU).
+enum class Activation { silu, gelu_tanh };
+
+// out[i] = act(x[i]) * up[i] (or act(x[i]) where up is null) for i in [i0, i1), both written as
+// x / (1 + e^-z): z = x for SiLU, z = 2 sqrt(2/pi) (x + 0.044715 x^3) for GELU, whose
+// 0.5 (1 + tanh(z / 2)) is the sigmoid of z.
+void activation_range(
+    const float* x, const float* up, Activation act, float* out, long i0, long i1);
+
 // One rotary embedding: rows [r0, r1) of x [rows, d] where row r sits at position
 // positions[r]; the first `dims` features rotate by position * inv_freqs[i] (non-traditional
 // halves, or traditional pairs), the rest are copied.

@@ -306,6 +306,35 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(is_minus_inf, _mm256_mul_ps(y, pow2n));
 }
 
+}  // namespace
+
+void activation_range(
+    const float* x, const float* up, Activation act, float* out, long i0, long i1) {
+  const auto z_of = [act](__m256 v) {
+    if (act == Activation::silu) return v;
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+    const __m256 inner = _mm256_fmadd_ps(cube, _mm256_set1_ps(0.044715f), v);
+    return _mm256_mul_ps(inner, _mm256_set1_ps(1.5957691216057308f));  // 2 sqrt(2 / pi)
+  };
+  const __m256 one = _mm256_set1_ps(1.0f);
+  long i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 minus_z = _mm256_sub_ps(_mm256_setzero_ps(), z_of(v));
+    __m256 y = _mm256_div_ps(v, _mm256_add_ps(one, exp8(minus_z)));
+    if (up != nullptr) y = _mm256_mul_ps(y, _mm256_loadu_ps(up + i));
+    _mm256_storeu_ps(out + i, y);
+  }
+  for (; i < i1; ++i) {
+    const float v = x[i];
+    const float z = act == Activation::silu ? v : (v + 0.044715f * v * v * v) * 1.5957691216057308f;
+    const float y = v / (1.0f + std::exp(-z));
+    out[i] = up != nullptr ? y * up[i] : y;
+  }
+}
+
+namespace {
+
 inline float dot(const float* a, const float* b, int d) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int j = 0;
@@ -473,6 +502,7 @@ void quantized_matmul_columns(const float*, long, int, const QuantizedWeight&, f
 void dequantize_columns(const QuantizedWeight&, float*, int, int) {}
 void rms_norm_rows(const float*, const float*, float, int, float*, int, int) {}
 void rope_rows(const float*, const float*, const float*, int, bool, int, float*, int, int) {}
+void activation_range(const float*, const float*, Activation, float*, long, long) {}
 void attention_rows(const Attention&, int, int, int, int, float*) {}
 void use_avx512(bool) {}
 bool using_avx512() { return false; }

@@ -25,6 +25,8 @@ constexpr int COLUMNS_PER_TASK = 64;
 constexpr int SGEMM_TILE_COLUMNS = 1024;
 // Rows of a norm or rope each pool task takes.
 constexpr int ROWS_PER_TASK = 16;
+// Elements of an activation each pool task takes (a one-row step's MLP is one task).
+constexpr long ACTIVATION_ELEMENTS = 8192;
 // Query rows of one head each attention task takes (at most the kernel's MAX_ROWS).
 constexpr int ATTENTION_ROWS = 16;
 
@@ -452,6 +454,36 @@ class QuantizedAttention : public Kernel {
   int bits_;
 };
 
+// A gated MLP's activation, act(x) * up (or act(x) alone), over the elements in tasks of
+// ACTIVATION_ELEMENTS: MLX's sigmoid and tanh call libm once per element (~25 ns each).
+class GatedActivation : public Kernel {
+ public:
+  GatedActivation(mx::Stream stream, Activation act) : Kernel(stream), act_(act) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto work = [act = act_](const std::vector<mx::array>& operands, float* o) {
+      const RowMajor x(operands[0]);
+      std::optional<RowMajor> up;
+      if (operands.size() > 1) up.emplace(operands[1]);
+      const long n = static_cast<long>(operands[0].size());
+      parallel_for(static_cast<int>((n + ACTIVATION_ELEMENTS - 1) / ACTIVATION_ELEMENTS), [&](int t) {
+        const long i0 = static_cast<long>(t) * ACTIVATION_ELEMENTS;
+        activation_range(x.data(), up ? up->data() : nullptr, act, o, i0,
+                         std::min(n, i0 + ACTIVATION_ELEMENTS));
+      });
+    };
+    dispatch_over(stream(), inputs, outputs[0], work);
+  }
+
+  const char* name() const override { return "MlxgateGatedActivation"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return act_ == static_cast<const GatedActivation&>(other).act_;
+  }
+
+ private:
+  Activation act_;
+};
+
 // Broadcast uint32 indices, one per position in row-major order (a broadcast has strides 0, so
 // its buffer holds fewer elements than it has).
 std::vector<uint32_t> indices(const mx::array& a) {
@@ -699,6 +731,21 @@ mx::array gather_qmm(
   return mx::array(
       std::move(shape), mx::float32, std::make_shared<GatherQuantizedMatmul>(stream, group, width),
       {x, w, scales, *biases, flat(both[0]), flat(both[1])});
+}
+
+std::optional<mx::array> activation(
+    const mx::array& x, const std::optional<mx::array>& up, const std::string& kind,
+    mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  const bool fits = cpu_supported() && on_cpu(stream) && x.dtype() == mx::float32 &&
+      x.size() > 0 && (kind == "silu" || kind == "gelu_tanh") &&
+      (!up || (up->dtype() == mx::float32 && up->shape() == x.shape()));
+  if (!fits) return std::nullopt;
+  std::vector<mx::array> inputs = {x};
+  if (up) inputs.push_back(*up);
+  const auto act = kind == "silu" ? Activation::silu : Activation::gelu_tanh;
+  return mx::array(
+      x.shape(), mx::float32, std::make_shared<GatedActivation>(stream, act), std::move(inputs));
 }
 
 mx::array rms_norm(

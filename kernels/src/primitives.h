@@ -31,6 +31,13 @@ mx::array gather_qmm(
     std::optional<int> bits, const std::string& mode, const std::optional<mx::array>& global_scale,
     bool sorted_indices, mx::StreamOrDevice s);
 
+// A gated MLP's activation of float32 x, times `up` (of x's shape) where given: "silu"
+// (mlx-lm's swiglu(x, up)) or "gelu_tanh" (nn.gelu_approx); nullopt where the kernel does not
+// apply (the caller keeps MLX's way).
+std::optional<mx::array> activation(
+    const mx::array& x, const std::optional<mx::array>& up, const std::string& kind,
+    mx::StreamOrDevice s);
+
 // mx.fast.rms_norm for float32 rows.
 mx::array rms_norm(
     const mx::array& x, const std::optional<mx::array>& weight, float eps, mx::StreamOrDevice s);

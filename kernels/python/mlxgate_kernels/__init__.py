@@ -1,6 +1,7 @@
 """mlxgate's CPU kernels as MLX operations; see mlxgate.models.cpu for how they serve."""
 
 from mlxgate_kernels._ext import (
+    activation,
     cpu_supported,
     gather_qmm,
     quantized_matmul,
@@ -16,6 +17,7 @@ from mlxgate_kernels._ext import (
 )
 
 __all__ = [
+    "activation",
     "cpu_supported",
     "gather_qmm",
     "quantized_matmul",

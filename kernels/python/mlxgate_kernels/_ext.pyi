@@ -36,6 +36,13 @@ def gather_qmm(
     sorted_indices: bool = False,
     stream: mx.Stream | mx.Device | None = None,
 ) -> mx.array: ...
+def activation(
+    x: mx.array,
+    up: mx.array | None = None,
+    *,
+    kind: str,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array | None: ...
 def rms_norm(
     x: mx.array,
     weight: mx.array | None,

@@ -7,8 +7,10 @@ mlx-lm for the process): `install_kernels` is the one entry point.
   attention kernel, attention in MLX ops without MLX's `exp`, or mlx-lm's own), band by band
   over a banded cache.
 - `fast_exp.py`: `exp` without MLX's scalar one, and the SwiGLU activation built on it.
+- `offset_norms.py`: Gemma's norms, which scale by 1 + weight, with that sum made once.
 - `kernels.py`: the Python side of the `mlxgate-kernels` package (kernels/): whether its C++
-  kernels serve on this machine, and its quantized matmul, RMSNorm and RoPE on the model.
+  kernels serve on this machine, and its quantized matmuls, RMSNorm, RoPE and gated MLP
+  activations on the model.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxgate.models.cpu import attention, fast_exp, kernels
+from mlxgate.models.cpu import attention, fast_exp, kernels, offset_norms
 
 
 def install_kernels(model: nn.Module, native: bool = True) -> str:
@@ -29,10 +31,12 @@ def install_kernels(model: nn.Module, native: bool = True) -> str:
     globals its own `__call__` uses (mlx-lm's layers leave those calls to their submodules).
     """
     attention.install(model, kernel=native)
+    offset_norms.install(model)
+    if native and mx.default_device() == mx.cpu:
+        kernels.install(model)  # its SwiGLU first: fast_exp's serves where it does not
     fast_exp.install(model)
     if not native:
         return "MLX's own (--no-cpu-kernels)"
     if mx.default_device() != mx.cpu:
         return f"MLX's own ({mx.default_device()})"
-    kernels.install(model)
     return kernels.describe()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from functools import partial
 
 import mlx.core as mx
@@ -68,11 +69,13 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return _swiglu_from_parts(gate, x, fraction, power_of_two(exponent_bits))
 
 
-def install(model: nn.Module) -> bool:
-    """Give `model` (this instance only) this SwiGLU where it uses mlx-lm's or mlx-vlm's (CPU
-    only)."""
-    taken = rebind.install(model, "swiglu", activations.swiglu, swiglu)
+def install(
+    model: nn.Module, replacement: Callable[[mx.array, mx.array], mx.array] = swiglu
+) -> bool:
+    """Give `model` (this instance only) this SwiGLU (or `replacement`) where it uses mlx-lm's or
+    mlx-vlm's (CPU only)."""
+    taken = rebind.install(model, "swiglu", activations.swiglu, replacement)
     vlm_activations = sys.modules.get("mlx_vlm.models.activations")  # imported by its models
     if vlm_activations is not None:
-        taken = rebind.install(model, "swiglu", vlm_activations.swiglu, swiglu) or taken
+        taken = rebind.install(model, "swiglu", vlm_activations.swiglu, replacement) or taken
     return taken

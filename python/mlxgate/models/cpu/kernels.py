@@ -4,14 +4,16 @@ The kernels are MLX primitives written for x86 CPUs with AVX2: a quantized matmu
 dequantizes MLX's affine 4- and 8-bit weights in registers and reads each weight once for all
 the rows of a step (and its gathered form for mixtures of experts, each expert's matrix read
 once for the rows routed to it), single-op RMSNorm and RoPE (MLX composes these from ~10 ops
-each on the CPU), and attention in one pass over the keys (MLX's CPU attention is a dozen ops
-and the whole score matrix). A model's modules call the first four as `mx.quantized_matmul`,
-`mx.gather_qmm`, `mx.fast.rms_norm` and `mx.fast.rope` (nn.QuantizedLinear,
-nn.QuantizedEmbedding, mlx-lm's QuantizedSwitchLinear, nn.RMSNorm, mlx-lm's ropes): each of
-this model's modules is given a copy of `mlx.core` in which those are the kernels
-(models/cpu/rebind.py), so no other model in the process changes. The attention kernel is one
-of the ways models/cpu/attention.py picks from for the model's attention. Each kernel is MLX's
-own op wherever it does not apply (another device or dtype, 3-bit weights, attention sinks...).
+each on the CPU), the gated MLPs' SiLU and GELU (MLX calls libm once per element), and
+attention in one pass over the keys (MLX's CPU attention is a dozen ops and the whole score
+matrix). A model's modules call the first four as `mx.quantized_matmul`, `mx.gather_qmm`,
+`mx.fast.rms_norm` and `mx.fast.rope` (nn.QuantizedLinear, nn.QuantizedEmbedding, mlx-lm's
+QuantizedSwitchLinear, nn.RMSNorm, mlx-lm's ropes), the activations as mlx-lm's `swiglu` and
+`nn.gelu_approx`: each of this model's modules is given a copy of `mlx.core` (and of `mlx.nn`,
+and its own `swiglu`) in which those are the kernels (models/cpu/rebind.py), so no other model
+in the process changes. The attention kernel is one of the ways models/cpu/attention.py picks
+from for the model's attention. Each kernel is MLX's own op wherever it does not apply (another
+device or dtype, 3-bit weights, attention sinks...).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxgate.models.cpu import rebind
+from mlxgate.models.cpu import fast_exp, rebind
 
 
 @cache
@@ -75,12 +77,36 @@ def _mlx_core_with_kernels() -> types.ModuleType:
     return core
 
 
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """mlx-lm's swiglu, silu(gate) * x, by the kernel (else by fast_exp's)."""
+    out = _extension().activation(gate, x, kind="silu")
+    return fast_exp.swiglu(gate, x) if out is None else out
+
+
+def gelu_approx(x: mx.array) -> mx.array:
+    """nn.gelu_approx (GELU's tanh form, Gemma's), by the kernel where it serves."""
+    out = _extension().activation(x, kind="gelu_tanh")
+    return nn.gelu_approx(x) if out is None else out
+
+
+@cache
+def _mlx_nn_with_kernels() -> types.ModuleType:
+    """A copy of `mlx.nn` whose gelu_approx is the kernel's."""
+    copy = types.ModuleType(nn.__name__)
+    copy.__dict__.update(vars(nn))
+    copy.__dict__.update(gelu_approx=gelu_approx)
+    return copy
+
+
 def install(model: nn.Module) -> bool:
-    """Give `model`'s modules the matmul, norm and rope kernels; False (nothing changed) where
-    they cannot serve. (Its attention kernel: models/cpu/attention.py's `install`.)"""
+    """Give `model`'s modules the matmul, norm, rope and activation kernels; False (nothing
+    changed) where they cannot serve. (Its attention kernel: models/cpu/attention.py's
+    `install`.)"""
     if unavailable() is not None:
         return False
-    return rebind.install(model, "mx", mx, _mlx_core_with_kernels())
+    taken = rebind.install(model, "mx", mx, _mlx_core_with_kernels())
+    taken = fast_exp.install(model, swiglu) or taken
+    return rebind.install(model, "nn", nn, _mlx_nn_with_kernels()) or taken
 
 
 def installed(model: nn.Module) -> bool:
