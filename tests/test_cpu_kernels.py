@@ -275,6 +275,8 @@ def test_rope_equals_mlx(ext: Any, traditional: bool, dims: int) -> None:
         (3, 4, 4, 5, 71, 128),  # a verify pass, every head its own keys
         (1, 2, 1, 40, 300, 48),  # a prefill chunk, an unspecialised head size
         (2, 8, 2, 130, 130, 64),  # a whole prompt: key blocks, partly masked rows
+        (2, 4, 1, 1, 200, 256),  # Gemma's decode: four heads of 256 features over one key head
+        (1, 2, 2, 3, 100, 192),  # values 64 features at a time, keys by the general dot
     ],
 )
 def test_attention_equals_mlx(

@@ -434,6 +434,8 @@ void attention_rows(const Attention& a, int b, int head, int r0, int r1, float* 
         block_scores<8>(q, block_keys, a.keys.row, count, scores);
       } else if (dk == 128) {
         block_scores<16>(q, block_keys, a.keys.row, count, scores);
+      } else if (dk == 256) {  // Gemma's heads
+        block_scores<32>(q, block_keys, a.keys.row, count, scores);
       } else {
         for (int j = 0; j < count; ++j) scores[j] = dot(q, block_keys + j * a.keys.row, dk);
       }
@@ -477,6 +479,10 @@ void attention_rows(const Attention& a, int b, int head, int r0, int r1, float* 
         block_values<8>(scores, block_values_at, a.values.row, count, o);
       } else if (dv == 128) {
         block_values<16>(scores, block_values_at, a.values.row, count, o);
+      } else if (dv % 64 == 0) {  // 64 features at a time, their sums in registers
+        for (int d = 0; d < dv; d += 64) {
+          block_values<8>(scores, block_values_at + d, a.values.row, count, o + d);
+        }
       } else {
         for (int j = 0; j < count; ++j) {
           const float* v = block_values_at + j * a.values.row;
