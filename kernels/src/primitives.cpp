@@ -128,7 +128,8 @@ const float* spread_rows(const float* x, int rows, const QuantizedWeight& w, lon
 // by OpenBLAS, whose blocking beats dot products once the rows outnumber the registers. x's
 // rows lie `x_stride` floats apart; out is [rows, w.n].
 void multiply_by_tiles(
-    Sgemm sgemm, const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out) {
+    const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out) {
+  const Sgemm sgemm = find_sgemm();
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(SGEMM_TILE_COLUMNS) * w.k);
   float* tile = scratch.data();  // the workers see this thread's buffer, not their own
@@ -149,6 +150,23 @@ bool by_tiles(int rows) {
   return find_sgemm() != nullptr && sgemm_rows_ > 0 && rows >= sgemm_rows_;
 }
 
+// Runs `work(operands, out)` on the stream's thread: `out` allocated, every input and `out`
+// registered with the stream's encoder, the operands the inputs as the task holds them (weak
+// copies: the encoder keeps the arrays alive).
+template <typename Work>
+void dispatch_over(
+    const mx::Stream& stream, const std::vector<mx::array>& inputs, mx::array& out, Work work) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& input : inputs) encoder.set_input_array(input);
+  encoder.set_output_array(out);
+  std::vector<mx::array> operands;
+  for (const auto& input : inputs) operands.push_back(mx::array::unsafe_weak_copy(input));
+  encoder.dispatch([operands = std::move(operands), work = std::move(work), o = out.data<float>()] {
+    work(operands, o);
+  });
+}
+
 class Kernel : public mx::Primitive {
  public:
   using mx::Primitive::Primitive;
@@ -157,51 +175,56 @@ class Kernel : public mx::Primitive {
   }
 };
 
-class QuantizedMatmul : public Kernel {
+// The quantized matmuls: their group size and bits are what tell two apart.
+class QuantizedKernel : public Kernel {
  public:
-  QuantizedMatmul(mx::Stream stream, int group, int bits)
+  QuantizedKernel(mx::Stream stream, int group, int bits)
       : Kernel(stream), group_(group), bits_(bits) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& x = inputs[0];
-    const auto& w = inputs[1];
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    QuantizedWeight weight{
-        w.data<uint32_t>(), inputs[2].data<void>(), inputs[3].data<void>(),
-        *scale_type(inputs[2].dtype()), bits_, group_, static_cast<int>(w.shape(0)),
-        static_cast<int>(w.shape(1)) * 32 / bits_};
-    const int rows = static_cast<int>(x.size() / weight.k);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), rows, weight, o = out.data<float>()] {
-      const RowMajor input(x);
-      const float* xs = input.data();
-      if (by_tiles(rows)) {
-        multiply_by_tiles(find_sgemm(), xs, weight.k, rows, weight, o);
-        return;
-      }
-      const long x_stride = spread_stride(weight.k);
-      const float* spread = spread_rows(xs, rows, weight, x_stride);
-      const int tasks = (weight.n + COLUMNS_PER_TASK - 1) / COLUMNS_PER_TASK;
-      parallel_for(tasks, [&](int t) {
-        const int c0 = t * COLUMNS_PER_TASK;
-        quantized_matmul_columns(
-            spread, x_stride, rows, weight, o, c0, std::min(weight.n, c0 + COLUMNS_PER_TASK));
-      });
-    });
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& that = static_cast<const QuantizedKernel&>(other);  // MLX compares like types
+    return group_ == that.group_ && bits_ == that.bits_;
   }
 
-  const char* name() const override { return "MlxgateQuantizedMatmul"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& that = static_cast<const QuantizedMatmul&>(other);
-    return group_ == that.group_ && bits_ == that.bits_;
+ protected:
+  // The weight [..., n, k * bits / 32] with its scales and biases (a stack's first matrix).
+  QuantizedWeight weight(
+      const mx::array& w, const mx::array& scales, const mx::array& biases) const {
+    return {w.data<uint32_t>(), scales.data<void>(), biases.data<void>(),
+            *scale_type(scales.dtype()), bits_, group_, static_cast<int>(w.shape(-2)),
+            static_cast<int>(w.shape(-1)) * 32 / bits_};
   }
 
  private:
   int group_;
   int bits_;
+};
+
+class QuantizedMatmul : public QuantizedKernel {
+ public:
+  using QuantizedKernel::QuantizedKernel;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto work = [w = weight(inputs[1], inputs[2], inputs[3])](
+                          const std::vector<mx::array>& operands, float* o) {
+      const RowMajor input(operands[0]);
+      const int rows = static_cast<int>(operands[0].size() / w.k);
+      if (by_tiles(rows)) {
+        multiply_by_tiles(input.data(), w.k, rows, w, o);
+        return;
+      }
+      const long x_stride = spread_stride(w.k);
+      const float* spread = spread_rows(input.data(), rows, w, x_stride);
+      parallel_for((w.n + COLUMNS_PER_TASK - 1) / COLUMNS_PER_TASK, [&](int t) {
+        const int c0 = t * COLUMNS_PER_TASK;
+        quantized_matmul_columns(
+            spread, x_stride, rows, w, o, c0, std::min(w.n, c0 + COLUMNS_PER_TASK));
+      });
+    };
+    dispatch_over(stream(), inputs, outputs[0], work);
+  }
+
+  const char* name() const override { return "MlxgateQuantizedMatmul"; }
 };
 
 class RMSNorm : public Kernel {
@@ -317,23 +340,6 @@ Strided4 strided(const mx::array& a, std::vector<float>& copy) {
   copy.assign(rows.data(), rows.data() + a.size());
   const int64_t row = a.shape(3), head = row * a.shape(2), batch = head * a.shape(1);
   return {copy.data(), batch, head, row};
-}
-
-// Runs `work(operands, out)` on the stream's thread: `out` allocated, every input and `out`
-// registered with the stream's encoder, the operands the inputs as the task holds them (weak
-// copies: the encoder keeps the arrays alive).
-template <typename Work>
-void dispatch_over(
-    const mx::Stream& stream, const std::vector<mx::array>& inputs, mx::array& out, Work work) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream);
-  for (const auto& input : inputs) encoder.set_input_array(input);
-  encoder.set_output_array(out);
-  std::vector<mx::array> operands;
-  for (const auto& input : inputs) operands.push_back(mx::array::unsafe_weak_copy(input));
-  encoder.dispatch([operands = std::move(operands), work = std::move(work), o = out.data<float>()] {
-    work(operands, o);
-  });
 }
 
 void set_mask(Attention& a, const mx::array& mask) {
@@ -466,7 +472,8 @@ class GatedActivation : public Kernel {
       std::optional<RowMajor> up;
       if (operands.size() > 1) up.emplace(operands[1]);
       const long n = static_cast<long>(operands[0].size());
-      parallel_for(static_cast<int>((n + ACTIVATION_ELEMENTS - 1) / ACTIVATION_ELEMENTS), [&](int t) {
+      const int tasks = static_cast<int>((n + ACTIVATION_ELEMENTS - 1) / ACTIVATION_ELEMENTS);
+      parallel_for(tasks, [&](int t) {
         const long i0 = static_cast<long>(t) * ACTIVATION_ELEMENTS;
         activation_range(x.data(), up ? up->data() : nullptr, act, o, i0,
                          std::min(n, i0 + ACTIVATION_ELEMENTS));
@@ -502,12 +509,13 @@ std::vector<uint32_t> indices(const mx::array& a) {
 }
 
 // One expert's matrix of a [experts, n, ...] quantized stack (mlx-lm's SwitchLinear).
-QuantizedWeight expert(const QuantizedWeight& stack, const mx::array& scales, int e) {
+QuantizedWeight expert(const QuantizedWeight& stack, int e) {
   const long values = static_cast<long>(stack.n) * stack.k;
+  const long scale_bytes = stack.scale_type == ScaleType::float32 ? 4 : 2;
   QuantizedWeight w = stack;
   w.packed += values * stack.bits / 32 * e;
-  w.scales = static_cast<const char*>(stack.scales) + values / stack.group * e * scales.itemsize();
-  w.biases = static_cast<const char*>(stack.biases) + values / stack.group * e * scales.itemsize();
+  w.scales = static_cast<const char*>(stack.scales) + values / stack.group * e * scale_bytes;
+  w.biases = static_cast<const char*>(stack.biases) + values / stack.group * e * scale_bytes;
   return w;
 }
 
@@ -517,22 +525,16 @@ QuantizedWeight expert(const QuantizedWeight& stack, const mx::array& scales, in
 // (or sgemm tiles) as quantized_matmul. Inputs: x [..., m, k], the stack's weight, scales
 // and biases [experts, n, ...], the lhs and rhs indices broadcast to one shape (uint32); out
 // [that shape..., m, n].
-class GatherQuantizedMatmul : public Kernel {
+class GatherQuantizedMatmul : public QuantizedKernel {
  public:
-  GatherQuantizedMatmul(mx::Stream stream, int group, int bits)
-      : Kernel(stream), group_(group), bits_(bits) {}
+  using QuantizedKernel::QuantizedKernel;
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto work = [group = group_, bits = bits_](
+    const auto work = [stack = weight(inputs[1], inputs[2], inputs[3])](
                           const std::vector<mx::array>& operands, float* o) {
       const auto& x = operands[0];
-      const auto& w = operands[1];
-      const int experts = static_cast<int>(w.shape(0));
+      const int experts = static_cast<int>(operands[1].shape(0));
       const int m = static_cast<int>(x.shape(-2));
-      const QuantizedWeight stack{
-          w.data<uint32_t>(), operands[2].data<void>(), operands[3].data<void>(),
-          *scale_type(operands[2].dtype()), bits, group, static_cast<int>(w.shape(1)),
-          static_cast<int>(x.shape(-1))};
       const int n = stack.n, k = stack.k;
       const auto batches = static_cast<uint32_t>(x.size() / (static_cast<size_t>(m) * k));
       const auto lhs = indices(operands[4]);
@@ -574,7 +576,7 @@ class GatherQuantizedMatmul : public Kernel {
           }
         }
         if (by_tiles(rows)) {
-          multiply_by_tiles(find_sgemm(), first, stride, rows, expert(stack, operands[2], e),
+          multiply_by_tiles(first, stride, rows, expert(stack, e),
                             results.data() + static_cast<long>(starts[e]) * m * n);
           continue;
         }
@@ -584,7 +586,7 @@ class GatherQuantizedMatmul : public Kernel {
         const auto [e, c0] = tasks[t];
         const long row = static_cast<long>(starts[e]) * m;
         quantized_matmul_columns(spread + row * stride, stride, (starts[e + 1] - starts[e]) * m,
-                                 expert(stack, operands[2], e), results.data() + row * n, c0,
+                                 expert(stack, e), results.data() + row * n, c0,
                                  std::min(n, c0 + COLUMNS_PER_TASK));
       });
 
@@ -598,14 +600,6 @@ class GatherQuantizedMatmul : public Kernel {
   }
 
   const char* name() const override { return "MlxgateGatherQuantizedMatmul"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& that = static_cast<const GatherQuantizedMatmul&>(other);
-    return group_ == that.group_ && bits_ == that.bits_;
-  }
-
- private:
-  int group_;
-  int bits_;
 };
 
 // The inverse frequencies of a rope with this base, computed by MLX's own ops as its rope

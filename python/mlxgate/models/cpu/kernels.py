@@ -61,20 +61,26 @@ def describe() -> str:
     return f"mlxgate's AVX2 kernels ({found.threads()} threads)"
 
 
+def _copy_of(module: types.ModuleType, **replacements: Any) -> types.ModuleType:
+    """A module object holding what `module` holds, with `replacements` in place."""
+    copy = types.ModuleType(module.__name__)
+    copy.__dict__.update(vars(module))
+    copy.__dict__.update(replacements)
+    return copy
+
+
 @cache
 def _mlx_core_with_kernels() -> types.ModuleType:
     """A copy of `mlx.core` whose quantized_matmul, gather_qmm, fast.rms_norm and fast.rope are
     the kernels."""
     extension = _extension()
-    fast = types.ModuleType(mx.fast.__name__)
-    fast.__dict__.update(vars(mx.fast))
-    fast.__dict__.update(rms_norm=extension.rms_norm, rope=extension.rope)
-    core = types.ModuleType(mx.__name__)
-    core.__dict__.update(vars(mx))
-    core.__dict__.update(
-        fast=fast, quantized_matmul=extension.quantized_matmul, gather_qmm=extension.gather_qmm
+    fast = _copy_of(mx.fast, rms_norm=extension.rms_norm, rope=extension.rope)
+    return _copy_of(
+        mx,
+        fast=fast,
+        quantized_matmul=extension.quantized_matmul,
+        gather_qmm=extension.gather_qmm,
     )
-    return core
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
@@ -92,10 +98,7 @@ def gelu_approx(x: mx.array) -> mx.array:
 @cache
 def _mlx_nn_with_kernels() -> types.ModuleType:
     """A copy of `mlx.nn` whose gelu_approx is the kernel's."""
-    copy = types.ModuleType(nn.__name__)
-    copy.__dict__.update(vars(nn))
-    copy.__dict__.update(gelu_approx=gelu_approx)
-    return copy
+    return _copy_of(nn, gelu_approx=gelu_approx)
 
 
 def install(model: nn.Module) -> bool:
