@@ -361,6 +361,76 @@ def test_attention_over_a_quantized_cache_it_cannot_read_is_left_to_mlx_lm(ext: 
     assert call(q, k, k, scale=0.125, group_size=64, bits=8) is not None
 
 
+def int8_reference(
+    x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int
+) -> np.ndarray:
+    """The int8 path's arithmetic in numpy (float64 but for x's quantization, which is float32
+    as the kernel's): x quantized per group (max |x| / 127, ties to even), the integer dot
+    products of each group scaled by both scales, the biases times x's group sums."""
+    n, k = packed.shape[0], x.shape[-1]
+    raw = np.asarray(packed).view(np.uint8).reshape(n, -1).astype(np.int64)
+    q = raw if bits == 8 else np.stack([raw & 15, raw >> 4], -1).reshape(n, k)
+    xs = np.asarray(x).reshape(-1, k // group, group)
+    amax = np.abs(xs).max(-1)
+    inverse = np.where(amax > 0, np.float32(127) / np.maximum(amax, 1e-30), 0).astype(np.float32)
+    xq = np.rint(xs * inverse[..., None]).astype(np.int64)
+    dots = np.einsum("rgj,cgj->rcg", xq, q.reshape(n, k // group, group)).astype(np.float64)
+    x_scales = (amax / np.float32(127)).astype(np.float64)
+    s = np.asarray(scales.astype(mx.float32)).astype(np.float64)
+    b = np.asarray(biases.astype(mx.float32)).astype(np.float64)
+    out = (dots * x_scales[:, None, :] * s).sum(-1) + xs.sum(-1).astype(np.float64) @ b.T
+    return out.reshape(*x.shape[:-1], n)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (8, 16), (8, 32), (8, 64)])
+def test_int8_matmul_does_the_int8_arithmetic(ext: Any, width: str, bits: int, group: int) -> None:
+    """AVX2's maddubs (8-bit weights by the sign trick) and AVX-512 VNNI's vpdpbusd, where this
+    CPU has it: the same numbers as the int8 arithmetic written out, for 1..33 rows, groups that
+    fill one lane set, several, and a last one padded."""
+    from mlxgate.models.cpu.int8 import layout
+
+    for seed, (n, groups) in enumerate([(37, 3), (130, 9), (1, 1), (65, 20), (9, 32)]):
+        k = group * groups
+        packed, scales, biases = quantized(n, k, bits, group, mx.float16, seed)
+        int8_weight = layout(packed, scales, biases, group, bits)
+        for rows in (1, 2, 5, 8, 33):
+            x = mx.random.normal((rows, k), key=mx.random.key(200 + rows)) * 3
+            if rows == 5:
+                x = x * (mx.arange(k) >= group)  # a group of zeros: scale 0
+            got = ext.int8_matmul(x, *int8_weight, group_size=group, bits=bits)
+            want = int8_reference(x, packed, scales, biases, group, bits)
+            close(got, mx.array(want.astype(np.float32)), 1e-5)
+
+
+def test_int8_matmul_is_close_to_the_exact_one_and_takes_batches(ext: Any) -> None:
+    from mlxgate.models.cpu.int8 import layout
+
+    packed, scales, biases = quantized(200, 640, 8, 32, mx.bfloat16, seed=21)
+    x = mx.random.normal((2, 3, 640), key=mx.random.key(22))
+    got = ext.int8_matmul(x, *layout(packed, scales, biases, 32, 8), group_size=32, bits=8)
+    want = ext.quantized_matmul(x, packed, scales, biases, True, 32, 8)
+    assert got.shape == (2, 3, 200)
+    error = np.abs(np.asarray(got) - np.asarray(want))
+    assert 0 < error.max() < 0.02 * np.abs(np.asarray(want)).max()  # not exact, but near
+
+
+def test_int8_matmul_refuses_what_it_cannot_take(ext: Any) -> None:
+    from mlxgate.models.cpu.int8 import layout
+
+    packed, scales, biases = quantized(16, 256, 4, 32, mx.float16, seed=23)
+    weight = layout(packed, scales, biases, 32, 4)
+    x = mx.random.normal((2, 256))
+    for call in (
+        lambda: ext.int8_matmul(mx.zeros((2, 288)), *weight, group_size=32, bits=4),  # 9 groups
+        lambda: ext.int8_matmul(x, *weight, group_size=64, bits=4),  # another group
+        lambda: ext.int8_matmul(x, *weight, group_size=32, bits=8),  # another width
+        lambda: ext.int8_matmul(x.astype(mx.float16), *weight, group_size=32, bits=4),
+        lambda: ext.int8_matmul(x, weight[0][:, 1:], *weight[1:], group_size=32, bits=4),
+    ):
+        with pytest.raises(ValueError, match="int8_matmul"):
+            call()
+
+
 def tiny_quantized_llama() -> nn.Module:
     from mlx_lm.models import llama
     from mlx_lm.utils import quantize_model
@@ -400,6 +470,28 @@ def test_kernels_go_to_one_instance_not_to_mlx_or_its_siblings() -> None:
     assert "as_linear" in vars(type(ours.model.embed_tokens))
     close(ours(tokens), before, 1e-4)
     np.testing.assert_array_equal(np.asarray(sibling(tokens)), np.asarray(before))
+
+
+def test_int8_activations_take_several_rows_and_leave_one_row_exact() -> None:
+    from mlxgate.models.cpu import int8
+
+    ours, exact = tiny_quantized_llama(), tiny_quantized_llama()
+    kernels.install(ours)
+    kernels.install(exact)
+    linears = [m for m in ours.modules() if isinstance(m, nn.QuantizedLinear)]
+    count, size = int8.install(ours)
+    assert count == len(linears) + 1  # and the tied head
+    assert size == int8.nbytes(ours) > 0
+    assert int8.install(ours) == (0, 0)  # once
+    assert "_int8" not in ours.parameters()["model"]["layers"][0]["mlp"]["up_proj"]
+
+    one = mx.array([[7]])
+    np.testing.assert_array_equal(np.asarray(ours(one)), np.asarray(exact(one)))
+    tokens = mx.array([list(range(40)), list(range(40, 80))])
+    got, want = np.asarray(ours(tokens)), np.asarray(exact(tokens))
+    error = np.abs(got - want).max()
+    assert 0 < error < 0.05 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])

@@ -32,6 +32,12 @@ NB_MODULE(_ext, m) {
         "group_size"_a = nb::none(), "bits"_a = nb::none(), "mode"_a = "affine",
         nb::kw_only(), "stream"_a = nb::none(),
         "mx.quantized_matmul, with the kernel where it applies.");
+  m.def("int8_matmul", &mlxgate::int8_matmul, nb::arg("x"), nb::arg("packed"), "scales"_a,
+        "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a, "stream"_a = nb::none(),
+        "x @ w.T with x quantized to 8 bits a group, w in the int8 layout (models/cpu/int8.py): "
+        "faster where a step is bound by its multiply-adds, not exact.");
+  m.def("vnni_supported", &mlxgate::vnni_supported,
+        "Whether int8_matmul can use AVX-512 VNNI here (when using_avx512()).");
   m.def("gather_qmm", &mlxgate::gather_qmm, nb::arg("x"), nb::arg("w"), "scales"_a,
         "biases"_a = nb::none(), "lhs_indices"_a = nb::none(), "rhs_indices"_a = nb::none(),
         "transpose"_a = true, "group_size"_a = nb::none(), "bits"_a = nb::none(),

@@ -56,6 +56,50 @@ bool using_avx512();
 void quantized_matmul_columns_avx512(
     const float* x, long x_stride, int rows, const QuantizedWeight& w, float* out, int c0, int c1);
 
+// The int8-activation path (opt-in, not exact: llama.cpp's way of multiplying quantized weights
+// by activations quantized to 8 bits). A weight in the int8 layout has its groups taken eight
+// at a time (a lane set; zero groups pad the last), each 32-byte chunk holding four bytes of
+// each of its eight groups (lane i: bytes 4t..4t+3 of group i), so that a group's integer
+// products sum in one 32-bit lane and are converted and scaled once a group, not once a
+// multiply (models/cpu/int8.py makes the layout).
+constexpr int INT8_LANES = 8;
+
+struct Int8Weight {
+  const uint8_t* packed;  // [n, padded_groups * group * bits / 8]; 4 bits: each 32 bytes hold a
+                          // chunk in their low nibbles and the next in their high ones
+  const float* scales;    // [n, padded_groups]
+  const float* biases;    // [n, padded_groups]
+  int bits;               // 4 or 8
+  int group;              // 16 (8 bits only), 32 or 64
+  int n;
+  int padded_groups;      // a multiple of INT8_LANES
+};
+
+// Rows of x in the same chunk order, each group quantized to 8 bits by its own scale (max |x|
+// / 127), with x's float sum over each group (which the biases multiply) and 128 times the sum
+// of its quantized values (what an 8-bit weight taken as q - 128 leaves out of a dot product).
+struct Int8Rows {
+  int8_t* q;        // [rows, padded_groups * group]
+  float* scales;    // [rows, padded_groups]
+  float* sums;      // [rows, padded_groups]
+  int32_t* shifts;  // [rows, padded_groups]
+};
+
+// Rows [r0, r1) of x ([rows, k], `x_stride` floats apart) into `into` as Int8Rows lays them out
+// for a weight of this group and padded_groups (padding groups are zeros).
+void quantize_rows_int8(
+    const float* x, long x_stride, int k, int group, int padded_groups, const Int8Rows& into,
+    int r0, int r1);
+
+// out[r, c] ([rows, w.n]) for every row and columns [c0, c1): AVX2's maddubs (an 8-bit weight
+// taken as q - 128 by the sign trick), or AVX-512 VNNI's vpdpbusd where the CPU has it and
+// using_avx512().
+void int8_matmul_columns(
+    const Int8Rows& x, int rows, const Int8Weight& w, float* out, int c0, int c1);
+bool vnni_supported();
+void int8_matmul_columns_vnni(
+    const Int8Rows& x, int rows, const Int8Weight& w, float* out, int c0, int c1);
+
 // The dequantized weight's rows [c0, c1) into dst ([c1 - c0, k], row-major).
 void dequantize_columns(const QuantizedWeight& w, float* dst, int c0, int c1);
 

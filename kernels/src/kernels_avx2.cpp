@@ -12,6 +12,7 @@
 #if defined(MLXGATE_X86)
 #include <immintrin.h>
 
+#include "int8_matmul.h"
 #include "scales.h"
 
 namespace mlxgate {
@@ -223,6 +224,109 @@ void quantized_matmul_columns(
     matmul_columns<4>(x, x_stride, rows, w, out, c0, c1);
   } else {
     matmul_columns<8>(x, x_stride, rows, w, out, c0, c1);
+  }
+}
+
+namespace {
+
+// The int8 path's multiply with AVX2: maddubs (unsigned weight bytes by signed x bytes, pairs
+// summed to 16 bits) and madd (to 32). An 8-bit weight (0..255 would saturate the pairs) is
+// taken as q - 128: its magnitude against x with its sign (llama.cpp's sign trick); its column
+// unpacked as the two, a chunk apart.
+struct MaddubsProducts {
+  static constexpr bool signed_bytes = true;
+  static constexpr int chunk_vectors(int bits) { return bits == 8 ? 2 : 1; }
+
+  template <int BITS>
+  static const __m256i* unpack(const uint8_t* packed, long chunks, __m256i* scratch) {
+    if constexpr (BITS == 4) {
+      return unpack_nibbles(packed, chunks, scratch);
+    } else {
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (long t = 0; t < chunks; ++t) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed) + t);
+        const __m256i centred = _mm256_xor_si256(v, flip);
+        scratch[2 * t] = _mm256_abs_epi8(centred);
+        scratch[2 * t + 1] = centred;
+      }
+      return scratch;
+    }
+  }
+
+  template <int BITS>
+  static __m256i step(__m256i sums, const __m256i* weights, long t, __m256i x) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i pairs;
+    if constexpr (BITS == 4) {
+      pairs = _mm256_maddubs_epi16(weights[t], x);
+    } else {
+      pairs = _mm256_maddubs_epi16(weights[2 * t], _mm256_sign_epi8(x, weights[2 * t + 1]));
+    }
+    return _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
+  }
+};
+
+// Eight floats times `inverse`, rounded to the nearest integer (ties to even): their eight
+// bytes in order (the values are within +-127), and the values added to `total`.
+inline uint64_t quantize8(const float* x, __m256 inverse, __m256i& total) {
+  const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), inverse));
+  total = _mm256_add_epi32(total, v);
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  return static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packs_epi16(words, words)));
+}
+
+}  // namespace
+
+void quantize_rows_int8(
+    const float* x, long x_stride, int k, int group, int padded_groups, const Int8Rows& into,
+    int r0, int r1) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const long row_bytes = static_cast<long>(padded_groups) * group;
+  const int groups = k / group;
+  for (int r = r0; r < r1; ++r) {
+    const float* xr = x + r * x_stride;
+    int8_t* qr = into.q + r * row_bytes;
+    const long at = static_cast<long>(r) * padded_groups;
+    for (int g = 0; g < padded_groups; ++g) {
+      // Group g is lane g % 8 of lane set g / 8: its bytes 4t..4t+3 sit in chunk t of the set.
+      int8_t* lane = qr + static_cast<long>(g / INT8_LANES) * INT8_LANES * group + (g % INT8_LANES) * 4;
+      if (g >= groups) {
+        for (int t = 0; t < group / 4; ++t) std::memset(lane + t * 32, 0, 4);
+        into.scales[at + g] = into.sums[at + g] = 0.0f;
+        into.shifts[at + g] = 0;
+        continue;
+      }
+      const float* xg = xr + static_cast<long>(g) * group;
+      __m256 largest = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+      for (int j = 0; j < group; j += 8) {
+        const __m256 v = _mm256_loadu_ps(xg + j);
+        largest = _mm256_max_ps(largest, _mm256_and_ps(v, magnitude));
+        total = _mm256_add_ps(total, v);
+      }
+      __m128 half = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+      half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+      into.scales[at + g] = amax / 127.0f;
+      into.sums[at + g] = horizontal_sum(total);
+      const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      __m256i quantized = _mm256_setzero_si256();
+      for (int j = 0; j < group; j += 8) {
+        const uint64_t eight = quantize8(xg + j, inverse, quantized);
+        std::memcpy(lane + (j / 4) * 32, &eight, 4);
+        std::memcpy(lane + (j / 4 + 1) * 32, reinterpret_cast<const char*>(&eight) + 4, 4);
+      }
+      into.shifts[at + g] = 128 * static_cast<int32_t>(horizontal_sum(_mm256_cvtepi32_ps(quantized)));
+    }
+  }
+}
+
+void int8_matmul_columns(
+    const Int8Rows& x, int rows, const Int8Weight& w, float* out, int c0, int c1) {
+  static const bool vnni = vnni_supported();
+  if (vnni && wide.load(std::memory_order_relaxed)) {
+    int8_matmul_columns_vnni(x, rows, w, out, c0, c1);
+  } else {
+    int8_matmul<MaddubsProducts>(x, rows, w, out, c0, c1);
   }
 }
 
@@ -506,6 +610,8 @@ namespace mlxgate {
 bool cpu_supported() { return false; }
 void quantized_matmul_columns(const float*, long, int, const QuantizedWeight&, float*, int, int) {}
 void dequantize_columns(const QuantizedWeight&, float*, int, int) {}
+void quantize_rows_int8(const float*, long, int, int, int, const Int8Rows&, int, int) {}
+void int8_matmul_columns(const Int8Rows&, int, const Int8Weight&, float*, int, int) {}
 void rms_norm_rows(const float*, const float*, float, int, float*, int, int) {}
 void rope_rows(const float*, const float*, const float*, int, bool, int, float*, int, int) {}
 void activation_range(const float*, const float*, Activation, float*, long, long) {}

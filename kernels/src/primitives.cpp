@@ -227,6 +227,55 @@ class QuantizedMatmul : public QuantizedKernel {
   const char* name() const override { return "MlxgateQuantizedMatmul"; }
 };
 
+// The int8-activation matmul: x quantized a group at a time (rows over the pool), then the
+// weight's columns over the pool.
+class Int8Matmul : public Kernel {
+ public:
+  Int8Matmul(mx::Stream stream, int group, int bits) : Kernel(stream), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& scales = inputs[2];
+    const Int8Weight w{inputs[1].data<uint8_t>(), scales.data<float>(), inputs[3].data<float>(),
+                       bits_, group_, static_cast<int>(scales.shape(0)),
+                       static_cast<int>(scales.shape(1))};
+    const auto work = [w](const std::vector<mx::array>& operands, float* o) {
+      const RowMajor input(operands[0]);
+      const int k = static_cast<int>(operands[0].shape(-1));
+      const int rows = static_cast<int>(operands[0].size() / k);
+      const long row_bytes = static_cast<long>(w.padded_groups) * w.group;
+      thread_local std::vector<int8_t> quantized;
+      thread_local std::vector<float> row_scales, row_sums;
+      thread_local std::vector<int32_t> row_shifts;
+      quantized.resize(static_cast<size_t>(rows) * row_bytes);
+      row_scales.resize(static_cast<size_t>(rows) * w.padded_groups);
+      row_sums.resize(static_cast<size_t>(rows) * w.padded_groups);
+      row_shifts.resize(static_cast<size_t>(rows) * w.padded_groups);
+      // (The workers see this thread's buffers, not their own.)
+      const Int8Rows x{quantized.data(), row_scales.data(), row_sums.data(), row_shifts.data()};
+      const float* xs = input.data();
+      parallel_for((rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, [&](int t) {
+        const int r0 = t * ROWS_PER_TASK;
+        quantize_rows_int8(xs, k, k, w.group, w.padded_groups, x, r0, std::min(rows, r0 + ROWS_PER_TASK));
+      });
+      parallel_for((w.n + COLUMNS_PER_TASK - 1) / COLUMNS_PER_TASK, [&](int t) {
+        const int c0 = t * COLUMNS_PER_TASK;
+        int8_matmul_columns(x, rows, w, o, c0, std::min(w.n, c0 + COLUMNS_PER_TASK));
+      });
+    };
+    dispatch_over(stream(), inputs, outputs[0], work);
+  }
+
+  const char* name() const override { return "MlxgateInt8Matmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& that = static_cast<const Int8Matmul&>(other);
+    return group_ == that.group_ && bits_ == that.bits_;
+  }
+
+ private:
+  int group_;
+  int bits_;
+};
+
 class RMSNorm : public Kernel {
  public:
   RMSNorm(mx::Stream stream, float eps) : Kernel(stream), eps_(eps) {}
@@ -686,6 +735,38 @@ mx::array quantized_matmul(
   return mx::array(
       std::move(shape), mx::float32, std::make_shared<QuantizedMatmul>(stream, group, width),
       {x, w, scales, *biases});
+}
+
+mx::array int8_matmul(
+    const mx::array& x, const mx::array& packed, const mx::array& scales,
+    const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  const auto fail = [](const std::string& why) { throw std::invalid_argument("int8_matmul: " + why); };
+  if (!on_cpu(stream) || !cpu_supported()) fail("runs on a CPU with AVX2 only");
+  if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
+  if (!(group_size == 32 || group_size == 64 || (group_size == 16 && bits == 8))) {
+    fail("group_size must be 32 or 64 (or 16 at 8 bits)");
+  }
+  if (x.dtype() != mx::float32 || x.ndim() < 1 || x.size() == 0) fail("x must be float32");
+  if (scales.ndim() != 2 || scales.dtype() != mx::float32 || biases.shape() != scales.shape() ||
+      biases.dtype() != mx::float32 || scales.shape(1) % INT8_LANES != 0) {
+    fail("scales and biases must be float32 [n, padded groups], a multiple of 8 groups");
+  }
+  const int k = static_cast<int>(x.shape(-1));
+  if (k % group_size != 0 || k > scales.shape(1) * group_size ||
+      k <= (scales.shape(1) - INT8_LANES) * group_size) {
+    fail("x's last axis does not match the weight's groups");
+  }
+  const mx::Shape packed_shape{scales.shape(0), scales.shape(1) * group_size * bits / 8};
+  if (packed.dtype() != mx::uint8 || packed.shape() != packed_shape) {
+    fail("the packed weight must be uint8 [n, padded groups * group_size * bits / 8]");
+  }
+  auto shape = x.shape();
+  shape.back() = scales.shape(0);
+  const auto contiguous = [&](const mx::array& a) { return mx::contiguous(a, false, stream); };
+  return mx::array(
+      std::move(shape), mx::float32, std::make_shared<Int8Matmul>(stream, group_size, bits),
+      {x, contiguous(packed), contiguous(scales), contiguous(biases)});
 }
 
 mx::array gather_qmm(

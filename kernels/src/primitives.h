@@ -22,6 +22,14 @@ mx::array quantized_matmul(
     const std::optional<mx::array>& biases, bool transpose, std::optional<int> group_size,
     std::optional<int> bits, const std::string& mode, mx::StreamOrDevice s);
 
+// The int8-activation matmul (opt-in, not exact; kernels.h's Int8Weight): x [..., k] float32
+// quantized to 8 bits a group, against a weight in the int8 layout (models/cpu/int8.py makes
+// it): packed uint8, scales and biases float32 [n, padded groups]. Throws std::invalid_argument
+// for anything else.
+mx::array int8_matmul(
+    const mx::array& x, const mx::array& packed, const mx::array& scales,
+    const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s);
+
 // mx.gather_qmm on the same weights (a stack of experts' matrices), for mlx-lm's
 // QuantizedSwitchLinear: each expert's matrix read once for every row routed to it.
 mx::array gather_qmm(

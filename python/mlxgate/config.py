@@ -87,6 +87,14 @@ class Config:
         "serve on MLX's own CPU ops, without mlxgate's kernels (quantized matmul, RMSNorm and "
         "RoPE with AVX2; used by default on x86-64 CPUs that have AVX2)",
     )
+    int8_activations: bool = setting(
+        False,
+        "multiply the quantized weights by activations quantized to 8 bits, as integers "
+        "(llama.cpp's way), in every matmul of two rows or more (several streams, prefill): "
+        "faster there, not exact (greedy output can differ from the default's; "
+        "benches/int8_agreement.py measures how often). Needs the CPU kernels; keeps a second "
+        "copy of the quantized weights",
+    )
     trust_remote_code: bool = setting(
         False,
         "let a model directory whose config.json names a `model_file` run that Python file to "

@@ -96,6 +96,7 @@ def load_model(
         rope_scaling=spec.rope_scaling,
         weights=config.weights,
         cpu_kernels=not config.no_cpu_kernels,
+        int8_activations=config.int8_activations,
         shard=shard,
     )
 
@@ -107,6 +108,7 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
     from mlx.utils import tree_flatten
 
     from mlxgate import models
+    from mlxgate.models.cpu import int8
 
     started = time.monotonic()
     group = ranks.group()
@@ -186,7 +188,7 @@ def serve_model(spec: ModelSpec, config: Config, turns: Turns | None = None) -> 
         engine,
         renderer,
         loaded.context_length,
-        weights_bytes=sum(array.nbytes for _, array in weights),
+        weights_bytes=sum(array.nbytes for _, array in weights) + int8.nbytes(loaded.model),
         cache_bytes=lambda: engine.metrics.kv_bytes + engine.prefix_cache.nbytes,
         metrics=EngineCollector(engine),
         vision=VisionPrompts(loaded.vision) if loaded.vision is not None else None,

@@ -4,6 +4,7 @@ from mlxgate_kernels._ext import (
     activation,
     cpu_supported,
     gather_qmm,
+    int8_matmul,
     quantized_matmul,
     quantized_scaled_dot_product_attention,
     rms_norm,
@@ -14,12 +15,14 @@ from mlxgate_kernels._ext import (
     threads,
     use_avx512,
     using_avx512,
+    vnni_supported,
 )
 
 __all__ = [
     "activation",
     "cpu_supported",
     "gather_qmm",
+    "int8_matmul",
     "quantized_matmul",
     "quantized_scaled_dot_product_attention",
     "rms_norm",
@@ -30,4 +33,5 @@ __all__ = [
     "threads",
     "use_avx512",
     "using_avx512",
+    "vnni_supported",
 ]

@@ -20,6 +20,17 @@ def quantized_matmul(
     *,
     stream: mx.Stream | mx.Device | None = None,
 ) -> mx.array: ...
+def int8_matmul(
+    x: mx.array,
+    packed: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    *,
+    group_size: int,
+    bits: int,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array: ...
+def vnni_supported() -> bool: ...
 def gather_qmm(
     x: mx.array,
     w: mx.array,

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from mlxgate.models import context, sampling_defaults, vision, yarn
 from mlxgate.models.context import ServedContext
-from mlxgate.models.cpu import install_kernels, kernels
+from mlxgate.models.cpu import install_kernels, int8, kernels
 from mlxgate.models.gguf import loading
 from mlxgate.models.tokenizer import ChatTokenizer
 
@@ -155,6 +155,7 @@ def load(
     rope_scaling: str = "yarn",
     weights: str = "quantized",
     cpu_kernels: bool = True,
+    int8_activations: bool = False,
     shard: Callable[[nn.Module], None] | None = None,
 ) -> LoadedModel:
     """Load the model named by `--model`; None means the embedded default. `trust_remote_code`
@@ -162,21 +163,37 @@ def load(
     `context_length` (None: the model's own; the embedded default's is DEFAULT_MODEL_CONTEXT)
     past the model's own context is reached by `rope_scaling` ("yarn" or "linear").
     `weights`: "quantized" serves quantized weights as stored, "float32" dequantizes them.
-    `cpu_kernels`: mlxgate's CPU kernels where this machine runs them (models/cpu/).
+    `cpu_kernels`: mlxgate's CPU kernels where this machine runs them (models/cpu/);
+    `int8_activations` their int8 path for matmuls of several rows (models/cpu/int8.py).
     `shard`: loads just this rank's part of the model (ranks.py; an mlx-lm model).
     """
     if spec is None and context_length is None:
         context_length = DEFAULT_MODEL_CONTEXT
     dequantize_to = mx.float32 if weights == "float32" else None
     loaded = _load(spec, dequantize_to, trust_remote_code, context_length, rope_scaling, shard)
-    if loaded.vision is not None:  # the language model; the vision tower keeps MLX's ops
-        served = install_kernels(loaded.model.language_model, native=cpu_kernels)
-        loaded.kernels = f"{served} on the language model, MLX's own on the vision tower"
-    else:
-        loaded.kernels = install_kernels(loaded.model, native=cpu_kernels)
+    language = loaded.model if loaded.vision is None else loaded.model.language_model
+    loaded.kernels = install_kernels(language, native=cpu_kernels)
+    if int8_activations:
+        loaded.kernels += "; " + _install_int8(language)
+    if loaded.vision is not None:  # the vision tower keeps MLX's ops
+        loaded.kernels += " on the language model, MLX's own on the vision tower"
     if not kernels.installed(loaded.model):
         loading.widen_groups_of_16(loaded.model)  # (a GGUF file's Q6_K tensors)
     return loaded
+
+
+def _install_int8(model: nn.Module) -> str:
+    """The int8-activation path on `model`'s quantized matrices, and what the start-up line says
+    of it."""
+    if not kernels.installed(model):
+        return "no int8 activations (they need the CPU kernels)"
+    count, size = int8.install(model)
+    if count == 0:
+        return "no int8 activations (no quantized matrix they take)"
+    return (
+        f"int8 activations (not exact) on {count} matrices from {int8.MIN_ROWS} rows, "
+        f"{size / 2**20:.0f} MiB more"
+    )
 
 
 def _load(
