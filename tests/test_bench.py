@@ -411,6 +411,7 @@ def test_the_edit_scenario_reports_the_guesses_kept(
     assert "--max-draft-tokens" in spawn.command("mlxgate-plain", 8080, 1)
     before_kernels = spawn.command("mlxgate-float32", 8080, 1)
     assert "--no-cpu-kernels" in before_kernels and "float32" in before_kernels
+    assert "--int8-activations" in spawn.command("mlxgate-int8", 8080, 1)
 
 
 def test_the_scenarios_on_the_real_server(server: RunningServer, tmp_path: Path) -> None:

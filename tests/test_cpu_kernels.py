@@ -494,6 +494,37 @@ def test_int8_activations_take_several_rows_and_leave_one_row_exact() -> None:
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
 
 
+def test_a_model_with_int8_activations_is_still_served_in_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's start-up check (is a batch computed as each sequence alone?) compares one
+    row with several, which the int8 path computes differently by design (the embedded model's
+    rows by 2%, and the engine then served it one sequence at a time): the check runs with the
+    int8 path suspended, so the model is still prefilled and decoded in batches."""
+    from mlxgate.engine import batch_check
+    from mlxgate.models.cpu import int8
+    from support.tiny_engine import Served
+
+    monkeypatch.setattr(batch_check, "TOLERANCE", 1e-5)
+    model, exact = tiny_quantized_llama(), tiny_quantized_llama()
+    kernels.install(model)
+    kernels.install(exact)
+    int8.install(model)
+    tokens = mx.array([[5, 17, 3, 99], [1, 2, 3, 4]])
+    assert not np.array_equal(np.asarray(model(tokens)), np.asarray(exact(tokens)))
+    with int8.suspended(model):  # as the check runs it
+        np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(exact(tokens)))
+    assert not np.array_equal(np.asarray(model(tokens)), np.asarray(exact(tokens)))
+    served = Served(model)
+    try:
+        assert served.engine.batch_problems.prefill is None
+        assert served.engine.batch_problems.decode is None
+        readers = [served.submit([5, 17, 3 + i, 99]) for i in range(4)]
+        assert all(len(served.result(reader)[0]) == 12 for reader in readers)
+    finally:
+        served.engine.stop()
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_the_experts_of_a_mixture_go_through_the_kernel(ext: Any, arch: str) -> None:
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear

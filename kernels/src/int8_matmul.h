@@ -15,11 +15,14 @@ namespace mlxgate {
 namespace {
 
 constexpr int INT8_MAX_COLUMNS = 4;
+// Chunks a Products accumulator takes before `finish` (AVX2's 16-bit sums of 4-bit products,
+// at most 2 * 15 * 127 each a chunk, hold eight).
+constexpr long INT8_RUN = 8;
 
 // COLS columns from c against every row. Products (the instruction set's) says how a column's
 // packed bytes are laid out for its multiply (`unpack`, into a scratch buffer of this thread's)
-// and how one 32-byte chunk of them meets 32 bytes of x (`step`, eight 32-bit sums, four
-// products each). A lane set's integer sums (an 8-bit weight's taken as q - 128 where Products
+// and how one 32-byte chunk of them meets 32 bytes of x (`step`, into an accumulator that
+// `finish` turns into eight 32-bit sums of four products each, every INT8_RUN chunks). A lane set's integer sums (an 8-bit weight's taken as q - 128 where Products
 // says so, the 128 times x's sum added back) are converted once and scaled by each lane's group
 // scale times its x scale; the biases meet x's group sums.
 template <class Products, int BITS, int COLS>
@@ -47,10 +50,18 @@ void int8_columns(const Int8Rows& x, int rows, const Int8Weight& w, int c, float
     for (int s = 0; s < sets; ++s) {
       __m256i sums[COLS];
       for (int cc = 0; cc < COLS; ++cc) sums[cc] = _mm256_setzero_si256();
-      for (long t = static_cast<long>(s) * chunks_per_set; t < (s + 1L) * chunks_per_set; ++t) {
-        const __m256i xv = _mm256_loadu_si256(xr + t);
+      const long first = static_cast<long>(s) * chunks_per_set;
+      for (long run = first; run < first + chunks_per_set; run += INT8_RUN) {
+        __m256i partial[COLS];
+        for (int cc = 0; cc < COLS; ++cc) partial[cc] = _mm256_setzero_si256();
+        for (long t = run; t < std::min(run + INT8_RUN, first + chunks_per_set); ++t) {
+          const __m256i xv = _mm256_loadu_si256(xr + t);
+          for (int cc = 0; cc < COLS; ++cc) {
+            partial[cc] = Products::template step<BITS>(partial[cc], weights[cc], t, xv);
+          }
+        }
         for (int cc = 0; cc < COLS; ++cc) {
-          sums[cc] = Products::template step<BITS>(sums[cc], weights[cc], t, xv);
+          sums[cc] = _mm256_add_epi32(sums[cc], Products::template finish<BITS>(partial[cc]));
         }
       }
       const int g = s * INT8_LANES;

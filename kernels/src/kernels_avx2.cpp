@@ -253,16 +253,22 @@ struct MaddubsProducts {
     }
   }
 
+  // 4 bits: the pairs' 16-bit sums accumulated as they are, widened by `finish`.
   template <int BITS>
-  static __m256i step(__m256i sums, const __m256i* weights, long t, __m256i x) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i pairs;
+  static __m256i step(__m256i partial, const __m256i* weights, long t, __m256i x) {
     if constexpr (BITS == 4) {
-      pairs = _mm256_maddubs_epi16(weights[t], x);
+      return _mm256_add_epi16(partial, _mm256_maddubs_epi16(weights[t], x));
     } else {
-      pairs = _mm256_maddubs_epi16(weights[2 * t], _mm256_sign_epi8(x, weights[2 * t + 1]));
+      const __m256i pairs =
+          _mm256_maddubs_epi16(weights[2 * t], _mm256_sign_epi8(x, weights[2 * t + 1]));
+      return _mm256_add_epi32(partial, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
     }
-    return _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
+  }
+
+  template <int BITS>
+  static __m256i finish(__m256i partial) {
+    if constexpr (BITS == 4) return _mm256_madd_epi16(partial, _mm256_set1_epi16(1));
+    return partial;
   }
 };
 

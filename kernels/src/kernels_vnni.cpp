@@ -36,6 +36,11 @@ struct DotProducts {
   static __m256i step(__m256i sums, const __m256i* weights, long t, __m256i x) {
     return _mm256_dpbusd_epi32(sums, _mm256_loadu_si256(weights + t), x);
   }
+
+  template <int BITS>
+  static __m256i finish(__m256i sums) {
+    return sums;
+  }
 };
 
 }  // namespace

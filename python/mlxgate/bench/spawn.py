@@ -42,6 +42,7 @@ SERVERS = (
     "mlxgate",
     "mlxgate-plain",
     "mlxgate-float32",
+    "mlxgate-int8",
     "mlx_lm",
     "llama-server",
     "llama-server-8k",
@@ -54,6 +55,7 @@ DIALECT = {
     "mlxgate": "anthropic",
     "mlxgate-plain": "anthropic",
     "mlxgate-float32": "anthropic",
+    "mlxgate-int8": "anthropic",
     "mlx_lm": "openai",
     "llama-server": "openai",
     "llama-server-8k": "openai",
@@ -63,6 +65,7 @@ MODEL = {
     "mlxgate": "SmolLM2-135M-Instruct",
     "mlxgate-plain": "SmolLM2-135M-Instruct",
     "mlxgate-float32": "SmolLM2-135M-Instruct",
+    "mlxgate-int8": "SmolLM2-135M-Instruct",
     "mlx_lm": "default_model",
     "llama-server": "smollm2",
     "llama-server-8k": "smollm2",
@@ -108,6 +111,8 @@ def command(name: str, port: int, slots: int, gguf: Path | None = None) -> list[
         return mlxgate_command(port, [*model, "--max-draft-tokens", "0"])
     if name == "mlxgate-float32":
         return mlxgate_command(port, [*model, "--weights", "float32", "--no-cpu-kernels"])
+    if name == "mlxgate-int8":
+        return mlxgate_command(port, [*model, "--int8-activations"])
     if name == "mlx_lm":
         if gguf is not None:
             raise ValueError("mlx_lm serves the embedded model's export only (not a --gguf)")

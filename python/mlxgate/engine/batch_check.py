@@ -18,6 +18,7 @@ from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.contract import SamplingParams
 from mlxgate.engine.sampling import Sampler
 from mlxgate.models.adapter import ModelAdapter
+from mlxgate.models.cpu import int8
 
 # Prompts of different lengths; three of them, so that the batch is not as large as the two
 # key/value heads of the smallest models (where a wrong mask broadcasts without an error).
@@ -34,8 +35,11 @@ class BatchProblems:
 
 
 def check(adapter: ModelAdapter, layout: CacheLayout, banded: bool) -> BatchProblems:
-    alone = _alone(adapter)
-    return BatchProblems(_prefill(adapter, alone), _decode(adapter, layout, banded, alone))
+    """(With --int8-activations, of the exact computation: that path differs by design between
+    one row and several.)"""
+    with int8.suspended(adapter.model):
+        alone = _alone(adapter)
+        return BatchProblems(_prefill(adapter, alone), _decode(adapter, layout, banded, alone))
 
 
 def _prefill(adapter: ModelAdapter, alone: list[mx.array]) -> str | None:
