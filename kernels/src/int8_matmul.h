@@ -14,7 +14,7 @@
 namespace mlxgate {
 namespace {
 
-constexpr int INT8_MAX_COLUMNS = 4;
+constexpr int INT8_COLUMNS = 4;  // columns a block: each load of x serves four
 // Chunks a Products accumulator takes before `finish` (AVX2's 16-bit sums of 4-bit products,
 // at most 2 * 15 * 127 each a chunk, hold eight).
 constexpr long INT8_RUN = 8;
@@ -22,9 +22,10 @@ constexpr long INT8_RUN = 8;
 // COLS columns from c against every row. Products (the instruction set's) says how a column's
 // packed bytes are laid out for its multiply (`unpack`, into a scratch buffer of this thread's)
 // and how one 32-byte chunk of them meets 32 bytes of x (`step`, into an accumulator that
-// `finish` turns into eight 32-bit sums of four products each, every INT8_RUN chunks). A lane set's integer sums (an 8-bit weight's taken as q - 128 where Products
-// says so, the 128 times x's sum added back) are converted once and scaled by each lane's group
-// scale times its x scale; the biases meet x's group sums.
+// `finish` turns into eight 32-bit sums of four products each, every INT8_RUN chunks). A lane
+// set's integer sums (an 8-bit weight's taken as q - 128 where Products says so, 128 times x's
+// sum added back) are converted once and scaled by each lane's group scale times its x scale;
+// the biases meet x's group sums.
 template <class Products, int BITS, int COLS>
 void int8_columns(const Int8Rows& x, int rows, const Int8Weight& w, int c, float* out) {
   const int chunks_per_set = w.group / 4;  // 32 bytes a chunk: four of each of the 8 groups
@@ -32,11 +33,17 @@ void int8_columns(const Int8Rows& x, int rows, const Int8Weight& w, int c, float
   const long chunks = static_cast<long>(sets) * chunks_per_set;
   const long row_bytes = chunks * 32 * BITS / 8;
   thread_local std::vector<__m256i> scratch;
-  scratch.resize(COLS * chunks * Products::chunk_vectors(BITS));
+  const long column_vectors = chunks * Products::chunk_vectors(BITS);
+  scratch.resize(COLS * column_vectors);
   const __m256i* weights[COLS];
+  const float* scales[COLS];
+  const float* biases[COLS];
   for (int cc = 0; cc < COLS; ++cc) {
-    weights[cc] = Products::template unpack<BITS>(w.packed + (c + cc) * row_bytes, chunks,
-                                                  scratch.data() + cc * chunks * Products::chunk_vectors(BITS));
+    const long column = c + cc;
+    weights[cc] = Products::template unpack<BITS>(
+        w.packed + column * row_bytes, chunks, scratch.data() + cc * column_vectors);
+    scales[cc] = w.scales + column * w.padded_groups;
+    biases[cc] = w.biases + column * w.padded_groups;
   }
   constexpr bool shifted = BITS == 8 && Products::signed_bytes;
   const long x_bytes = chunks * 32;
@@ -66,16 +73,15 @@ void int8_columns(const Int8Rows& x, int rows, const Int8Weight& w, int c, float
       }
       const int g = s * INT8_LANES;
       if constexpr (shifted) {
-        const __m256i shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_shifts + g));
+        const __m256i shift =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_shifts + g));
         for (int cc = 0; cc < COLS; ++cc) sums[cc] = _mm256_add_epi32(sums[cc], shift);
       }
       const __m256 x_scale = _mm256_loadu_ps(row_scales + g);
       const __m256 x_sum = _mm256_loadu_ps(row_sums + g);
       for (int cc = 0; cc < COLS; ++cc) {
-        const __m256 scale =
-            _mm256_mul_ps(_mm256_loadu_ps(w.scales + (c + cc) * static_cast<long>(w.padded_groups) + g), x_scale);
-        const float* biases = w.biases + (c + cc) * static_cast<long>(w.padded_groups);
-        acc[cc] = _mm256_fmadd_ps(_mm256_loadu_ps(biases + g), x_sum, acc[cc]);
+        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales[cc] + g), x_scale);
+        acc[cc] = _mm256_fmadd_ps(_mm256_loadu_ps(biases[cc] + g), x_sum, acc[cc]);
         acc[cc] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[cc]), scale, acc[cc]);
       }
     }
@@ -91,8 +97,8 @@ void int8_columns(const Int8Rows& x, int rows, const Int8Weight& w, int c, float
 template <class Products, int BITS>
 void int8_matmul(const Int8Rows& x, int rows, const Int8Weight& w, float* out, int c0, int c1) {
   int c = c0;
-  for (; c + INT8_MAX_COLUMNS <= c1; c += INT8_MAX_COLUMNS) {
-    int8_columns<Products, BITS, INT8_MAX_COLUMNS>(x, rows, w, c, out);
+  for (; c + INT8_COLUMNS <= c1; c += INT8_COLUMNS) {
+    int8_columns<Products, BITS, INT8_COLUMNS>(x, rows, w, c, out);
   }
   for (; c < c1; ++c) int8_columns<Products, BITS, 1>(x, rows, w, c, out);
 }

@@ -295,7 +295,8 @@ void quantize_rows_int8(
     const long at = static_cast<long>(r) * padded_groups;
     for (int g = 0; g < padded_groups; ++g) {
       // Group g is lane g % 8 of lane set g / 8: its bytes 4t..4t+3 sit in chunk t of the set.
-      int8_t* lane = qr + static_cast<long>(g / INT8_LANES) * INT8_LANES * group + (g % INT8_LANES) * 4;
+      const long set = g / INT8_LANES;
+      int8_t* lane = qr + set * INT8_LANES * group + (g % INT8_LANES) * 4;
       if (g >= groups) {
         for (int t = 0; t < group / 4; ++t) std::memset(lane + t * 32, 0, 4);
         into.scales[at + g] = into.sums[at + g] = 0.0f;
@@ -321,7 +322,11 @@ void quantize_rows_int8(
         std::memcpy(lane + (j / 4) * 32, &eight, 4);
         std::memcpy(lane + (j / 4 + 1) * 32, reinterpret_cast<const char*>(&eight) + 4, 4);
       }
-      into.shifts[at + g] = 128 * static_cast<int32_t>(horizontal_sum(_mm256_cvtepi32_ps(quantized)));
+      __m128i total_q = _mm_add_epi32(
+          _mm256_castsi256_si128(quantized), _mm256_extracti128_si256(quantized, 1));
+      total_q = _mm_add_epi32(total_q, _mm_shuffle_epi32(total_q, 0x4E));
+      total_q = _mm_add_epi32(total_q, _mm_shuffle_epi32(total_q, 0xB1));
+      into.shifts[at + g] = 128 * _mm_cvtsi128_si32(total_q);
     }
   }
 }

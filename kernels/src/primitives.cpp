@@ -231,7 +231,8 @@ class QuantizedMatmul : public QuantizedKernel {
 // weight's columns over the pool.
 class Int8Matmul : public Kernel {
  public:
-  Int8Matmul(mx::Stream stream, int group, int bits) : Kernel(stream), group_(group), bits_(bits) {}
+  Int8Matmul(mx::Stream stream, int group, int bits)
+      : Kernel(stream), group_(group), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& scales = inputs[2];
@@ -255,7 +256,8 @@ class Int8Matmul : public Kernel {
       const float* xs = input.data();
       parallel_for((rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, [&](int t) {
         const int r0 = t * ROWS_PER_TASK;
-        quantize_rows_int8(xs, k, k, w.group, w.padded_groups, x, r0, std::min(rows, r0 + ROWS_PER_TASK));
+        const int r1 = std::min(rows, r0 + ROWS_PER_TASK);
+        quantize_rows_int8(xs, k, k, w.group, w.padded_groups, x, r0, r1);
       });
       parallel_for((w.n + COLUMNS_PER_TASK - 1) / COLUMNS_PER_TASK, [&](int t) {
         const int c0 = t * COLUMNS_PER_TASK;
@@ -741,7 +743,9 @@ mx::array int8_matmul(
     const mx::array& x, const mx::array& packed, const mx::array& scales,
     const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
   const auto stream = mx::to_stream(s);
-  const auto fail = [](const std::string& why) { throw std::invalid_argument("int8_matmul: " + why); };
+  const auto fail = [](const std::string& why) {
+    throw std::invalid_argument("int8_matmul: " + why);
+  };
   if (!on_cpu(stream) || !cpu_supported()) fail("runs on a CPU with AVX2 only");
   if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
   if (!(group_size == 32 || group_size == 64 || (group_size == 16 && bits == 8))) {
