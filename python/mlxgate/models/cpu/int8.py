@@ -98,32 +98,30 @@ def _vnni() -> bool:
     return bool(ext.vnni_supported() and ext.using_avx512())
 
 
-def _linear_call(self: Any, x: mx.array) -> mx.array:
-    if not self._int8.takes(x):
-        return super(type(self), self).__call__(x)
-    out = self._int8(x)
-    return out + self["bias"] if "bias" in self else out
-
-
-def _embedding_as_linear(self: Any, x: mx.array) -> mx.array:
-    if not self._int8.takes(x):
-        return super(type(self), self).as_linear(x)
-    return self._int8(x)
-
-
 _classes: dict[type, type] = {}
 
 
 def _with_int8(cls: type) -> type:
     """`cls` (QuantizedLinear or QuantizedEmbedding, or the subclass the kernels gave it) whose
-    matmul takes the int8 path from `min_rows` rows."""
-    if cls not in _classes:
-        method = (
-            {"__call__": _linear_call}
-            if issubclass(cls, nn.QuantizedLinear)
-            else {"as_linear": _embedding_as_linear}
-        )
-        _classes[cls] = type(cls.__name__, (cls,), method)
+    matmul takes the int8 path from `min_rows` rows, else is `cls`'s own."""
+    if cls in _classes:
+        return _classes[cls]
+
+    def linear(self: Any, x: mx.array) -> mx.array:
+        if not self._int8.takes(x):
+            return cls.__call__(self, x)  # type: ignore[operator]
+        out = self._int8(x)
+        return out + self["bias"] if "bias" in self else out
+
+    def as_linear(self: Any, x: mx.array) -> mx.array:
+        if not self._int8.takes(x):
+            return cls.as_linear(self, x)  # type: ignore[attr-defined,no-any-return]
+        return self._int8(x)
+
+    methods = (
+        {"__call__": linear} if issubclass(cls, nn.QuantizedLinear) else {"as_linear": as_linear}
+    )
+    _classes[cls] = type(cls.__name__, (cls,), methods)
     return _classes[cls]
 
 
