@@ -106,7 +106,9 @@ inline void all_rows(
 }
 
 // One row against output column c, as the AVX2 file's dot_row (scales converted up front, 4-bit
-// weights unpacked by nibble against x in pairs order, two chains of multiply-adds). Needs
+// weights taken by nibble against x in pairs order, two chains of multiply-adds), but a 4-bit
+// weight looked up in its group's values rather than converted and scaled (1.05-1.3x a matmul,
+// bit for bit the same: benches/results/one-row-lookup-20261129.md). Needs
 // groups <= MAX_ROW_GROUPS.
 template <int BITS>
 inline float dot_row(const float* x, const QuantizedWeight& w, int c) {
@@ -126,20 +128,29 @@ inline float dot_row(const float* x, const QuantizedWeight& w, int c) {
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
   }
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int g = 0; g < groups; ++g) {
     const __m512 scale = _mm512_set1_ps(column.scales[g]);
     const __m512 bias = _mm512_set1_ps(column.biases[g]);
+    if constexpr (BITS == 4) {
+      // The 32 weights' 16 bytes, low nibbles against x's even elements and high against its
+      // odd, each weight looked up among its group's sixteen values (level * scale + bias, as
+      // the other kernels compute a weight; vpermps reads an index's low four bits): one
+      // instruction a sixteen weights where converting and scaling them takes two.
+      const __m512 values = _mm512_fmadd_ps(levels, scale, bias);
+      for (int j = g * w.group; j < (g + 1) * w.group; j += 32) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + j / 8));
+        const __m512 low = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(bytes), values);
+        const __m512 high =
+            _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(bytes, 4)), values);
+        acc[0] = _mm512_fmadd_ps(low, _mm512_loadu_ps(x + j), acc[0]);
+        acc[1] = _mm512_fmadd_ps(high, _mm512_loadu_ps(x + j + 16), acc[1]);
+      }
+      continue;
+    }
     for (int j = g * w.group; j < (g + 1) * w.group; j += 32) {  // here groups are 32 or 64
       __m512 q[2];
-      if constexpr (BITS == 4) {  // the 32 weights' 16 bytes: low nibbles even, high odd
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + j / 8));
-        const __m128i nibble = _mm_set1_epi8(0x0F);
-        q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)));
-        q[1] = _mm512_cvtepi32_ps(
-            _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)));
-      } else {
-        for (int v = 0; v < 2; ++v) q[v] = unpack16<BITS>(packed + (j + 16 * v) * BITS / 32);
-      }
+      for (int v = 0; v < 2; ++v) q[v] = unpack16<BITS>(packed + (j + 16 * v) * BITS / 32);
       for (int v = 0; v < 2; ++v) {
         const __m512 weight = _mm512_fmadd_ps(q[v], scale, bias);
         acc[v] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(x + j + 16 * v), acc[v]);
