@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "horizontal.h"
 #include "kernels.h"
 
 namespace mlxgate {
@@ -86,10 +87,7 @@ void int8_columns(const Int8Rows& x, int rows, const Int8Weight& w, int c, float
       }
     }
     for (int cc = 0; cc < COLS; ++cc) {
-      __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc[cc]), _mm256_extractf128_ps(acc[cc], 1));
-      lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-      lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-      out[static_cast<long>(r) * w.n + c + cc] = _mm_cvtss_f32(lo);
+      out[static_cast<long>(r) * w.n + c + cc] = horizontal_sum(acc[cc]);
     }
   }
 }

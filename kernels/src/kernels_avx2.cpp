@@ -12,6 +12,7 @@
 #if defined(MLXGATE_X86)
 #include <immintrin.h>
 
+#include "horizontal.h"
 #include "int8_matmul.h"
 #include "scales.h"
 
@@ -24,13 +25,6 @@ bool cpu_supported() {
 }
 
 namespace {
-
-inline float horizontal_sum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
 
 // Eight consecutive weights of a row as floats, before scale and bias. For 4 bits they are
 // the eight nibbles of one word; for 8 bits the eight bytes of two.
@@ -322,11 +316,7 @@ void quantize_rows_int8(
         std::memcpy(lane + (j / 4) * 32, &eight, 4);
         std::memcpy(lane + (j / 4 + 1) * 32, reinterpret_cast<const char*>(&eight) + 4, 4);
       }
-      __m128i total_q = _mm_add_epi32(
-          _mm256_castsi256_si128(quantized), _mm256_extracti128_si256(quantized, 1));
-      total_q = _mm_add_epi32(total_q, _mm_shuffle_epi32(total_q, 0x4E));
-      total_q = _mm_add_epi32(total_q, _mm_shuffle_epi32(total_q, 0xB1));
-      into.shifts[at + g] = 128 * _mm_cvtsi128_si32(total_q);
+      into.shifts[at + g] = 128 * horizontal_sum(quantized);
     }
   }
 }

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -93,9 +94,14 @@ def _sgemm_rows() -> int:
     return rows if rows > 0 else 1 << 30
 
 
+@cache
+def _vnni_cpu() -> bool:
+    return bool(kernels.extension().vnni_supported())
+
+
 def _vnni() -> bool:
-    ext = kernels.extension()
-    return bool(ext.vnni_supported() and ext.using_avx512())
+    """VNNI in use: the CPU has it (asked once) and AVX-512 is on (switchable at run time)."""
+    return _vnni_cpu() and bool(kernels.extension().using_avx512())
 
 
 _classes: dict[type, type] = {}
