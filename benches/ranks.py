@@ -61,6 +61,7 @@ MODEL_CONFIG = {
 COUNTERS = {
     "steps": "mlxgate_engine_steps_total",
     "busy_s": "mlxgate_engine_busy_s_total",
+    "plan_s": "mlxgate_engine_plan_s_total",
     "shares": "mlxgate_rank_shares",
     "share_s": "mlxgate_rank_share_seconds",
 }
@@ -117,6 +118,7 @@ class Measure:
     wall_s: float
     steps: float
     busy_s: float
+    plan_s: float
     shares: float | None
     share_s: float | None
     load_average: float
@@ -124,6 +126,11 @@ class Measure:
     @property
     def step_ms(self) -> float:
         return 1000 * self.busy_s / self.steps
+
+    @property
+    def plan_share(self) -> float:
+        """Rank 0's time planning steps, a share of the steps' time."""
+        return self.plan_s / self.busy_s
 
     @property
     def share_ms_per_step(self) -> float | None:
@@ -178,6 +185,7 @@ def measure_server(
                 wall_s=wall,
                 steps=delta["steps"],
                 busy_s=delta["busy_s"],
+                plan_s=delta["plan_s"],
                 shares=delta.get("shares"),
                 share_s=delta.get("share_s"),
                 load_average=os.getloadavg()[0],
@@ -185,7 +193,7 @@ def measure_server(
             share = measure.share_ms_per_step
             log(
                 f"  {ranks} rank(s) C={clients}: {measure.tok_s:.1f} tok/s, step "
-                f"{measure.step_ms:.2f} ms"
+                f"{measure.step_ms:.2f} ms, plan {100 * measure.plan_share:.2f}% of it"
                 + ("" if share is None else f", share {share:.3f} ms/step")
             )
             measures.append(measure)
@@ -259,12 +267,15 @@ def report(
         f"request. Whole run: {elapsed_s / 60:.1f} min.",
         "",
         "Step: busy seconds / steps (/metrics, over the scenario). Share: seconds rank 0 spent "
-        "sharing its plan with rank 1 (`mlxgate_rank_share_seconds`) per engine step; target "
-        f"< {SHARE_TARGET_MS:g} ms. Means over rounds; each round in parentheses.",
+        "sharing with rank 1 (`mlxgate_rank_share_seconds`) per engine step; target "
+        f"< {SHARE_TARGET_MS:g} ms. Plan: rank 0's time making the steps' plans "
+        "(`mlxgate_engine_plan_s_total`: intake, preemption, guesses, the scheduler's prefill "
+        "plan) over the steps' time, 1 rank / 2 ranks; target < 2%. Means over rounds; each "
+        "round in parentheses.",
         "",
-        "| C | tok/s 1 rank | tok/s 2 ranks | 2/1 | step 1 rank | step 2 ranks "
+        "| C | tok/s 1 rank | tok/s 2 ranks | 2/1 | step 1 rank | step 2 ranks | plan "
         "| share / step | shares / step | target |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for clients in args.clients:
         one = [m for m in measures if m.clients == clients and m.ranks == 1]
@@ -275,6 +286,8 @@ def report(
         step_2 = [m.step_ms for m in two]
         share = [m.share_ms_per_step or 0.0 for m in two]
         shares = [m.shares_per_step or 0.0 for m in two]
+        plan_1 = [100 * m.plan_share for m in one]
+        plan_2 = [100 * m.plan_share for m in two]
         met = "met" if mean(share) < SHARE_TARGET_MS else "**missed**"
         lines.append(
             f"| {clients} | {mean(tok_s_1):.1f} ({spread(tok_s_1, 1)}) "
@@ -282,6 +295,7 @@ def report(
             f"| {mean(tok_s_2) / mean(tok_s_1):.2f} "
             f"| {mean(step_1):.2f} ms ({spread(step_1, 2)}) "
             f"| {mean(step_2):.2f} ms ({spread(step_2, 2)}) "
+            f"| {mean(plan_1):.2f}% / {mean(plan_2):.2f}% "
             f"| {mean(share):.3f} ms ({spread(share, 3)}) "
             f"| {mean(shares):.1f} | {met} |"
         )

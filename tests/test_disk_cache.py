@@ -138,7 +138,7 @@ def test_a_damaged_block_is_not_used_and_the_output_is_exact(
     with caplog.at_level(logging.WARNING, logger="mlxgate.engine"):
         # Queued together, so one pass prefills both: the group's widths are what is left to
         # compute once the read fell short, not what the lookup promised.
-        with engine._wakeup:
+        with engine.admission._wakeup:
             readers = [again.submit(PROMPT), again.submit(beside)]
         tokens, beside_tokens = (again.result(reader)[0] for reader in readers)
     assert "is damaged" in caplog.text

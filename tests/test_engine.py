@@ -154,7 +154,7 @@ def test_a_joining_row_takes_a_finished_rows_slot_exactly(engine: Engine) -> Non
         beside = []
         for ids in prompts:  # one after another: each is written into the slot the last one left
             beside.append(text(body(submit(engine, ids, 12))))
-            assert len(engine._batch.stream_ids) == 2, "a slot was added instead of reused"
+            assert len(engine.decoder.batch.stream_ids) == 2, "a slot was added instead of reused"
         keeper.cancel()
         wait_until(lambda: idle(engine), 10.0)
     finally:
@@ -171,7 +171,7 @@ def test_a_long_prompt_decodes_in_a_band_of_its_own_exactly(engine: Engine) -> N
 
     def watch_bands() -> None:
         while not done.is_set():
-            bands_seen.add(len(engine._batch.bands))
+            bands_seen.add(len(engine.decoder.batch.bands))
             time.sleep(0.005)
 
     try:

@@ -114,13 +114,13 @@ def test_batched_rows_equal_each_prompt_alone(tiny: tuple[Served, Any, int]) -> 
     assert_same(served.generate(long_prompt)[0], reference(model, long_prompt, bits), "chunked")
     for i, p in enumerate(many[1:4]):
         assert_same(served.generate(p)[0], reference(model, p, bits), f"into a slot {i}")
-        assert len(engine._batch.stream_ids) == 2, "a slot was added instead of reused"
+        assert len(engine.decoder.batch.stream_ids) == 2, "a slot was added instead of reused"
 
     # A prompt hundreds of tokens longer than the running row: a band of its own.
     far = prompts(1, 700, 701, seed=4)[0]
     beside = served.submit(far, steps=40)
     wait_until(lambda: engine.metrics.running == 2, engine)
-    assert len(engine._batch.bands) == 2
+    assert len(engine.decoder.batch.bands) == 2
     assert_same(served.result(beside)[0], reference(model, far, bits, 40), "own band")
     assert_same(served.result(keeper)[0], reference(model, many[0], bits, 400), "keeper")
 

@@ -60,3 +60,35 @@ def test_every_rank_gets_rank_0s_decisions(tmp_path: Path) -> None:
             False,
         ]
         assert output["shares"] == 4
+
+
+def test_a_step_plan_crosses_to_the_other_ranks_whole() -> None:
+    """A plan as rank 0 makes it and as a follower decodes it from the wire (JSON): the same
+    decisions (a follower's admitted sequences carry what its model calls need)."""
+    import numpy as np
+    import orjson
+
+    from mlxgate.engine.contract import GenerationRequest
+    from mlxgate.engine.plan import StepPlan
+    from mlxgate.engine.prefill import Pending
+    from mlxgate.engine.scheduler import PrefillPlan
+    from mlxgate.engine.speculation import Drafts
+
+    request = GenerationRequest([5, 6, 7], None, 40, speculate=False, choices=2)  # type: ignore[arg-type]
+    lead, sibling = Pending(3, request, None, scaled=True), Pending(4, request, None, True)
+    lead.siblings = [sibling]
+    drafts = Drafts(np.array([2, 0]), np.array([[8, 9], [0, 0]]))
+    prefill = PrefillPlan(64, 0.25, 1 << 30, [3, 9], 0.004, {9: (128, 0.5)})
+    plan = StepPlan(True, [lead], [1], [2], [6, 21], [9], drafts, prefill)
+    wire = orjson.dumps(plan.encode(), option=orjson.OPT_SERIALIZE_NUMPY)
+    got = StepPlan.decode(orjson.loads(wire))
+    assert (got.running, got.cancelled, got.stalled, got.state) == (True, [1], [2], [6, 21])
+    assert got.preempted == [9] and got.prefill == prefill
+    assert got.drafts is not None
+    assert got.drafts.counts.tolist() == [2, 0] and got.drafts.tokens.tolist() == [[8, 9], [0, 0]]
+    [taken] = got.taken
+    assert [choice.stream_id for choice in taken.choices] == [3, 4]
+    assert taken.request.prompt_ids == [5, 6, 7] and taken.request.max_tokens == 40
+    assert taken.scaled and not taken.request.speculate and taken.request.choices == 2
+    nothing = StepPlan.decode(orjson.loads(orjson.dumps(StepPlan(False, [], [], [], []).encode())))
+    assert nothing == StepPlan(False, [], [], [], [])

@@ -8,6 +8,7 @@ and prefills or decodes such a model one sequence at a time rather than serve ot
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -19,6 +20,8 @@ from mlxgate.engine.contract import SamplingParams
 from mlxgate.engine.sampling import Sampler
 from mlxgate.models.adapter import ModelAdapter
 from mlxgate.models.cpu import int8
+
+log = logging.getLogger("mlxgate.engine")
 
 # Prompts of different lengths; three of them, so that the batch is not as large as the two
 # key/value heads of the smallest models (where a wrong mask broadcasts without an error).
@@ -32,6 +35,22 @@ TOLERANCE = 1e-2
 class BatchProblems:
     prefill: str | None  # why prompts cannot prefill in one right-padded pass, if they cannot
     decode: str | None  # why sequences cannot decode in one batch, if they cannot
+
+
+def checked(adapter: ModelAdapter, layout: CacheLayout, banded: bool) -> BatchProblems:
+    """`check`, each problem found logged with what the engine does about it."""
+    problems = check(adapter, layout, banded)
+    if problems.prefill is not None:
+        log.warning(
+            "this model cannot prefill several prompts in one pass (%s): one at a time",
+            problems.prefill,
+        )
+    if problems.decode is not None:
+        log.warning(
+            "this model cannot decode several sequences in one batch (%s): one at a time",
+            problems.decode,
+        )
+    return problems
 
 
 def check(adapter: ModelAdapter, layout: CacheLayout, banded: bool) -> BatchProblems:

@@ -15,7 +15,10 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+import time
 from collections.abc import Callable
+
+from mlxgate.engine.metrics import EngineMetrics
 
 # Seconds between trims while the engine works; once more each time it goes idle.
 TRIM_INTERVAL_S = 10.0
@@ -33,3 +36,24 @@ def trimmer() -> Callable[[], object] | None:
     malloc_trim.argtypes = [ctypes.c_size_t]
     malloc_trim.restype = ctypes.c_int
     return functools.partial(malloc_trim, 0)
+
+
+class Tidier:
+    """After each engine step that worked: the heap's free pages back every TRIM_INTERVAL_S of
+    work, and once more on going idle."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self.metrics = metrics
+        self.trim = trimmer()
+        self.trimmed_at = 0.0
+
+    def worked(self, busy: bool) -> None:
+        """A step worked; `busy`: whether more work waits."""
+        now = time.monotonic()
+        if self.trim is None or (busy and now - self.trimmed_at < TRIM_INTERVAL_S):
+            return
+        self.trim()
+        self.trimmed_at = time.monotonic()
+        with self.metrics.lock:
+            self.metrics.heap_trims += 1
+            self.metrics.heap_trim_s += self.trimmed_at - now

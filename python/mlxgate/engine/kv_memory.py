@@ -3,19 +3,25 @@
 A sequence's caches cost a fixed part (recurrent states, sliding windows at their full size) and
 a part per token (attention keys and values, allocated by mlx-lm 256 columns at a time). The
 engine admits a prompt to prefill only while what it holds plus the prompt's reservation fits
-the budget, and preempts decoding rows when their growth would outgrow it (engine/engine.py).
+the budget, and preempts decoding rows when their growth would outgrow it (engine/decoder.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxgate.engine import cache_kinds
+from mlxgate.engine.lockstep import Lockstep
+from mlxgate.engine.prefix_cache import entry_bytes
+from mlxgate.engine.settings import EngineSettings
+from mlxgate.models.adapter import ModelAdapter
 
 # mlx-lm grows a keys/values buffer by this many columns at a time.
 COLUMNS_STEP = 256
@@ -73,3 +79,39 @@ def default_budget(weights_bytes: int, prefix_cache_bytes: int) -> int:
     cache's own budget."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return max(0, int((total - weights_bytes) * DEFAULT_SHARE) - prefix_cache_bytes)
+
+
+def measured(
+    adapter: ModelAdapter, settings: EngineSettings, lockstep: Lockstep, sizes: EntrySizes
+) -> KVMemory:
+    """What a sequence's caches cost (measured on a one-token prefill), and the budget: rank 0's,
+    on every rank (and `sizes` learns whether the ranks' entries differ)."""
+    caches = adapter.make_cache()
+    adapter.prefill(mx.array([[0]], dtype=mx.uint32), caches)
+    if settings.kv_memory_gb > 0:
+        budget = int(settings.kv_memory_gb * 2**30)
+    else:
+        budget = default_budget(mx.get_active_memory(), settings.prefix_cache_mb << 20)
+    own = KVMemory.of(caches, budget)
+    memory = lockstep.share(lambda: own, dataclasses.astuple, lambda v: KVMemory(*v))
+    sizes.agree(memory, own)
+    return memory
+
+
+class EntrySizes:
+    """A prefix cache entry's bytes, the same on every rank (so that their evictions agree)."""
+
+    def __init__(self, lockstep: Lockstep) -> None:
+        self.lockstep = lockstep
+        self.shared = False  # whether each entry's size is rank 0's
+
+    def agree(self, memory: KVMemory, own: KVMemory) -> None:
+        """Shards of the same size (tensor parallel) store entries of the same size: each rank
+        measures its own. Otherwise (pipeline parallel: runs of layers) rank 0's sizes count."""
+        differ = (memory.token_bytes, memory.fixed_bytes) != (own.token_bytes, own.fixed_bytes)
+        self.shared = self.lockstep.any(differ)
+
+    def __call__(self, caches: list[Any]) -> int:
+        if not self.shared:
+            return entry_bytes(caches)
+        return self.lockstep.share(lambda: entry_bytes(caches))

@@ -117,6 +117,7 @@ class EngineMetrics:
     )
     accepted_tokens = Count("speculative decoding: guessed tokens the model confirmed")
     busy_s = Count("seconds the engine spent in steps", 0.0)
+    plan_s = Count("seconds rank 0 spent planning steps (engine/scheduler.py)", 0.0)
     heap_trims = Count("times the engine gave the C heap's free pages back to the system")
     heap_trim_s = Count("seconds the engine spent giving the C heap's free pages back", 0.0)
     queue_depth = Level("requests admitted and waiting for prefill")
@@ -158,6 +159,15 @@ class EngineMetrics:
         buckets = STEP_BUCKETS if name in ("step", "inter_token") else WAIT_BUCKETS
         name = f"{PREFIX}{name}_seconds"
         return Latency(Histogram(name, doc, buckets=buckets, registry=self.registry), then)
+
+    def stepped(self, seconds: float, decoded: bool) -> None:
+        """A step ended after `seconds`; `decoded`: whether it decoded running streams."""
+        with self.lock:
+            self.steps += 1
+            self.last_step_s = seconds
+            self.busy_s += seconds
+            if decoded:
+                self.step_s.append(seconds)
 
     def _decoded(self) -> None:
         """A decode step ended: the rows that decoded in the previous step too waited the time

@@ -1,11 +1,11 @@
 """Prompts from admission until they join the decode batch: the queue and the prefill passes.
 
-A step prefills up to its budget (engine/policy.py), the prompt with the least prefill left
-first (a prompt's wait counts for it too, so a long one still finishes): an agent's short turn
-does not wait behind another session's long first turn. Several short prompts that fit go
-through the model together, one row each of a batched KV cache; a long prompt goes chunk by
-chunk, one chunk per step while streams decode. A prompt joins the running batch once all but
-its last token is in the KV cache; that last token is its first decode input.
+A step prefills as its plan says (engine/scheduler.py): up to a budget, the prompt with the
+least prefill left first (a prompt's wait counts for it too, so a long one still finishes): an
+agent's short turn does not wait behind another session's long first turn. Several short
+prompts that fit go through the model together, one row each of a batched KV cache; a long
+prompt goes chunk by chunk, one chunk per step while streams decode. A prompt joins the running
+batch once all but its last token is in the KV cache; that last token is its first decode input.
 
 A prompt whose prefix another waiting prompt is computing right now waits for it instead of
 computing it again, and starts from those keys/values once they are done (in-flight sharing).
@@ -18,7 +18,6 @@ another choice of the same prompt goes on, its caches are cut back to that (mend
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 from collections import deque
@@ -34,9 +33,7 @@ from mlxgate.engine import cache_kinds
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.contract import GenerationRequest
 from mlxgate.engine.kv_memory import KVMemory
-from mlxgate.engine.lockstep import Lockstep
 from mlxgate.engine.metrics import EngineMetrics
-from mlxgate.engine.policy import StepPolicy
 from mlxgate.engine.prefix_cache import (
     CacheEntry,
     MemoryMatch,
@@ -45,6 +42,7 @@ from mlxgate.engine.prefix_cache import (
     common_prefix,
 )
 from mlxgate.engine.sampling import Sampler
+from mlxgate.engine.scheduler import PrefillPlan, Scheduler
 from mlxgate.models.adapter import ModelAdapter
 from mlxgate.models.rope_switch import ScaledRows
 
@@ -128,8 +126,20 @@ class PromptGroup:
     caches: list[Any]  # per layer, batch caches
 
 
-# A step's prefill: its budget of prompt tokens, its time allowance, the KV memory it may take.
-StepPrefill = tuple[int, float | None, int | None]
+@dataclass(eq=False)
+class _Progress:
+    """A step's prefill as it goes."""
+
+    budget: int  # prompt tokens left
+    kv_room: int | None  # bytes of the KV memory budget left for prompts to start
+    spent: int = 0  # prompt tokens computed (a group's padding included)
+    admitted: list[Pending] = field(default_factory=list)  # prefilled alone, to join
+    groups: list[PromptGroup] = field(default_factory=list)  # prefilled together, to join
+
+    def rows(self) -> int:
+        """The decode batch's rows the step's prefills will take."""
+        return sum(len(p.choices) for p in self.admitted) + sum(len(g.rows) for g in self.groups)
+
 
 # Joins prefilled sequences (every choice of each) to the decode batch: the rows and, per
 # layer, a batch cache holding their prompts.
@@ -144,7 +154,7 @@ class Prefill:
         adapter: ModelAdapter,
         layout: CacheLayout,
         prefix_cache: PrefixCache,
-        policy: StepPolicy,
+        scheduler: Scheduler,
         metrics: EngineMetrics,
         *,
         grouped: bool,
@@ -154,19 +164,17 @@ class Prefill:
         cached: Callable[[int, int, str], None] = lambda stream_id, tokens, tier: None,
         memory: KVMemory | None = None,
         vision: VisionJobs | None = None,
-        lockstep: Lockstep | None = None,
     ) -> None:
         """`grouped`: whether several prompts may share a pass. `cancelled`: the stream ids whose
         clients left (polled during passes); `ping` sends a stream a keep-alive; `join` adds
         prefilled sequences to the decode batch; `cached` tells a stream how much of its prompt
         was reused after all; `memory`: the KV memory budget, if any; `vision`: where a vision
-        model's prompts have their images encoded; `lockstep`: the engine's ranks, where its
-        choices that depend on time are rank 0's (engine/lockstep.py)."""
+        model's prompts have their images encoded."""
         self.adapter = adapter
         self.layout = layout
         self.prefix_cache = prefix_cache
-        self.policy = policy
-        self.settings = policy.settings
+        self.scheduler = scheduler
+        self.settings = scheduler.settings
         self.metrics = metrics
         self.grouped = grouped
         self._cancelled = cancelled
@@ -175,121 +183,120 @@ class Prefill:
         self._cached = cached
         self.memory = memory
         self.vision = vision
-        self.lockstep = lockstep or Lockstep()
         self.waiting: deque[Pending] = deque()
         # Taken from the queue by this step's prefill and not yet in the batch.
         self.joining: list[Pending] = []
 
-    def run(self, plan: Callable[[], StepPrefill], running: int) -> int:
-        """Prefill beside `running` decoding rows, the prompts with the least left first, as
-        much as `plan()` allows: a budget of prompt tokens; a time allowance (with streams
-        decoding: a prompt in prefill takes one chunk sized from its previous pass, out of what
-        is left of it); the bytes of the KV memory budget that new prefills may take (None: no
-        budget). Returns the prompt tokens prefilled. (With ranks: rank 0's plan and order.)"""
+    def refresh(self) -> None:
+        """Before a step is planned: the prefix cache may hold more of a waiting prompt than at
+        admission: the prefill it waited for, or (preempted) its own keys/values."""
         for pending in self.waiting:
             if pending.caches is None and (pending.held or pending.sampler is not None):
                 self._look_again(pending)
-        (budget, allowance_s, kv_room), order = self.lockstep.share(lambda: (plan(), self._order()))
-        self.waiting, held = self._ranked(order)
+
+    def run(self, plan: PrefillPlan, running: int) -> int:
+        """Prefill beside `running` decoding rows as the step's `plan` says: in its order, up to
+        its budget of prompt tokens; with streams decoding, a prompt in prefill takes one chunk
+        sized from its previous pass to what is left of the time allowance; new prompts start
+        within the bytes of the KV memory budget the plan leaves them (None: no budget). Returns
+        the prompt tokens prefilled."""
+        self.waiting, held = self._ranked(plan.order)
         try:
-            return self._prefill(budget, allowance_s, running, kv_room)
+            return self._prefill(plan, running)
         finally:
             self.waiting.extend(held)
 
-    def _prefill(
-        self, budget: int, allowance_s: float | None, running: int, kv_room: int | None
-    ) -> int:
-        admitted: list[Pending] = []
-        groups: list[PromptGroup] = []
+    def _prefill(self, plan: PrefillPlan, running: int) -> int:
+        progress = _Progress(plan.budget, plan.kv_room)
         idle = not running
-        spent = 0
-        started = time.perf_counter()
-        while self.waiting and budget > 0:
+        while self.waiting and progress.budget > 0:
             self.ping()  # one step may prefill for long: a pass at a time
-            room = self.settings.max_running - running
-            room -= sum(len(p.choices) for p in admitted) + sum(len(g.rows) for g in groups)
+            room = self.settings.max_running - running - progress.rows()
             if room < len(self.waiting[0].choices):
                 break
-            group = self._whole_prompts(budget, room, kv_room) if self.grouped else None
-            if group is None and idle and admitted:
+            group = (
+                self._whole_prompts(progress.budget, room, progress.kv_room)
+                if self.grouped
+                else None
+            )
+            if group is not None:
+                # Several short prompts that fit this step: one forward pass for all of them.
+                self._prefill_group(group, progress)
+                if idle and progress.groups:
+                    break
+                continue
+            if idle and progress.admitted:
                 # With nothing decoding, the first stream to start ends the step (the next steps
                 # prefill beside it), unless short prompts behind it fit one pass together:
                 # beside decoding streams they would go a few per step (a burst's TTFT tail).
                 break
-            if group is not None:
-                # Several short prompts that fit this step: one forward pass for all of them.
-                for _ in group.rows:
-                    self.joining.append(self.waiting.popleft())
-                if kv_room is not None:
-                    kv_room -= sum(self._reserve(p) for p in group.rows)
-                self.metrics.prefill_tokens += sum(p.todo for p in group.rows)
-                self.metrics.prefill_passes += 1
-                if self._forward_group(group):
-                    groups.append(group)
-                else:
-                    self.metrics.requests_cancelled += len(group.rows)
-                budget -= group.tokens.size  # padding included: it is work all the same
-                spent += group.tokens.size
-                if idle and groups:
-                    break
-                continue
-            pending = self.waiting[0]
-            if pending.torn:
-                self._mend(pending)
-            if pending.caches is None:
-                if kv_room is not None:
-                    need = self._reserve(pending)
-                    if need > kv_room and (running or admitted or groups or self._started()):
-                        break  # it waits for memory; nothing overtakes it
-                    kv_room -= need
-                self._start(pending)
-            if pending.request.images is not None and pending.features is None:
-                self._encode(pending)
-            steered = False
-            if allowance_s is not None and pending.last_chunk is not None:
-                chunk = self.lockstep.share(
-                    functools.partial(self._steered_chunk, pending, allowance_s, started, spent)
-                )
-                if chunk is None:
-                    break
-                steered = True
-            else:
-                chunk = self.policy.chunk(budget, pending.todo)
-            if chunk > 0:
-                prompt = pending.request.prompt_ids
-                tokens_in = mx.array(prompt[pending.done : pending.done + chunk])[None]
-                pass_started = time.perf_counter()
-                if not self._forward_prompt(tokens_in, pending):
-                    pending.torn = True
-                    break  # its client left mid-chunk; the next step drops it
-                pending.last_chunk = (chunk, time.perf_counter() - pass_started)
-                pending.done += chunk
-                budget = 0 if steered else budget - chunk
-                spent += chunk
-                self.metrics.prefill_tokens += chunk
-                self.metrics.prefill_passes += 1
-                if steered and pending.todo == 0:
-                    break  # joining copies the batch's cache: the next step does it, not this one
-            if pending.todo == 0:
-                admitted.append(self.waiting.popleft())
-                self.joining.append(pending)
-        if admitted:
-            self._join_one_by_one(admitted)
-        for group in groups:
+            if not self._prefill_chunk(plan, progress, running):
+                break
+        if progress.admitted:
+            self._join_one_by_one(progress.admitted)
+        for group in progress.groups:
             self._join_group(group)
         self.joining = []
-        return spent
+        return progress.spent
 
-    def _steered_chunk(
-        self, pending: Pending, allowance_s: float, started: float, spent: int
-    ) -> int | None:
-        """The next chunk of a prompt in prefill, from what is left of the step's allowance
-        (since `started`); None if nothing is, and the step has prefilled (`spent`)."""
-        assert pending.last_chunk is not None
-        left_s = allowance_s - (time.perf_counter() - started)
-        if left_s <= 0 and spent:
-            return None
-        return self.policy.steered_chunk(pending.last_chunk, pending.todo, max(left_s, 0.0))
+    def _prefill_group(self, group: PromptGroup, progress: _Progress) -> None:
+        for _ in group.rows:
+            self.joining.append(self.waiting.popleft())
+        if progress.kv_room is not None:
+            progress.kv_room -= sum(self._reserve(p) for p in group.rows)
+        self.metrics.prefill_tokens += sum(p.todo for p in group.rows)
+        self.metrics.prefill_passes += 1
+        if self._forward_group(group):
+            progress.groups.append(group)
+        else:
+            self.metrics.requests_cancelled += len(group.rows)
+        progress.budget -= group.tokens.size  # padding included: it is work all the same
+        progress.spent += group.tokens.size
+
+    def _prefill_chunk(self, plan: PrefillPlan, progress: _Progress, running: int) -> bool:
+        """The next chunk of the prompt at the head of the queue (all of it, if it fits); False
+        where the step's prefill ends."""
+        pending = self.waiting[0]
+        if pending.torn:
+            self._mend(pending)
+        if pending.caches is None:
+            if progress.kv_room is not None:
+                need = self._reserve(pending)
+                started = running or progress.admitted or progress.groups or self._started()
+                if need > progress.kv_room and started:
+                    return False  # it waits for memory; nothing overtakes it
+                progress.kv_room -= need
+            self._start(pending)
+        if pending.request.images is not None and pending.features is None:
+            self._encode(pending)
+        left_s = plan.left_s(progress.spent)
+        last_chunk = plan.last_chunks.get(pending.stream_id)
+        if left_s is None or last_chunk is None:
+            steered, chunk = False, self.scheduler.chunk(progress.budget, pending.todo)
+        else:  # a prompt in prefill beside decoding streams: sized from its previous pass
+            if left_s <= 0 and progress.spent:
+                return False  # the step's allowance is spent
+            steered = True
+            chunk = self.scheduler.steered_chunk(last_chunk, pending.todo, max(left_s, 0.0))
+        if chunk > 0:
+            prompt = pending.request.prompt_ids
+            tokens_in = mx.array(prompt[pending.done : pending.done + chunk])[None]
+            pass_started = time.perf_counter()
+            if not self._forward_prompt(tokens_in, pending):
+                pending.torn = True
+                return False  # its client left mid-chunk; the next step drops it
+            pending.last_chunk = (chunk, time.perf_counter() - pass_started)
+            pending.done += chunk
+            progress.budget = 0 if steered else progress.budget - chunk
+            progress.spent += chunk
+            self.metrics.prefill_tokens += chunk
+            self.metrics.prefill_passes += 1
+            if steered and pending.todo == 0:
+                return False  # joining copies the batch's cache: the next step does it
+        if pending.todo == 0:
+            progress.admitted.append(self.waiting.popleft())
+            self.joining.append(pending)
+        return True
 
     def held_bytes(self) -> int:
         """What the prompts in prefill reserve of the KV memory budget."""
@@ -304,12 +311,6 @@ class Prefill:
 
     def _started(self) -> bool:
         return any(p.caches is not None for p in self.waiting)
-
-    def _order(self) -> list[int]:
-        """The waiting sequences' stream ids in the order this step serves them (`policy.rank`)."""
-        now = time.monotonic()
-        ranked = sorted(self.waiting, key=lambda p: self.policy.rank(p.rest, now - p.submitted_at))
-        return [pending.stream_id for pending in ranked]
 
     def _ranked(self, order: list[int]) -> tuple[deque[Pending], list[Pending]]:
         """The waiting sequences in `order`, and apart, those that wait for another one's
@@ -404,12 +405,12 @@ class Prefill:
 
     def _whole_prompts(self, budget: int, room: int, kv_room: int | None) -> PromptGroup | None:
         """Two or more not yet started prompts at the head of the queue that fit `budget` (and
-        `kv_room`) together (`policy.group`), or None.
+        `kv_room`) together (`Scheduler.group`), or None.
 
         Each row is the prompt's cached prefix (if any) followed by the rest of the prompt,
         right-padded to the longest rest.
         """
-        rests = self.policy.group(
+        rests = self.scheduler.group(
             (
                 # Not a long prompt already being prefilled chunk by chunk, nor n choices, nor
                 # one with images (its rows feed embeddings, one prompt a pass).

@@ -1,14 +1,19 @@
-"""How much prefill each engine step does: the token budget, chunk sizes and prompt groups.
+"""The scheduler: what each engine step does, decided before the step runs.
 
-Pure arithmetic on the settings and on what the engine measures as it runs (the time of a
-decode step and of one prefilled token); it never touches MLX, so its decisions are tested
-alone (tests/test_policy.py).
+Between two steps the engine asks the scheduler for the step's plan (engine/plan.py): which
+decoding sequences make room for the KV memory budget (the youngest first), and how much the
+step prefills: its token budget, its time allowance, the order in which the waiting prompts are
+served (the least prefill left first, a long wait counting for a prompt too), the chunk sizes and
+the prompt groups. Its inputs are the settings and what the engine measured as it ran (the time
+of a decode step and of one prefilled token); it never touches MLX, so its decisions are tested
+alone (tests/test_scheduler.py). Across ranks, rank 0's plan is the one every rank runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from mlxgate.engine.settings import EngineSettings
 
@@ -16,7 +21,7 @@ from mlxgate.engine.settings import EngineSettings
 MAX_GROUP_ROWS = 32
 # Weight of the newest sample in the running averages of step and prefill costs.
 EMA_WEIGHT = 0.2
-# How much a waiting prompt's wait counts against its prefill left (see `StepPolicy.rank`).
+# How much a waiting prompt's wait counts against its prefill left (see `Scheduler.rank`).
 AGE_WEIGHT = 0.1
 # The cost of a prefilled token before any is measured (SmolLM2-135M on 2 x86 cores: ~5 ms).
 DEFAULT_PREFILL_TOKEN_S = 0.005
@@ -26,9 +31,39 @@ def ema(previous: float | None, sample: float, weight: float = EMA_WEIGHT) -> fl
     return sample if previous is None else previous + weight * (sample - previous)
 
 
+class Waiting(Protocol):
+    """What the scheduler reads of a waiting prompt (engine/prefill.py's `Pending`)."""
+
+    stream_id: int
+    submitted_at: float  # time.monotonic() at admission
+    last_chunk: tuple[int, float] | None  # (tokens, seconds) of its latest prefill pass
+
+    @property
+    def rest(self) -> int: ...
+
+
 @dataclass
-class StepPolicy:
-    """The prefill budget of each step, from what decode steps and prefill passes have cost."""
+class PrefillPlan:
+    """How much one step prefills, decided before it runs: every rank runs the same plan."""
+
+    budget: int  # prompt tokens
+    allowance_s: float | None  # seconds beside decoding streams; None when nothing limits it
+    kv_room: int | None  # bytes of the KV memory budget new prefills may take; None: no budget
+    order: list[int]  # the waiting prompts' stream ids, in the order the step serves them
+    token_s: float  # what a prefilled token costs (spent tokens count against the allowance)
+    # Each prompt in prefill's latest pass, (tokens, seconds): its next chunk is sized from it.
+    last_chunks: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+    def left_s(self, spent: int) -> float | None:
+        """Seconds of the allowance left once the step has prefilled `spent` tokens."""
+        if self.allowance_s is None:
+            return None
+        return self.allowance_s - spent * self.token_s
+
+
+@dataclass
+class Scheduler:
+    """Each step's plan, from the settings and what decode steps and prefill passes have cost."""
 
     settings: EngineSettings
     decode_s: float | None = None  # a decode step, seconds (running average)
@@ -43,6 +78,30 @@ class StepPolicy:
         say little about the rate and are not counted."""
         if tokens >= self.settings.min_prefill_chunk:
             self.prefill_token_s = ema(self.prefill_token_s, seconds / tokens)
+
+    def prefill_plan(
+        self, decoding: int, waiting: Sequence[Waiting], kv_room: int | None, now: float
+    ) -> PrefillPlan:
+        """The prefill of a step beside `decoding` streams, with `kv_room` bytes free for new
+        prompts, at `now` (time.monotonic())."""
+        allowance_s = self.allowance_s(decoding, len(waiting))
+        ranked = sorted(waiting, key=lambda p: self.rank(p.rest, now - p.submitted_at))
+        return PrefillPlan(
+            self.budget(decoding, allowance_s),
+            allowance_s,
+            kv_room,
+            [p.stream_id for p in ranked],
+            self.prefill_token_s or DEFAULT_PREFILL_TOKEN_S,
+            {p.stream_id: p.last_chunk for p in waiting if p.last_chunk is not None},
+        )
+
+    @staticmethod
+    def preemption_order(running: Iterable[tuple[int, float]]) -> list[int]:
+        """Which decoding sequences (stream id, admitted at) give their caches back first when the
+        KV memory budget runs short: the youngest; the oldest always goes on (a prompt that cannot
+        fit alone was refused at admission)."""
+        by_age = sorted(running, key=lambda row: row[1], reverse=True)
+        return [stream_id for stream_id, _ in by_age[:-1]]
 
     def allowance_s(self, decoding: int, waiting: int) -> float | None:
         """Seconds of prefill a step may add to decoding `decoding` streams while `waiting`

@@ -1,15 +1,23 @@
-"""The engine's step policy alone: prefill budgets, chunk sizes and prompt groups, without MLX."""
+"""The engine's scheduler alone: prefill plans, budgets, chunk sizes, prompt groups and the order
+of preemption, without MLX."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlxgate.engine.policy import MAX_GROUP_ROWS, StepPolicy, ema
+from mlxgate.engine.scheduler import (
+    DEFAULT_PREFILL_TOKEN_S,
+    MAX_GROUP_ROWS,
+    PrefillPlan,
+    Scheduler,
+    ema,
+)
 from mlxgate.engine.settings import EngineSettings
 
 SETTINGS = EngineSettings(
@@ -17,13 +25,14 @@ SETTINGS = EngineSettings(
 )
 
 
-def measured(decode_s: float, prefill_token_s: float) -> StepPolicy:
+def measured(decode_s: float, prefill_token_s: float) -> Scheduler:
     """A policy that has seen decode steps and prefill passes of these costs."""
-    return StepPolicy(SETTINGS, decode_s=decode_s, prefill_token_s=prefill_token_s)
+    return Scheduler(SETTINGS, decode_s=decode_s, prefill_token_s=prefill_token_s)
 
 
 def test_the_module_runs_without_mlx() -> None:
-    code = "import sys, mlxgate.engine.policy; print(sorted(m for m in sys.modules if 'mlx.' in m))"
+    modules = "sorted(m for m in sys.modules if 'mlx.' in m)"
+    code = f"import sys, mlxgate.engine.scheduler; print({modules})"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -31,14 +40,14 @@ def test_the_module_runs_without_mlx() -> None:
 def test_a_running_average_starts_at_its_first_sample_and_moves_a_fifth_of_the_way() -> None:
     assert ema(None, 0.5) == 0.5
     assert ema(1.0, 2.0) == pytest.approx(1.2)
-    policy = StepPolicy(SETTINGS)
+    policy = Scheduler(SETTINGS)
     policy.decoded(0.1)
     policy.decoded(0.2)
     assert policy.decode_s == pytest.approx(0.12)
 
 
 def test_a_prefill_shorter_than_the_minimum_chunk_does_not_set_the_rate() -> None:
-    policy = StepPolicy(SETTINGS)
+    policy = Scheduler(SETTINGS)
     policy.prefilled(15, 1.0)
     assert policy.prefill_token_s is None
     policy.prefilled(0, 0.0)
@@ -54,7 +63,7 @@ def test_with_nothing_decoding_a_step_prefills_all_it_may() -> None:
 
 
 def test_before_any_measurement_a_step_beside_decoding_prefills_the_minimum_chunk() -> None:
-    policy = StepPolicy(SETTINGS)
+    policy = Scheduler(SETTINGS)
     assert policy.allowance_s(decoding=4, waiting=1) is None
     assert policy.budget(decoding=4, allowance_s=None) == 16
     policy.decoded(0.1)  # a decode step measured, no prefill yet
@@ -84,7 +93,7 @@ def test_the_budget_stays_between_the_minimum_chunk_and_the_most_tokens() -> Non
 
 
 def test_a_fixed_step_budget_leaves_one_token_per_decoding_stream() -> None:
-    policy = StepPolicy(EngineSettings(step_token_budget=512, min_prefill_chunk=16))
+    policy = Scheduler(EngineSettings(step_token_budget=512, min_prefill_chunk=16))
     policy.decoded(0.1)
     assert policy.allowance_s(decoding=12, waiting=40) is None
     assert policy.budget(decoding=12, allowance_s=None) == 500
@@ -93,14 +102,14 @@ def test_a_fixed_step_budget_leaves_one_token_per_decoding_stream() -> None:
 
 
 def test_a_plain_chunk_is_the_least_of_budget_prompt_rest_and_chunk_size() -> None:
-    policy = StepPolicy(SETTINGS)
+    policy = Scheduler(SETTINGS)
     assert policy.chunk(budget=1000, todo=1000) == 256
     assert policy.chunk(budget=100, todo=1000) == 100
     assert policy.chunk(budget=1000, todo=40) == 40
 
 
 def test_a_steered_chunk_scales_the_last_pass_to_the_allowance() -> None:
-    policy = StepPolicy(SETTINGS)
+    policy = Scheduler(SETTINGS)
     # 100 tokens took 0.1 s; 0.15 s allowed: 150 tokens.
     assert policy.steered_chunk((100, 0.1), todo=5000, allowance_s=0.15) == 150
     # At most twice, at least half the last chunk.
@@ -115,20 +124,20 @@ def test_a_steered_chunk_scales_the_last_pass_to_the_allowance() -> None:
 
 
 def test_short_prompts_that_fit_together_make_a_group() -> None:
-    policy = StepPolicy(SETTINGS)
+    policy = Scheduler(SETTINGS)
     assert policy.group([40, 36, 44, 38], budget=2048, room=64) == [40, 36, 44, 38]
     assert policy.group(iter([40, 36]), budget=2048, room=64) == [40, 36]
 
 
 def test_a_group_needs_two_prompts() -> None:
-    policy = StepPolicy(SETTINGS)
+    policy = Scheduler(SETTINGS)
     assert policy.group([40], budget=2048, room=64) == []
     assert policy.group([40, None, 30], budget=2048, room=64) == []
     assert policy.group([], budget=2048, room=64) == []
 
 
 def test_a_group_ends_at_the_first_prompt_that_cannot_join() -> None:
-    policy = StepPolicy(SETTINGS)
+    policy = Scheduler(SETTINGS)
     # Started already or with several choices (None), nothing left, longer than a chunk.
     assert policy.group([40, 30, None, 30], budget=2048, room=64) == [40, 30]
     assert policy.group([40, 30, 0, 30], budget=2048, room=64) == [40, 30]
@@ -137,14 +146,14 @@ def test_a_group_ends_at_the_first_prompt_that_cannot_join() -> None:
 
 
 def test_padding_stays_under_a_quarter_of_a_groups_work() -> None:
-    policy = StepPolicy(SETTINGS)
+    policy = Scheduler(SETTINGS)
     # 100 and 80: 200 padded for 180 of work; adding 20 would pad 300 for 200.
     assert policy.group([100, 80, 20, 100], budget=2048, room=64) == [100, 80]
     assert policy.group([100, 50], budget=2048, room=64) == []
 
 
 def test_a_group_fits_the_budget_and_the_room_in_the_batch() -> None:
-    policy = StepPolicy(SETTINGS)
+    policy = Scheduler(SETTINGS)
     assert policy.group([100, 100, 100], budget=250, room=64) == [100, 100]
     assert policy.group([100, 100, 100], budget=2048, room=2) == [100, 100]
     assert len(policy.group([10] * 100, budget=4096, room=64)) == MAX_GROUP_ROWS
@@ -174,7 +183,7 @@ def test_beside_decoding_streams_the_budget_is_always_within_bounds(
 def test_a_steered_chunk_never_overruns_the_prompt_or_the_chunk_size(
     tokens: int, took: float, todo: int, allowance_s: float
 ) -> None:
-    chunk = StepPolicy(SETTINGS).steered_chunk((tokens, took), todo, allowance_s)
+    chunk = Scheduler(SETTINGS).steered_chunk((tokens, took), todo, allowance_s)
     assert 1 <= chunk <= min(todo, 256)
     assert chunk == todo or chunk >= 16
 
@@ -187,3 +196,51 @@ def test_the_least_prefill_left_goes_first_and_a_long_wait_counts_a_tenth() -> N
     assert policy.rank(100, waited_s=5.0) < policy.rank(100, waited_s=1.0)
     # A long prompt that waited ten times its rest's prefill goes before a new short one.
     assert policy.rank(1_000, waited_s=101.0) < policy.rank(1, waited_s=0.0)
+
+
+@dataclass
+class Prompt:
+    """A waiting prompt as the scheduler reads it."""
+
+    stream_id: int
+    rest: int
+    submitted_at: float
+    last_chunk: tuple[int, float] | None = None
+
+
+def test_a_prefill_plan_serves_the_least_left_first_and_carries_each_prompts_last_pass() -> None:
+    scheduler = measured(decode_s=0.1, prefill_token_s=0.01)
+    waiting = [
+        Prompt(1, rest=12_000, submitted_at=0.0, last_chunk=(256, 0.5)),  # prefilling for 60 s
+        Prompt(2, rest=100, submitted_at=55.0),
+        Prompt(3, rest=100, submitted_at=50.0),
+    ]
+    plan = scheduler.prefill_plan(decoding=4, waiting=waiting, kv_room=1 << 20, now=60.0)
+    assert plan.order == [3, 2, 1]
+    assert plan.last_chunks == {1: (256, 0.5)}
+    assert plan.kv_room == 1 << 20
+    assert plan.allowance_s == pytest.approx(0.2)
+    assert plan.budget == 20
+    assert plan.token_s == 0.01
+
+
+def test_with_nothing_decoding_a_prefill_plan_has_no_time_limit() -> None:
+    plan = Scheduler(SETTINGS).prefill_plan(0, [Prompt(7, 50, 0.0)], kv_room=None, now=1.0)
+    assert plan.allowance_s is None and plan.left_s(spent=10_000) is None
+    assert plan.budget == 2048 and plan.order == [7]
+    # Before any prefill is measured, a token is costed at the default rate.
+    assert plan.token_s == DEFAULT_PREFILL_TOKEN_S
+
+
+def test_the_allowance_left_counts_the_tokens_a_step_has_prefilled() -> None:
+    plan = PrefillPlan(budget=100, allowance_s=0.2, kv_room=None, order=[], token_s=0.001)
+    assert plan.left_s(spent=0) == pytest.approx(0.2)
+    assert plan.left_s(spent=150) == pytest.approx(0.05)
+    assert plan.left_s(spent=300) == pytest.approx(-0.1)
+
+
+def test_the_youngest_sequences_are_preempted_first_and_the_oldest_never() -> None:
+    running = [(10, 3.0), (11, 1.0), (12, 5.0), (13, 2.0)]  # (stream id, admitted at)
+    assert Scheduler.preemption_order(running) == [12, 10, 13]
+    assert Scheduler.preemption_order([(10, 3.0)]) == []
+    assert Scheduler.preemption_order([]) == []
