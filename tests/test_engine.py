@@ -467,3 +467,30 @@ def test_a_reader_that_never_reads_is_cancelled_and_the_others_go_on(smollm: Loa
         assert stalled.unread_bytes == 0
     finally:
         engine.stop()
+
+
+def test_a_burst_past_one_pass_starts_from_the_prefix_its_first_prompts_stored(
+    smollm: LoadedModel,
+) -> None:
+    """Prompts that share a prefix arrive at once, more than one pass takes (the idle step's
+    budget: two of them): those left waiting were looked up before anything was cached, and
+    look again once the first two stored their prompts as they joined: they compute only their
+    own ends, and answer exactly as computed whole."""
+    engine = make_engine(smollm, max_prefill_tokens=256)
+    try:
+        shared = "Answer briefly and precisely. " * 15
+        prompts = [prompt_ids(engine, shared + q) for q in QUESTIONS[:6]]
+        engine.prefix_cache.max_bytes, saved = 0, engine.prefix_cache.max_bytes
+        try:
+            reference = [text(body(submit(engine, ids, 8))) for ids in prompts]
+        finally:
+            engine.prefix_cache.max_bytes = saved
+        with engine.admission._wakeup:  # queued together: the engine takes them in one step
+            readers = [submit(engine, ids, 8) for ids in prompts]
+        results = [body(reader) for reader in readers]
+    finally:
+        engine.stop()
+    assert [text(r) for r in results] == reference
+    cached = [r["usage"]["cache_read_input_tokens"] for r in results]
+    assert sorted(cached)[:3] == [0, 0, min(c for c in cached if c)], cached
+    assert sum(c >= 60 for c in cached) == 4, cached

@@ -72,7 +72,8 @@ class Admission:
         window = served.window(prompt_tokens, request.max_tokens) if served else context
         scaled = window > (served.native if served else context)
         # One lookup for every choice: a match is immutable, and each start copies its caches.
-        # (With ranks, every rank looks up as the engine takes the request in.)
+        # (With ranks, every rank looks up as the engine refreshes its waiting prompts.)
+        stores = self.prefix_cache.stores
         match = (
             self.prefix_cache.lookup(request.cache_keys(), variant=int(scaled))
             if self.look_up
@@ -80,7 +81,14 @@ class Admission:
         )
         cached = match.length if match else 0
         choices = [
-            Pending(next(self._ids), _choice(request, index), match, scaled, reported=cached)
+            Pending(
+                next(self._ids),
+                _choice(request, index),
+                match,
+                scaled,
+                reported=cached,
+                looked_at=stores if self.look_up else 0,
+            )
             for index in range(request.choices)
         ]
         # Choices decode together; where they cannot (more than may run at once), each is a

@@ -359,12 +359,9 @@ class Engine:
         return self._gone
 
     def _take(self, plan: StepPlan) -> None:
-        for pending in plan.taken:
-            if self.lockstep.ranks > 1:  # every rank looks up at the same point of the schedule
-                pending.match = self.prefix_cache.lookup(
-                    pending.request.cache_keys(), variant=int(pending.scaled)
-                )
-            self.prefill.waiting.append(pending)
+        # (With ranks, each rank looks the requests up as the step's prefill is refreshed: at
+        # the same point of the schedule.)
+        self.prefill.waiting.extend(plan.taken)
         self._gone.update(plan.cancelled)
         self._drop_cancelled()
         for stream_id in plan.stalled:

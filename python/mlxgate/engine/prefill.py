@@ -70,6 +70,7 @@ class Pending:
     sampler: Sampler | None = None
     held: bool = False  # has waited for another prompt's prefill of its prefix
     reported: int = 0  # the cached tokens its response was opened with
+    looked_at: int = 0  # the prefix cache's `stores` when it was last looked up
     shared: dict[int, int] = field(default_factory=dict)  # stream id -> common prefix with it
     # More choices of the same prompt (OpenAI's `n`): prefilled with this one, then each decodes
     # from its own copy of the cache.
@@ -188,10 +189,13 @@ class Prefill:
         self.joining: list[Pending] = []
 
     def refresh(self) -> None:
-        """Before a step is planned: the prefix cache may hold more of a waiting prompt than at
-        admission: the prefill it waited for, or (preempted) its own keys/values."""
+        """Before a step is planned: the prefix cache may hold more of a prompt not yet started
+        than when it was looked up (the prefill it waited for, its own keys/values if it was
+        preempted, or a burst's common prefix that the prompts ahead of it stored as they
+        joined)."""
+        stores = self.prefix_cache.stores
         for pending in self.waiting:
-            if pending.caches is None and (pending.held or pending.sampler is not None):
+            if pending.caches is None and pending.looked_at < stores:
                 self._look_again(pending)
 
     def run(self, plan: PrefillPlan, running: int) -> int:
@@ -334,6 +338,7 @@ class Prefill:
         for, or (preempted) its own keys/values."""
         held = pending.match.length if pending.match is not None else 0
         keys = pending.request.cache_keys()
+        pending.looked_at = self.prefix_cache.stores
         match = self.prefix_cache.lookup(keys, int(pending.scaled), held)
         if match is not None:
             pending.match = match

@@ -126,6 +126,12 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def stores(self) -> int:
+        """Entries stored since the start: a lookup made before the last store may find more
+        now."""
+        return self._next_key
+
     def lookup(
         self, prompt: list[int], variant: int = 0, longer_than: int = 0
     ) -> PrefixMatch | None:
