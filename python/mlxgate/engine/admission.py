@@ -73,7 +73,8 @@ class Admission:
         scaled = window > (served.native if served else context)
         # One lookup for every choice: a match is immutable, and each start copies its caches.
         # (With ranks, every rank looks up as the engine refreshes its waiting prompts.)
-        stores = self.prefix_cache.stores
+        # Without a lookup here, the engine's first lookup is its refresh (`looked_at` 0).
+        looked_at = self.prefix_cache.stores if self.look_up else 0
         match = (
             self.prefix_cache.lookup(request.cache_keys(), variant=int(scaled))
             if self.look_up
@@ -87,7 +88,7 @@ class Admission:
                 match,
                 scaled,
                 reported=cached,
-                looked_at=stores if self.look_up else 0,
+                looked_at=looked_at,
             )
             for index in range(request.choices)
         ]

@@ -266,8 +266,10 @@ class Prefill:
         if pending.caches is None:
             if progress.kv_room is not None:
                 need = self._reserve(pending)
-                started = running or progress.admitted or progress.groups or self._started()
-                if need > progress.kv_room and started:
+                # Alone (nothing else holds or takes memory) a prompt starts even past the room:
+                # one that cannot fit alone was refused at admission.
+                others = running or progress.admitted or progress.groups or self._started()
+                if need > progress.kv_room and others:
                     return False  # it waits for memory; nothing overtakes it
                 progress.kv_room -= need
             self._start(pending)
