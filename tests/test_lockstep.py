@@ -78,7 +78,7 @@ def test_a_step_plan_crosses_to_the_other_ranks_whole() -> None:
     lead, sibling = Pending(3, request, None, scaled=True), Pending(4, request, None, True)
     lead.siblings = [sibling]
     drafts = Drafts(np.array([2, 0]), np.array([[8, 9], [0, 0]]))
-    prefill = PrefillPlan(64, 0.25, 1 << 30, [3, 9], 0.004, {9: (128, 0.5)})
+    prefill = PrefillPlan(64, 0.25, 1 << 30, [3, 9], 0.004, {9: (128, 0.5)}, 0.011)
     plan = StepPlan(True, [lead], [1], [2], [6, 21], [9], drafts, prefill)
     wire = orjson.dumps(plan.encode(), option=orjson.OPT_SERIALIZE_NUMPY)
     got = StepPlan.decode(orjson.loads(wire))

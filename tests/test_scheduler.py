@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 from mlxgate.engine.scheduler import (
     DEFAULT_PREFILL_TOKEN_S,
     MAX_GROUP_ROWS,
+    PassCost,
     PrefillPlan,
     Scheduler,
+    chunk_cost,
     ema,
 )
 from mlxgate.engine.settings import EngineSettings
@@ -25,9 +27,9 @@ SETTINGS = EngineSettings(
 )
 
 
-def measured(decode_s: float, prefill_token_s: float) -> Scheduler:
+def measured(decode_s: float, prefill_token_s: float, pass_s: float = 0.0) -> Scheduler:
     """A policy that has seen decode steps and prefill passes of these costs."""
-    return Scheduler(SETTINGS, decode_s=decode_s, prefill_token_s=prefill_token_s)
+    return Scheduler(SETTINGS, decode_s, PassCost(pass_s, prefill_token_s))
 
 
 def test_the_module_runs_without_mlx() -> None:
@@ -46,14 +48,47 @@ def test_a_running_average_starts_at_its_first_sample_and_moves_a_fifth_of_the_w
     assert policy.decode_s == pytest.approx(0.12)
 
 
-def test_a_prefill_shorter_than_the_minimum_chunk_does_not_set_the_rate() -> None:
+def test_a_pass_costs_a_fixed_part_and_a_part_per_token_fitted_to_the_passes() -> None:
     policy = Scheduler(SETTINGS)
-    policy.prefilled(15, 1.0)
-    assert policy.prefill_token_s is None
-    policy.prefilled(0, 0.0)
-    assert policy.prefill_token_s is None
-    policy.prefilled(100, 0.5)
-    assert policy.prefill_token_s == pytest.approx(0.005)
+    policy.passed(0, 1.0, 0)  # nothing computed: nothing learnt
+    assert policy.prefill_token_s is None and policy.passes.fixed_s == 0.0
+    # Passes of one size cannot tell the parts apart: all of it is per token.
+    policy.passed(20, 0.05, 0)
+    assert policy.passes.fixed_s == 0.0 and policy.prefill_token_s == pytest.approx(0.0025)
+    # Nor can passes of sizes close together, however their times vary.
+    cost = PassCost()
+    for tokens, seconds in ((52, 0.6), (60, 0.5), (55, 0.7), (64, 0.55)):
+        cost.add(tokens, seconds)
+        assert cost.fixed_s == 0.0
+    # 11 ms a pass, then 2 ms a token, over passes of 4 to 80 tokens.
+    for tokens in (4, 16, 80, 30, 8, 64, 20, 40) * 4:
+        policy.passed(tokens, 0.011 + 0.002 * tokens, context=80)
+    assert policy.passes.fixed_s == pytest.approx(0.011, rel=0.05)
+    assert policy.prefill_token_s == pytest.approx(0.002, rel=0.05)
+    assert policy.passes.seconds(50) == pytest.approx(0.111, rel=0.05)
+    # A long prompt's chunks deep into it are its own: the line stays.
+    for tokens, seconds in ((52, 0.6), (60, 0.5), (55, 0.7), (64, 0.55)) * 3:
+        policy.passed(tokens, seconds, context=8000)
+    assert policy.passes.fixed_s == pytest.approx(0.011, rel=0.05)
+    assert policy.prefill_token_s == pytest.approx(0.002, rel=0.05)
+
+
+def test_a_prompts_next_chunk_is_sized_from_its_passes_averaged() -> None:
+    assert chunk_cost(None, 50, 0.5) == (50, 0.5)
+    # 40 tokens took 0.4 s before; 50 took 0.7 s now: 0.5 s scaled, averaged with 0.7.
+    assert chunk_cost((40, 0.4), 50, 0.7) == (50, pytest.approx(0.6))
+
+
+@given(st.lists(st.tuples(st.integers(1, 4096), st.floats(0.0, 10.0)), min_size=1))
+def test_the_fitted_parts_are_never_negative_and_a_token_always_costs(
+    passes: list[tuple[int, float]],
+) -> None:
+    cost = PassCost()
+    for tokens, seconds in passes:
+        cost.add(tokens, seconds)
+        assert cost.fixed_s >= 0.0 and cost.token_s is not None and cost.token_s >= 0.0
+    if any(seconds > 0 for _, seconds in passes[-1:]):
+        assert cost.token_s is not None and cost.token_s > 0.0
 
 
 def test_with_nothing_decoding_a_step_prefills_all_it_may() -> None:
@@ -87,6 +122,30 @@ def test_more_prompts_waiting_than_streams_decoding_stretch_the_allowance() -> N
     assert policy.budget(decoding=2, allowance_s=0.8) == 800
 
 
+def test_each_waiting_prompt_claims_two_decode_steps_a_decoding_stream() -> None:
+    policy = Scheduler(EngineSettings(max_step_ratio=2.0), decode_s=0.1)
+    # A long prompt beside four streams: a step at most twice a decode step.
+    assert policy.allowance_s(decoding=4, waiting=1) == pytest.approx(0.1)
+    assert policy.allowance_s(decoding=4, waiting=2) == pytest.approx(0.1)
+    # More waiting than half the streams: two decode steps per decoding stream, each.
+    assert policy.allowance_s(decoding=4, waiting=3) == pytest.approx(0.15)
+    assert policy.allowance_s(decoding=9, waiting=23) == pytest.approx(0.1 * 46 / 9)
+
+
+def test_a_decode_step_costs_at_least_a_prefill_pass_over_its_rows() -> None:
+    # The average still says 20 ms (one row decoded); 14 rows joined since: 11 + 14 x 2 ms.
+    policy = measured(decode_s=0.02, prefill_token_s=0.002, pass_s=0.011)
+    assert policy.decode_step_s(1) == pytest.approx(0.02)
+    assert policy.decode_step_s(14) == pytest.approx(0.039)
+    assert policy.allowance_s(decoding=14, waiting=14) == pytest.approx(2 * 0.039)
+
+
+def test_the_budget_leaves_a_pass_fixed_part_out_of_the_allowance() -> None:
+    # 0.2 s: 20 ms for the pass, 0.18 s of tokens at 2 ms.
+    policy = measured(decode_s=0.1, prefill_token_s=0.002, pass_s=0.02)
+    assert policy.budget(decoding=4, allowance_s=0.2) == 90
+
+
 def test_the_budget_stays_between_the_minimum_chunk_and_the_most_tokens() -> None:
     assert measured(decode_s=0.1, prefill_token_s=1e-6).budget(4, 0.2) == 2048
     assert measured(decode_s=0.1, prefill_token_s=0.1).budget(4, 0.2) == 16
@@ -108,6 +167,16 @@ def test_a_plain_chunk_is_the_least_of_budget_prompt_rest_and_chunk_size() -> No
     assert policy.chunk(budget=1000, todo=40) == 40
 
 
+def test_a_chunk_takes_the_whole_rest_rather_than_leave_less_than_a_minimum_chunk() -> None:
+    policy = Scheduler(SETTINGS)
+    assert policy.chunk(budget=30, todo=40) == 40  # 10 left: not worth a pass of its own
+    assert policy.chunk(budget=24, todo=40) == 24  # 16 left: a pass of its own
+    assert policy.chunk(budget=250, todo=260) == 250  # past a chunk's size: never whole
+    # A prompt in prefill beside decoding streams keeps to its allowance: its last tokens are
+    # a step of their own.
+    assert policy.steered_chunk((20, 0.05), todo=30, allowance_s=0.05) == 20
+
+
 def test_a_steered_chunk_scales_the_last_pass_to_the_allowance() -> None:
     policy = Scheduler(SETTINGS)
     # 100 tokens took 0.1 s; 0.15 s allowed: 150 tokens.
@@ -121,6 +190,8 @@ def test_a_steered_chunk_scales_the_last_pass_to_the_allowance() -> None:
     assert policy.steered_chunk((100, 0.1), todo=30, allowance_s=0.15) == 30
     # A pass timed at zero counts as a millisecond.
     assert policy.steered_chunk((100, 0.0), todo=5000, allowance_s=0.00075) == 75
+    # The fixed part of a pass does not scale: 100 tokens took 20 ms + 0.1 s, 0.17 s allowed.
+    assert policy.steered_chunk((100, 0.12), 5000, allowance_s=0.17, fixed_s=0.02) == 150
 
 
 def test_short_prompts_that_fit_together_make_a_group() -> None:
@@ -222,21 +293,23 @@ def test_a_prefill_plan_serves_the_least_left_first_and_carries_each_prompts_las
     assert plan.allowance_s == pytest.approx(0.2)
     assert plan.budget == 20
     assert plan.token_s == 0.01
+    assert plan.pass_s == 0.0
 
 
 def test_with_nothing_decoding_a_prefill_plan_has_no_time_limit() -> None:
     plan = Scheduler(SETTINGS).prefill_plan(0, [Prompt(7, 50, 0.0)], kv_room=None, now=1.0)
-    assert plan.allowance_s is None and plan.left_s(spent=10_000) is None
+    assert plan.allowance_s is None and plan.left_s(spent_s=10.0) is None
     assert plan.budget == 2048 and plan.order == [7]
     # Before any prefill is measured, a token is costed at the default rate.
     assert plan.token_s == DEFAULT_PREFILL_TOKEN_S
 
 
-def test_the_allowance_left_counts_the_tokens_a_step_has_prefilled() -> None:
-    plan = PrefillPlan(budget=100, allowance_s=0.2, kv_room=None, order=[], token_s=0.001)
-    assert plan.left_s(spent=0) == pytest.approx(0.2)
-    assert plan.left_s(spent=150) == pytest.approx(0.05)
-    assert plan.left_s(spent=300) == pytest.approx(-0.1)
+def test_the_allowance_left_counts_the_passes_and_tokens_a_step_has_spent() -> None:
+    plan = PrefillPlan(100, 0.2, None, [], token_s=0.001, pass_s=0.01)
+    assert plan.left_s(spent_s=0.0) == pytest.approx(0.2)
+    assert plan.cost_s(150) == pytest.approx(0.16)
+    assert plan.left_s(plan.cost_s(150)) == pytest.approx(0.04)
+    assert plan.left_s(plan.cost_s(300, passes=2)) == pytest.approx(-0.12)
 
 
 def test_the_youngest_sequences_are_preempted_first_and_the_oldest_never() -> None:

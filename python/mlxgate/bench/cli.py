@@ -84,6 +84,11 @@ def parser() -> argparse.ArgumentParser:
         "with a rename, speculative decoding's case; agent: replay --trace (default: sweep)",
     )  # fmt: skip
     bench.add_argument(
+        "--hol-prompt", type=int, default=None, metavar="TOKENS",
+        help="the head-of-line scenario's long prompt, about this many tokens (default: 1500); "
+        "its streams ask for enough tokens to outlast its prefill",
+    )  # fmt: skip
+    bench.add_argument(
         "--quick", action="store_true",
         help="small scenario sizes, for a smoke run",
     )  # fmt: skip
@@ -122,6 +127,8 @@ def main(argv: list[str]) -> None:
     out = args.out or Path(f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
     extra = tuple(name for name in args.scenarios if name in SCENARIOS)
     sizes = Sizes.quick() if args.quick else Sizes()
+    if args.hol_prompt is not None:
+        sizes = sizes.with_hol_prompt(args.hol_prompt)
     slots = max([*args.concurrency, sizes.long_prompts, sizes.hol_streams + 1, args.sessions])
     try:
         spawned = [spawn(name, slots, out / "logs", args.gguf).target() for name in args.spawn]

@@ -328,7 +328,7 @@ def _hol(figures: dict[str, Any]) -> str:
     return (
         f"longest gap during the {figures['prefill_s']:.2f} s prefill of "
         f"{figures['long_prompt_tokens']} tokens {_ms(figures['max_gap_during_s'])} ms against a "
-        f"median gap of {_ms(figures['median_gap_s'])} ms "
+        f"median step's gap of {_ms(figures['median_gap_s'])} ms "
         f"({_ratio(figures['max_gap_during_s'], figures['median_gap_s'])}); streams still "
         f"decoding at its end: {figures['streams_alive']}"
     )

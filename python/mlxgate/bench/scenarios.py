@@ -25,7 +25,7 @@ import statistics
 import sysconfig
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ _COMMON_WORDS = (
 )
 WORDS = tuple(_COMMON_WORDS.split())
 TOKENS_PER_WORD = 1.25  # these words with a space and an occasional full stop, by BPE
+SAME_STEP_S = 0.001  # token frames closer than this came from one server step
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,12 @@ class Sizes:
     edit_output: int = 256
     timeout_s: float = 1800.0  # a request fails after this long in all
     stall_s: float = 600.0  # or after this long without a byte
+
+    def with_hol_prompt(self, tokens: int) -> Sizes:
+        """The head-of-line scenario with a long prompt of `tokens`: its streams decode about a
+        token for each eight it prefills (four streams beside a prefill of a third of each
+        step), so that they still decode when it ends."""
+        return replace(self, hol_prompt=tokens, hol_output=max(self.hol_output, tokens // 8))
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -160,7 +167,8 @@ async def head_of_line(target: Target, sizes: Sizes, nonce: str) -> Outcome:
         for a, b in itertools.pairwise(r.delta_times)
         if b > window_start and a < window_end
     ]
-    gaps = [g for r in records for g in r.gaps]
+    # The tokens of one step (guesses kept) arrive together: the median is a step's gap.
+    gaps = [g for r in records for g in r.gaps if g >= SAME_STEP_S]
     median = statistics.median(gaps) if gaps else None
     worst = max(during) if during else None
     return Outcome(

@@ -284,9 +284,7 @@ class Engine:
             self._gone.update(decoder.step(plan.drafts, self.router))  # dropped as the next starts
             scheduler.decoded(time.perf_counter() - started)
         if plan.prefill is not None:
-            prefill_started = time.perf_counter()
-            prefilled = prefill.run(plan.prefill, len(decoder))
-            scheduler.prefilled(prefilled, time.perf_counter() - prefill_started)
+            prefill.run(plan.prefill, len(decoder))
         prefill.ping()
         decoder.tidy()
         self.metrics.stepped(time.perf_counter() - started, decoded=bool(decoding))

@@ -85,10 +85,18 @@ def _decoded_pending(encoded: list[Any]) -> Pending:
 
 def _encoded_prefill(plan: PrefillPlan) -> list[Any]:
     last_chunks = [[stream_id, *chunk] for stream_id, chunk in plan.last_chunks.items()]
-    return [plan.budget, plan.allowance_s, plan.kv_room, plan.order, plan.token_s, last_chunks]
+    return [
+        plan.budget,
+        plan.allowance_s,
+        plan.kv_room,
+        plan.order,
+        plan.token_s,
+        last_chunks,
+        plan.pass_s,
+    ]
 
 
 def _decoded_prefill(encoded: list[Any]) -> PrefillPlan:
-    budget, allowance_s, kv_room, order, token_s, last_chunks = encoded
+    budget, allowance_s, kv_room, order, token_s, last_chunks, pass_s = encoded
     chunks = {stream_id: (tokens, seconds) for stream_id, tokens, seconds in last_chunks}
-    return PrefillPlan(budget, allowance_s, kv_room, order, token_s, chunks)
+    return PrefillPlan(budget, allowance_s, kv_room, order, token_s, chunks, pass_s)

@@ -42,7 +42,7 @@ from mlxgate.engine.prefix_cache import (
     common_prefix,
 )
 from mlxgate.engine.sampling import Sampler
-from mlxgate.engine.scheduler import PrefillPlan, Scheduler
+from mlxgate.engine.scheduler import PrefillPlan, Scheduler, chunk_cost
 from mlxgate.models.adapter import ModelAdapter
 from mlxgate.models.rope_switch import ScaledRows
 
@@ -63,7 +63,8 @@ class Pending:
     last_ping: float = field(default_factory=time.monotonic)
     caches: list[Any] | None = None  # per layer (`model.make_cache()`), once prefill started
     done: int = 0  # prompt tokens whose keys/values are in `caches`
-    last_chunk: tuple[int, float] | None = None  # (tokens, seconds) of its latest prefill pass
+    # (tokens, seconds) of its latest prefill pass, averaged with those before (`chunk_cost`)
+    last_chunk: tuple[int, float] | None = None
     torn: bool = False  # a pass stopped part way: `caches` hold more than `done` in some layers
     # A sequence preempted while decoding (its prompt: the prompt and the tokens it decoded):
     # its sampler goes on where it was.
@@ -133,7 +134,7 @@ class _Progress:
 
     budget: int  # prompt tokens left
     kv_room: int | None  # bytes of the KV memory budget left for prompts to start
-    spent: int = 0  # prompt tokens computed (a group's padding included)
+    spent_s: float = 0.0  # the plan's prediction of the seconds spent (`PrefillPlan.cost_s`)
     admitted: list[Pending] = field(default_factory=list)  # prefilled alone, to join
     groups: list[PromptGroup] = field(default_factory=list)  # prefilled together, to join
 
@@ -198,19 +199,19 @@ class Prefill:
             if pending.caches is None and pending.looked_at < stores:
                 self._look_again(pending)
 
-    def run(self, plan: PrefillPlan, running: int) -> int:
+    def run(self, plan: PrefillPlan, running: int) -> None:
         """Prefill beside `running` decoding rows as the step's `plan` says: in its order, up to
-        its budget of prompt tokens; with streams decoding, a prompt in prefill takes one chunk
-        sized from its previous pass to what is left of the time allowance; new prompts start
-        within the bytes of the KV memory budget the plan leaves them (None: no budget). Returns
-        the prompt tokens prefilled."""
+        its budget of prompt tokens; with streams decoding, within its time allowance (a prompt
+        in prefill takes one chunk sized from its previous pass to what is left of it); new
+        prompts start within the bytes of the KV memory budget the plan leaves them (None: no
+        budget)."""
         self.waiting, held = self._ranked(plan.order)
         try:
-            return self._prefill(plan, running)
+            self._prefill(plan, running)
         finally:
             self.waiting.extend(held)
 
-    def _prefill(self, plan: PrefillPlan, running: int) -> int:
+    def _prefill(self, plan: PrefillPlan, running: int) -> None:
         progress = _Progress(plan.budget, plan.kv_room)
         idle = not running
         while self.waiting and progress.budget > 0:
@@ -225,7 +226,7 @@ class Prefill:
             )
             if group is not None:
                 # Several short prompts that fit this step: one forward pass for all of them.
-                self._prefill_group(group, progress)
+                self._prefill_group(group, plan, progress)
                 if idle and progress.groups:
                     break
                 continue
@@ -241,9 +242,8 @@ class Prefill:
         for group in progress.groups:
             self._join_group(group)
         self.joining = []
-        return progress.spent
 
-    def _prefill_group(self, group: PromptGroup, progress: _Progress) -> None:
+    def _prefill_group(self, group: PromptGroup, plan: PrefillPlan, progress: _Progress) -> None:
         for _ in group.rows:
             self.joining.append(self.waiting.popleft())
         if progress.kv_room is not None:
@@ -255,7 +255,7 @@ class Prefill:
         else:
             self.metrics.requests_cancelled += len(group.rows)
         progress.budget -= group.tokens.size  # padding included: it is work all the same
-        progress.spent += group.tokens.size
+        progress.spent_s += plan.cost_s(group.tokens.size)
 
     def _prefill_chunk(self, plan: PrefillPlan, progress: _Progress, running: int) -> bool:
         """The next chunk of the prompt at the head of the queue (all of it, if it fits); False
@@ -263,6 +263,14 @@ class Prefill:
         pending = self.waiting[0]
         if pending.torn:
             self._mend(pending)
+        left_s = plan.left_s(progress.spent_s)
+        last_chunk = plan.last_chunks.get(pending.stream_id)
+        budget = progress.budget
+        if left_s is not None and last_chunk is None and progress.spent_s:
+            # Beside decoding streams, a second pass pays its own fixed part.
+            budget = min(budget, int((left_s - plan.pass_s) / plan.token_s))
+            if budget < min(pending.rest, self.settings.min_prefill_chunk):
+                return False
         if pending.caches is None:
             if progress.kv_room is not None:
                 need = self._reserve(pending)
@@ -275,15 +283,15 @@ class Prefill:
             self._start(pending)
         if pending.request.images is not None and pending.features is None:
             self._encode(pending)
-        left_s = plan.left_s(progress.spent)
-        last_chunk = plan.last_chunks.get(pending.stream_id)
         if left_s is None or last_chunk is None:
-            steered, chunk = False, self.scheduler.chunk(progress.budget, pending.todo)
+            steered, chunk = False, self.scheduler.chunk(budget, pending.todo)
         else:  # a prompt in prefill beside decoding streams: sized from its previous pass
-            if left_s <= 0 and progress.spent:
+            if left_s <= 0 and progress.spent_s:
                 return False  # the step's allowance is spent
             steered = True
-            chunk = self.scheduler.steered_chunk(last_chunk, pending.todo, max(left_s, 0.0))
+            chunk = self.scheduler.steered_chunk(
+                last_chunk, pending.todo, max(left_s, 0.0), plan.pass_s
+            )
         if chunk > 0:
             prompt = pending.request.prompt_ids
             tokens_in = mx.array(prompt[pending.done : pending.done + chunk])[None]
@@ -291,10 +299,11 @@ class Prefill:
             if not self._forward_prompt(tokens_in, pending):
                 pending.torn = True
                 return False  # its client left mid-chunk; the next step drops it
-            pending.last_chunk = (chunk, time.perf_counter() - pass_started)
+            took = time.perf_counter() - pass_started
+            pending.last_chunk = chunk_cost(pending.last_chunk, chunk, took)
             pending.done += chunk
             progress.budget = 0 if steered else progress.budget - chunk
-            progress.spent += chunk
+            progress.spent_s += plan.cost_s(chunk)
             self.metrics.prefill_tokens += chunk
             self.metrics.prefill_passes += 1
             if steered and pending.todo == 0:
@@ -452,6 +461,7 @@ class Prefill:
         """Prefill a group's prompts together; False if every one of its clients left meanwhile."""
         ids = {p.stream_id for p in group.rows}
         scaled = np.array([p.scaled for p in group.rows])
+        started = time.perf_counter()
         if not self._forward(
             mx.array(group.tokens), group.caches, lambda gone: ids <= gone, scaled
         ):
@@ -460,6 +470,8 @@ class Prefill:
         for cache in group.caches:
             cache.finalize()
         mx.eval([cache_kinds.arrays(c) for c in group.caches])
+        context = max(p.done for p in group.rows)
+        self.scheduler.passed(group.tokens.size, time.perf_counter() - started, context)
         return True
 
     def _forward_prompt(self, tokens: mx.array, pending: Pending) -> bool:
@@ -469,9 +481,13 @@ class Prefill:
         features = pending.features
         start = pending.done
         inputs = features.chunk(start, start + tokens.shape[1]) if features is not None else None
-        return self._forward(
+        started = time.perf_counter()
+        if not self._forward(
             tokens, pending.caches, lambda gone: pending.stream_id in gone, pending.scaled, inputs
-        )
+        ):
+            return False
+        self.scheduler.passed(tokens.size, time.perf_counter() - started, start)
+        return True
 
     def _forward(
         self,

@@ -4,9 +4,10 @@ Between two steps the engine asks the scheduler for the step's plan (engine/plan
 decoding sequences make room for the KV memory budget (the youngest first), and how much the
 step prefills: its token budget, its time allowance, the order in which the waiting prompts are
 served (the least prefill left first, a long wait counting for a prompt too), the chunk sizes and
-the prompt groups. Its inputs are the settings and what the engine measured as it ran (the time
-of a decode step and of one prefilled token); it never touches MLX, so its decisions are tested
-alone (tests/test_scheduler.py). Across ranks, rank 0's plan is the one every rank runs.
+the prompt groups. Its inputs are the settings and what the engine measured as it ran: a decode
+step's time and a prefill pass's (a fixed part, every weight read once, plus a part per token:
+a line fitted to the passes). It never touches MLX, so its decisions are tested alone
+(tests/test_scheduler.py). Across ranks, rank 0's plan is the one every rank runs.
 """
 
 from __future__ import annotations
@@ -23,12 +24,72 @@ MAX_GROUP_ROWS = 32
 EMA_WEIGHT = 0.2
 # How much a waiting prompt's wait counts against its prefill left (see `Scheduler.rank`).
 AGE_WEIGHT = 0.1
+# A waiting prompt's claim on a step beside decoding streams, in decode steps per decoding
+# stream (see `Scheduler.allowance_s`).
+WAITING_SHARE = 2.0
 # The cost of a prefilled token before any is measured (SmolLM2-135M on 2 x86 cores: ~5 ms).
 DEFAULT_PREFILL_TOKEN_S = 0.005
+# Passes of sizes this alike (their spread under this share of their mean size) cannot tell a
+# pass's fixed part from its part per token.
+MIN_SIZE_SPREAD = 0.5
+# Weight of a prompt's latest pass in the time its next chunk is sized from.
+CHUNK_WEIGHT = 0.5
+# Passes after more context than this are left out of the line: their attention costs a token
+# more the longer the prompt (a chunk at 10k tokens: ~5x one at the start), which a line does not
+# fit, and a prompt in prefill sizes its chunks from its own passes.
+LINE_CONTEXT = 1024
 
 
 def ema(previous: float | None, sample: float, weight: float = EMA_WEIGHT) -> float:
     return sample if previous is None else previous + weight * (sample - previous)
+
+
+def chunk_cost(
+    previous: tuple[int, float] | None, tokens: int, seconds: float
+) -> tuple[int, float]:
+    """What a prompt's pass of `tokens` costs, for sizing its next chunk: the `seconds` its latest
+    took, averaged with its previous passes' (`previous`, scaled to `tokens`). One pass's time
+    varies by a fifth or more (the decode step beside it, the machine); sized from it alone, the
+    next chunk overruns the step's allowance by as much."""
+    if previous is None or previous[0] <= 0:
+        return tokens, seconds
+    scaled = previous[1] * tokens / previous[0]
+    return tokens, ema(scaled, seconds, CHUNK_WEIGHT)
+
+
+@dataclass
+class PassCost:
+    """What a prefill pass costs: `fixed_s` (every weight read once, whatever its size) plus
+    `token_s` a token (rows times columns, padding included), the least-squares line through the
+    passes measured, each older pass weighing `1 - EMA_WEIGHT` of the next one.
+
+    On CPU the fixed part is about five tokens' worth (SmolLM2-135M: ~11 ms, then ~2 ms a token),
+    so a per-token average over passes of 4-40 tokens overprices a token by half and starves a
+    step beside decoding streams of the prompts it has time for."""
+
+    fixed_s: float = 0.0
+    token_s: float | None = None
+    # Decayed sums: weight, tokens, seconds, tokens squared, tokens times seconds.
+    _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        keep = 1.0 - EMA_WEIGHT
+        w, x, y, xx, xy = (keep * total for total in self._sums)
+        self._sums = (w + 1, x + tokens, y + seconds, xx + tokens * tokens, xy + tokens * seconds)
+        w, x, y, xx, xy = self._sums
+        mean_x, mean_y = x / w, y / w
+        spread = xx / w - mean_x * mean_x
+        # Passes of sizes too alike to tell the two parts apart (a long prompt's chunks, whose
+        # times vary by a fifth) keep the fixed part they had.
+        if spread > (MIN_SIZE_SPREAD * mean_x) ** 2:
+            slope = (xy / w - mean_x * mean_y) / spread
+            if slope > 0:
+                self.fixed_s = max(0.0, mean_y - slope * mean_x)
+        self.fixed_s = min(self.fixed_s, 0.5 * mean_y)
+        self.token_s = (mean_y - self.fixed_s) / mean_x
+
+    def seconds(self, tokens: int) -> float:
+        return self.fixed_s + tokens * (self.token_s or DEFAULT_PREFILL_TOKEN_S)
 
 
 class Waiting(Protocol):
@@ -50,15 +111,21 @@ class PrefillPlan:
     allowance_s: float | None  # seconds beside decoding streams; None when nothing limits it
     kv_room: int | None  # bytes of the KV memory budget new prefills may take; None: no budget
     order: list[int]  # the waiting prompts' stream ids, in the order the step serves them
-    token_s: float  # what a prefilled token costs (spent tokens count against the allowance)
+    token_s: float  # what a prefilled token costs, beyond its pass's fixed part
     # Each prompt in prefill's latest pass, (tokens, seconds): its next chunk is sized from it.
     last_chunks: dict[int, tuple[int, float]] = field(default_factory=dict)
+    pass_s: float = 0.0  # the fixed part of a pass
 
-    def left_s(self, spent: int) -> float | None:
-        """Seconds of the allowance left once the step has prefilled `spent` tokens."""
+    def cost_s(self, tokens: int, passes: int = 1) -> float:
+        """The predicted seconds of `passes` prefill passes over `tokens` tokens (predicted, not
+        timed: every rank agrees on it)."""
+        return passes * self.pass_s + tokens * self.token_s
+
+    def left_s(self, spent_s: float) -> float | None:
+        """Seconds of the allowance left once the step has spent `spent_s` (`cost_s`)."""
         if self.allowance_s is None:
             return None
-        return self.allowance_s - spent * self.token_s
+        return self.allowance_s - spent_s
 
 
 @dataclass
@@ -67,17 +134,21 @@ class Scheduler:
 
     settings: EngineSettings
     decode_s: float | None = None  # a decode step, seconds (running average)
-    prefill_token_s: float | None = None  # one prefilled token, seconds (running average)
+    passes: PassCost = field(default_factory=PassCost)
+
+    @property
+    def prefill_token_s(self) -> float | None:
+        return self.passes.token_s
 
     def decoded(self, seconds: float) -> None:
         """A step's decode took `seconds`."""
         self.decode_s = ema(self.decode_s, seconds)
 
-    def prefilled(self, tokens: int, seconds: float) -> None:
-        """A step's prefill took `seconds` for `tokens` prompt tokens; fewer than a minimum chunk
-        say little about the rate and are not counted."""
-        if tokens >= self.settings.min_prefill_chunk:
-            self.prefill_token_s = ema(self.prefill_token_s, seconds / tokens)
+    def passed(self, tokens: int, seconds: float, context: int) -> None:
+        """A prefill pass over `tokens` (its rows times its columns) after `context` tokens
+        already in its caches took `seconds`."""
+        if tokens > 0 and context <= LINE_CONTEXT:
+            self.passes.add(tokens, seconds)
 
     def prefill_plan(
         self, decoding: int, waiting: Sequence[Waiting], kv_room: int | None, now: float
@@ -93,6 +164,7 @@ class Scheduler:
             [p.stream_id for p in ranked],
             self.prefill_token_s or DEFAULT_PREFILL_TOKEN_S,
             {p.stream_id: p.last_chunk for p in waiting if p.last_chunk is not None},
+            self.passes.fixed_s,
         )
 
     @staticmethod
@@ -109,9 +181,21 @@ class Scheduler:
         s = self.settings
         if not decoding or s.step_token_budget or self.decode_s is None:
             return None
-        # More prompts waiting than streams decoding: the waiting clients get the larger share.
-        stretch = max(1.0, waiting / decoding)
-        return (s.max_step_ratio - 1.0) * self.decode_s * stretch
+        # The decoding streams' bound (a step at most max_step_ratio decode steps) holds while
+        # few prompts wait; past it, the waiting prompts' claim: a client without its first
+        # token counts twice one streaming (a burst's prompts start in a few steps, not one a
+        # step while its first rows decode).
+        steps = max(s.max_step_ratio - 1.0, WAITING_SHARE * waiting / decoding)
+        return steps * self.decode_step_s(decoding)
+
+    def decode_step_s(self, decoding: int) -> float:
+        """What a decode step of `decoding` rows costs: its running average, but at least a
+        prefill pass over as many tokens (the same weights and matmul rows), which the average
+        lags behind when a burst's prompts have just joined (1 row to 14: 19 ms to 56 ms)."""
+        assert self.decode_s is not None
+        if self.passes.token_s is None:
+            return self.decode_s
+        return max(self.decode_s, self.passes.seconds(decoding))
 
     def rank(self, rest: int, waited_s: float) -> float:
         """Which waiting prompt a step serves first: the lowest rank. Its prefill left, in
@@ -130,22 +214,32 @@ class Scheduler:
             return max(s.min_prefill_chunk, s.step_token_budget - decoding)
         if allowance_s is None or self.prefill_token_s is None:
             return s.min_prefill_chunk
-        fits = allowance_s / self.prefill_token_s
+        # One pass, at least, goes with the tokens.
+        fits = (allowance_s - self.passes.fixed_s) / self.prefill_token_s
         return int(min(s.max_prefill_tokens, max(s.min_prefill_chunk, fits)))
 
     def chunk(self, budget: int, todo: int) -> int:
-        """The next chunk of a prompt with `todo` tokens left, out of `budget`."""
-        return min(budget, todo, self.settings.max_prefill_chunk)
+        """The first chunk of a prompt with `todo` tokens left, out of `budget`: all of them if
+        less than a minimum chunk would be left (a pass and a step of its own for a few tokens
+        cost more than taking them now)."""
+        s = self.settings
+        chunk = min(budget, todo, s.max_prefill_chunk)
+        if todo - chunk < s.min_prefill_chunk and todo <= s.max_prefill_chunk:
+            return todo
+        return chunk
 
-    def steered_chunk(self, last_chunk: tuple[int, float], todo: int, allowance_s: float) -> int:
+    def steered_chunk(
+        self, last_chunk: tuple[int, float], todo: int, allowance_s: float, fixed_s: float = 0.0
+    ) -> int:
         """The next chunk of a prompt in prefill, sized from its own previous pass (`last_chunk`:
-        its tokens and seconds) to take about `allowance_s`.
+        its tokens and seconds, `fixed_s` of which any pass costs) to take about `allowance_s`.
 
-        A pass costs a fixed part (every weight is read once) plus a part per token that grows
-        with the prompt's length so far, which a global per-token rate does not capture.
+        Past its fixed part a pass costs per token more as the prompt grows (its attention), which
+        the line through all passes does not capture.
         """
         tokens, took = last_chunk
-        steered = int(tokens * allowance_s / max(took, 1e-3))
+        fixed_s = min(fixed_s, 0.9 * took)
+        steered = int(tokens * (allowance_s - fixed_s) / max(took - fixed_s, 1e-3))
         steered = min(2 * tokens, max(tokens // 2, steered))
         s = self.settings
         return min(todo, s.max_prefill_chunk, max(s.min_prefill_chunk, steered))
