@@ -27,9 +27,8 @@ class EngineSettings:
     max_step_ratio: float = setting(
         3.0,
         "with the adaptive step budget: how many times a decode-only step's time a step that "
-        "also prefills may take while few prompts wait (past half as many prompts waiting as "
-        "streams decoding, each waiting prompt may take two decode steps' time per decoding "
-        "stream)",
+        "also prefills may take while few prompts wait (when more wait, each may take two "
+        "decode steps' time per decoding stream)",
     )
     # Several short prompts go in one batched pass: ~2x the tokens/s of one prompt alone.
     max_prefill_tokens: int = setting(
