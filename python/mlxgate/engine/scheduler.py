@@ -219,9 +219,10 @@ class Scheduler:
         return int(min(s.max_prefill_tokens, max(s.min_prefill_chunk, fits)))
 
     def chunk(self, budget: int, todo: int) -> int:
-        """The first chunk of a prompt with `todo` tokens left, out of `budget`: all of them if
-        less than a minimum chunk would be left (a pass and a step of its own for a few tokens
-        cost more than taking them now)."""
+        """The next chunk of a prompt with `todo` tokens left, out of `budget` (a prompt not yet
+        started, or any in a step with no time allowance): all of them if less than a minimum
+        chunk would be left (a pass and a step of their own for a few tokens cost more than
+        taking them now)."""
         s = self.settings
         chunk = min(budget, todo, s.max_prefill_chunk)
         if todo - chunk < s.min_prefill_chunk and todo <= s.max_prefill_chunk:
