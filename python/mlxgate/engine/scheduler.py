@@ -212,7 +212,7 @@ class Scheduler:
             return s.max_prefill_tokens  # nobody waits on this step: go for throughput
         if s.step_token_budget:
             return max(s.min_prefill_chunk, s.step_token_budget - decoding)
-        if allowance_s is None or self.prefill_token_s is None:
+        if allowance_s is None or not self.prefill_token_s:
             return s.min_prefill_chunk
         # One pass, at least, goes with the tokens.
         fits = (allowance_s - self.passes.fixed_s) / self.prefill_token_s
