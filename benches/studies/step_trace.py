@@ -225,6 +225,7 @@ def hol(args: argparse.Namespace) -> list[str]:
     tracer.engine.stop()
     median = statistics.median(after) if after else float("nan")
     worst = sorted(window, key=lambda s: -s["total"])[:12]
+    joins = [s for s in window if s["joined"]]
     return [
         f"{len(long)} prompt tokens prefilled in {prefill_s:.1f} s beside {args.streams} streams "
         f"over {len(window)} steps; the longest {1000 * worst[0]['total']:.0f} ms, "
@@ -234,6 +235,11 @@ def hol(args: argparse.Namespace) -> list[str]:
         "",
         *HEADER,
         *(row(s) for s in worst),
+        "",
+        "The step it joined in:",
+        "",
+        *HEADER,
+        *(row(s) for s in joins),
         "",
     ]
 

@@ -149,14 +149,21 @@ def batch_of(cache: Any, rows: int) -> Any:
 
 def _kv_row(cache: KVCache | QuantizedKVCache) -> Any:
     """A one-row batch cache with room for the next tokens (`BatchKVCache.merge` leaves none, so
-    the first decode step would copy it again to grow it: ~0.1 s for a 1,500-token prompt)."""
+    the first decode step would copy it again to grow it: ~0.1 s for a 1,500-token prompt).
+
+    A prefill's buffers have room already (KVCache grows by 256 columns): their data is shared,
+    not copied (a copy of a 10k-token prompt's keys and values takes ~0.2 s here, a stall for
+    every stream decoding beside its join). The row's arrays are new objects (MLX writes in
+    place into the object a cache holds: `snapshot`), and the batch's first write copies the
+    data only if `cache` is still alive then."""
     assert cache.keys is not None and cache.values is not None
     length = cache.offset
-    capacity = -(-(length + 1) // cache.step) * cache.step
-    keys, values = (
-        _each(lambda a: _with_room(a[..., :length, :], capacity), kv)
-        for kv in (cache.keys, cache.values)
-    )
+    keys, values = (_each(lambda a: a[...], kv) for kv in (cache.keys, cache.values))
+    if (keys[0] if isinstance(keys, tuple) else keys).shape[2] <= length:
+        capacity = -(-(length + 1) // cache.step) * cache.step
+        keys, values = (
+            _each(lambda a: _with_room(a[..., :length, :], capacity), kv) for kv in (keys, values)
+        )
     row = _batch_of_kind(cache)
     row.state = (keys, values, mx.array([length]), row.left_padding, length)
     return row

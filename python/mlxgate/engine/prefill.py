@@ -590,6 +590,7 @@ class Prefill:
             # One at a time: together they would be padded to the longest before joining.
             rows = pending.choices
             self._join(rows, [cache_kinds.batch_of(c, len(rows)) for c in pending.caches])
+            pending.caches = None  # the batch shares their data: held here, its first write copies
 
     def _join_group(self, group: PromptGroup) -> None:
         for row, pending in enumerate(group.rows):
