@@ -137,6 +137,17 @@ def test_each_waiting_prompt_claims_two_decode_steps_a_decoding_stream() -> None
     assert policy.allowance_s(decoding=9, waiting=23) == pytest.approx(0.1 * 46 / 9)
 
 
+def test_each_waiting_prompt_claims_its_own_prefill_up_to_a_decode_step() -> None:
+    policy = measured(decode_s=0.1, prefill_token_s=0.002, pass_s=0.01)
+    # A burst's last ten prompts beside twenty streams: each claims its prefill (30 tokens:
+    # 70 ms), where two decode steps a decoding stream, each, would give them 100 ms in all.
+    assert policy.allowance_s(decoding=20, waiting=10, rests=[30] * 10) == pytest.approx(0.7)
+    # Longer prompts claim a decode step each.
+    assert policy.allowance_s(decoding=20, waiting=10, rests=[300] * 10) == pytest.approx(1.0)
+    # A long prompt alone claims one step: the decoding streams' bound holds.
+    assert policy.allowance_s(decoding=20, waiting=1, rests=[12_000]) == pytest.approx(0.2)
+
+
 def test_a_decode_step_costs_at_least_a_prefill_pass_over_its_rows() -> None:
     # The average still says 20 ms (one row decoded); 14 rows joined since: 11 + 14 x 2 ms.
     policy = measured(decode_s=0.02, prefill_token_s=0.002, pass_s=0.011)
@@ -295,8 +306,9 @@ def test_a_prefill_plan_serves_the_least_left_first_and_carries_each_prompts_las
     assert plan.order == [3, 2, 1]
     assert plan.last_chunks == {1: (256, 0.5)}
     assert plan.kv_room == 1 << 20
-    assert plan.allowance_s == pytest.approx(0.2)
-    assert plan.budget == 20
+    # Each waiting prompt claims a decode step (its own prefill is longer).
+    assert plan.allowance_s == pytest.approx(0.3)
+    assert plan.budget == 30
     assert plan.token_s == 0.01
     assert plan.pass_s == 0.0
 

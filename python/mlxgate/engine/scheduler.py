@@ -155,7 +155,7 @@ class Scheduler:
     ) -> PrefillPlan:
         """The prefill of a step beside `decoding` streams, with `kv_room` bytes free for new
         prompts, at `now` (time.monotonic())."""
-        allowance_s = self.allowance_s(decoding, len(waiting))
+        allowance_s = self.allowance_s(decoding, len(waiting), [p.rest for p in waiting])
         ranked = sorted(waiting, key=lambda p: self.rank(p.rest, now - p.submitted_at))
         return PrefillPlan(
             self.budget(decoding, allowance_s),
@@ -175,18 +175,23 @@ class Scheduler:
         by_age = sorted(running, key=lambda row: row[1], reverse=True)
         return [stream_id for stream_id, _ in by_age[:-1]]
 
-    def allowance_s(self, decoding: int, waiting: int) -> float | None:
+    def allowance_s(self, decoding: int, waiting: int, rests: Sequence[int] = ()) -> float | None:
         """Seconds of prefill a step may add to decoding `decoding` streams while `waiting`
-        sequences wait; None when nothing limits it."""
+        sequences wait (`rests`: the prompt tokens each has left, where known); None when
+        nothing limits it."""
         s = self.settings
         if not decoding or s.step_token_budget or self.decode_s is None:
             return None
+        step_s = self.decode_step_s(decoding)
         # The decoding streams' bound (a step at most max_step_ratio decode steps) holds while
         # few prompts wait; past it, the waiting prompts' claim: a client without its first
         # token counts twice one streaming (a burst's prompts start in a few steps, not one a
-        # step while its first rows decode).
+        # step while its first rows decode), and each waiting prompt claims its own prefill, up
+        # to a decode step (a burst's last prompts start together, not one a step beside the
+        # streams that started before them; a long prompt still claims no more than a step).
+        own_s = sum(min(self.passes.seconds(rest), step_s) for rest in rests)
         steps = max(s.max_step_ratio - 1.0, WAITING_SHARE * waiting / decoding)
-        return steps * self.decode_step_s(decoding)
+        return max(steps * step_s, own_s)
 
     def decode_step_s(self, decoding: int) -> float:
         """What a decode step of `decoding` rows costs: its running average, but at least a

@@ -28,7 +28,7 @@ class EngineSettings:
         3.0,
         "with the adaptive step budget: how many times a decode-only step's time a step that "
         "also prefills may take while few prompts wait (when more wait, each may take two "
-        "decode steps' time per decoding stream)",
+        "decode steps' time per decoding stream, or its own prefill up to a decode step)",
     )
     # Several short prompts go in one batched pass: ~2x the tokens/s of one prompt alone.
     max_prefill_tokens: int = setting(
