@@ -3,6 +3,7 @@ of preemption, without MLX."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -139,11 +140,19 @@ def test_each_waiting_prompt_claims_two_decode_steps_a_decoding_stream() -> None
 
 def test_each_waiting_prompt_claims_its_own_prefill_up_to_a_decode_step() -> None:
     policy = measured(decode_s=0.1, prefill_token_s=0.002, pass_s=0.01)
-    # A burst's last ten prompts beside twenty streams: each claims its prefill (30 tokens:
-    # 70 ms), where two decode steps a decoding stream, each, would give them 100 ms in all.
-    assert policy.allowance_s(decoding=20, waiting=10, rests=[30] * 10) == pytest.approx(0.7)
-    # Longer prompts claim a decode step each.
-    assert policy.allowance_s(decoding=20, waiting=10, rests=[300] * 10) == pytest.approx(1.0)
+    # A burst's last prompts beside twenty streams (30 tokens: 70 ms each), where two decode
+    # steps a decoding stream, each, would give them 100 ms in all. A few: the streams' bound.
+    assert policy.allowance_s(decoding=20, waiting=3, rests=[30] * 3) == pytest.approx(0.2)
+    # Ten claim the geometric mean of a step's own cost (a decode step and a pass's fixed part:
+    # 110 ms) and their whole prefill (0.7 s): about four prompts' worth.
+    assert policy.allowance_s(decoding=20, waiting=10, rests=[30] * 10) == pytest.approx(
+        math.sqrt(0.11 * 0.7)
+    )
+    # Longer prompts claim a decode step each, within the same bound.
+    assert policy.allowance_s(decoding=20, waiting=4, rests=[300] * 4) == pytest.approx(0.4)
+    assert policy.allowance_s(decoding=20, waiting=10, rests=[300] * 10) == pytest.approx(
+        math.sqrt(0.11 * 6.1)
+    )
     # A long prompt alone claims one step: the decoding streams' bound holds.
     assert policy.allowance_s(decoding=20, waiting=1, rests=[12_000]) == pytest.approx(0.2)
 

@@ -12,6 +12,7 @@ a line fitted to the passes). It never touches MLX, so its decisions are tested 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -186,12 +187,22 @@ class Scheduler:
         # The decoding streams' bound (a step at most max_step_ratio decode steps) holds while
         # few prompts wait; past it, the waiting prompts' claim: a client without its first
         # token counts twice one streaming (a burst's prompts start in a few steps, not one a
-        # step while its first rows decode), and each waiting prompt claims its own prefill, up
-        # to a decode step (a burst's last prompts start together, not one a step beside the
-        # streams that started before them; a long prompt still claims no more than a step).
-        own_s = sum(min(self.passes.seconds(rest), step_s) for rest in rests)
+        # step while its first rows decode), and the waiting prompts' own prefill (below).
         steps = max(s.max_step_ratio - 1.0, WAITING_SHARE * waiting / decoding)
-        return max(steps * step_s, own_s)
+        return max(steps * step_s, self._own_claim_s(step_s, rests))
+
+    def _own_claim_s(self, step_s: float, rests: Sequence[int]) -> float:
+        """The waiting prompts' own claim on a step of `step_s` decode: each its prefill, up to a
+        decode step (a long prompt claims no more than a step), and all of them together at most
+        the geometric mean of the step's own cost and their whole prefill. That is how many a step
+        starts when every step costs a decode and a pass besides its prompts: the first ones
+        wait for fewer behind them, the last for fewer steps (a batch of k of W prompts that each
+        take c, in steps costing s besides: the mean wait (W/k + 1)(s + kc)/2 is least at
+        k = sqrt(Ws/c)). One a step, the last of a burst waited for twenty decode steps; all at
+        once, the first of them waited for all the others' prefill."""
+        costs = [self.passes.seconds(rest) for rest in rests]
+        overhead_s = step_s + self.passes.fixed_s
+        return min(sum(min(c, step_s) for c in costs), math.sqrt(overhead_s * sum(costs)))
 
     def decode_step_s(self, decoding: int) -> float:
         """What a decode step of `decoding` rows costs: its running average, but at least a
