@@ -99,16 +99,16 @@ def test_the_fitted_parts_are_never_negative_and_a_token_always_costs(
 
 def test_with_nothing_decoding_a_step_prefills_all_it_may() -> None:
     policy = measured(decode_s=0.1, prefill_token_s=0.001)
-    assert policy.allowance_s(decoding=0, waiting=3) is None
+    assert policy.allowance_s(decoding=0, rests=[50] * 3) is None
     assert policy.budget(decoding=0, allowance_s=None) == 2048
 
 
 def test_before_any_measurement_a_step_beside_decoding_prefills_the_minimum_chunk() -> None:
     policy = Scheduler(SETTINGS)
-    assert policy.allowance_s(decoding=4, waiting=1) is None
+    assert policy.allowance_s(decoding=4, rests=[500]) is None
     assert policy.budget(decoding=4, allowance_s=None) == 16
     policy.decoded(0.1)  # a decode step measured, no prefill yet
-    allowance = policy.allowance_s(decoding=4, waiting=1)
+    allowance = policy.allowance_s(decoding=4, rests=[500])
     assert allowance == pytest.approx(0.2)
     assert policy.budget(decoding=4, allowance_s=allowance) == 16
 
@@ -116,45 +116,24 @@ def test_before_any_measurement_a_step_beside_decoding_prefills_the_minimum_chun
 def test_the_budget_fills_the_allowance_at_the_measured_rate() -> None:
     # A step may take 3x a decode step: 0.2 s of prefill at 1 ms a token.
     policy = measured(decode_s=0.1, prefill_token_s=0.001)
-    allowance = policy.allowance_s(decoding=4, waiting=1)
+    allowance = policy.allowance_s(decoding=4, rests=[500])
     assert allowance == pytest.approx(0.2)
     assert policy.budget(decoding=4, allowance_s=allowance) == 200
-
-
-def test_more_prompts_waiting_than_streams_decoding_stretch_the_allowance() -> None:
-    policy = measured(decode_s=0.1, prefill_token_s=0.001)
-    assert policy.allowance_s(decoding=2, waiting=2) == pytest.approx(0.2)
-    assert policy.allowance_s(decoding=2, waiting=8) == pytest.approx(0.8)
-    assert policy.budget(decoding=2, allowance_s=0.8) == 800
-
-
-def test_each_waiting_prompt_claims_two_decode_steps_a_decoding_stream() -> None:
-    policy = Scheduler(EngineSettings(max_step_ratio=2.0), decode_s=0.1)
-    # A long prompt beside four streams: a step at most twice a decode step.
-    assert policy.allowance_s(decoding=4, waiting=1) == pytest.approx(0.1)
-    assert policy.allowance_s(decoding=4, waiting=2) == pytest.approx(0.1)
-    # More waiting than half the streams: two decode steps per decoding stream, each.
-    assert policy.allowance_s(decoding=4, waiting=3) == pytest.approx(0.15)
-    assert policy.allowance_s(decoding=9, waiting=23) == pytest.approx(0.1 * 46 / 9)
 
 
 def test_each_waiting_prompt_claims_its_own_prefill_up_to_a_decode_step() -> None:
     policy = measured(decode_s=0.1, prefill_token_s=0.002, pass_s=0.01)
     # A burst's last prompts beside twenty streams (30 tokens: 70 ms each), where two decode
     # steps a decoding stream, each, would give them 100 ms in all. A few: the streams' bound.
-    assert policy.allowance_s(decoding=20, waiting=3, rests=[30] * 3) == pytest.approx(0.2)
+    assert policy.allowance_s(decoding=20, rests=[30] * 3) == pytest.approx(0.2)
     # Ten claim the geometric mean of a step's own cost (a decode step and a pass's fixed part:
     # 110 ms) and their whole prefill (0.7 s): about four prompts' worth.
-    assert policy.allowance_s(decoding=20, waiting=10, rests=[30] * 10) == pytest.approx(
-        math.sqrt(0.11 * 0.7)
-    )
+    assert policy.allowance_s(decoding=20, rests=[30] * 10) == pytest.approx(math.sqrt(0.11 * 0.7))
     # Longer prompts claim a decode step each, within the same bound.
-    assert policy.allowance_s(decoding=20, waiting=4, rests=[300] * 4) == pytest.approx(0.4)
-    assert policy.allowance_s(decoding=20, waiting=10, rests=[300] * 10) == pytest.approx(
-        math.sqrt(0.11 * 6.1)
-    )
+    assert policy.allowance_s(decoding=20, rests=[300] * 4) == pytest.approx(0.4)
+    assert policy.allowance_s(decoding=20, rests=[300] * 10) == pytest.approx(math.sqrt(0.11 * 6.1))
     # A long prompt alone claims one step: the decoding streams' bound holds.
-    assert policy.allowance_s(decoding=20, waiting=1, rests=[12_000]) == pytest.approx(0.2)
+    assert policy.allowance_s(decoding=20, rests=[12_000]) == pytest.approx(0.2)
 
 
 def test_a_decode_step_costs_at_least_a_prefill_pass_over_its_rows() -> None:
@@ -162,7 +141,7 @@ def test_a_decode_step_costs_at_least_a_prefill_pass_over_its_rows() -> None:
     policy = measured(decode_s=0.02, prefill_token_s=0.002, pass_s=0.011)
     assert policy.decode_step_s(1) == pytest.approx(0.02)
     assert policy.decode_step_s(14) == pytest.approx(0.039)
-    assert policy.allowance_s(decoding=14, waiting=14) == pytest.approx(2 * 0.039)
+    assert policy.allowance_s(decoding=14, rests=[20]) == pytest.approx(2 * 0.039)
 
 
 def test_the_budget_leaves_a_pass_fixed_part_out_of_the_allowance() -> None:
@@ -179,7 +158,7 @@ def test_the_budget_stays_between_the_minimum_chunk_and_the_most_tokens() -> Non
 def test_a_fixed_step_budget_leaves_one_token_per_decoding_stream() -> None:
     policy = Scheduler(EngineSettings(step_token_budget=512, min_prefill_chunk=16))
     policy.decoded(0.1)
-    assert policy.allowance_s(decoding=12, waiting=40) is None
+    assert policy.allowance_s(decoding=12, rests=[50] * 40) is None
     assert policy.budget(decoding=12, allowance_s=None) == 500
     assert policy.budget(decoding=510, allowance_s=None) == 16
     assert policy.budget(decoding=0, allowance_s=None) == 2048
@@ -259,13 +238,13 @@ def test_a_group_fits_the_budget_and_the_room_in_the_batch() -> None:
     decode_s=st.floats(1e-4, 10.0),
     prefill_token_s=st.floats(1e-7, 1.0),
     decoding=st.integers(1, 64),
-    waiting=st.integers(0, 64),
+    rests=st.lists(st.integers(1, 20_000), max_size=64),
 )
 def test_beside_decoding_streams_the_budget_is_always_within_bounds(
-    decode_s: float, prefill_token_s: float, decoding: int, waiting: int
+    decode_s: float, prefill_token_s: float, decoding: int, rests: list[int]
 ) -> None:
     policy = measured(decode_s, prefill_token_s)
-    allowance = policy.allowance_s(decoding, waiting)
+    allowance = policy.allowance_s(decoding, rests)
     assert allowance is not None and allowance >= 2.0 * decode_s * (1 - 1e-12)
     assert 16 <= policy.budget(decoding, allowance) <= 2048
 

@@ -25,9 +25,6 @@ MAX_GROUP_ROWS = 32
 EMA_WEIGHT = 0.2
 # How much a waiting prompt's wait counts against its prefill left (see `Scheduler.rank`).
 AGE_WEIGHT = 0.1
-# A waiting prompt's claim on a step beside decoding streams, in decode steps per decoding
-# stream (see `Scheduler.allowance_s`).
-WAITING_SHARE = 2.0
 # The cost of a prefilled token before any is measured (SmolLM2-135M on 2 x86 cores: ~5 ms).
 DEFAULT_PREFILL_TOKEN_S = 0.005
 # Passes of sizes this alike (their spread under this share of their mean size) cannot tell a
@@ -156,7 +153,7 @@ class Scheduler:
     ) -> PrefillPlan:
         """The prefill of a step beside `decoding` streams, with `kv_room` bytes free for new
         prompts, at `now` (time.monotonic())."""
-        allowance_s = self.allowance_s(decoding, len(waiting), [p.rest for p in waiting])
+        allowance_s = self.allowance_s(decoding, [p.rest for p in waiting])
         ranked = sorted(waiting, key=lambda p: self.rank(p.rest, now - p.submitted_at))
         return PrefillPlan(
             self.budget(decoding, allowance_s),
@@ -176,28 +173,24 @@ class Scheduler:
         by_age = sorted(running, key=lambda row: row[1], reverse=True)
         return [stream_id for stream_id, _ in by_age[:-1]]
 
-    def allowance_s(self, decoding: int, waiting: int, rests: Sequence[int] = ()) -> float | None:
-        """Seconds of prefill a step may add to decoding `decoding` streams while `waiting`
-        sequences wait (`rests`: the prompt tokens each has left, where known); None when
-        nothing limits it."""
+    def allowance_s(self, decoding: int, rests: Sequence[int]) -> float | None:
+        """Seconds of prefill a step may add to decoding `decoding` streams while prompts with
+        `rests` tokens left to prefill wait; None when nothing limits it."""
         s = self.settings
         if not decoding or s.step_token_budget or self.decode_s is None:
             return None
         step_s = self.decode_step_s(decoding)
         # The decoding streams' bound (a step at most max_step_ratio decode steps) holds while
-        # few prompts wait; past it, the waiting prompts' claim: a client without its first
-        # token counts twice one streaming (a burst's prompts start in a few steps, not one a
-        # step while its first rows decode), and the waiting prompts' own prefill (below).
-        steps = max(s.max_step_ratio - 1.0, WAITING_SHARE * waiting / decoding)
-        return max(steps * step_s, self._own_claim_s(step_s, rests))
+        # few prompts wait; past it, the waiting prompts' claim.
+        return max((s.max_step_ratio - 1.0) * step_s, self._waiting_claim_s(step_s, rests))
 
-    def _own_claim_s(self, step_s: float, rests: Sequence[int]) -> float:
-        """The waiting prompts' own claim on a step of `step_s` decode: each its prefill, up to a
-        decode step (a long prompt claims no more than a step), and all of them together at most
-        the geometric mean of the step's own cost and their whole prefill. That is how many a step
-        starts when every step costs a decode and a pass besides its prompts: the first ones
-        wait for fewer behind them, the last for fewer steps (a batch of k of W prompts that each
-        take c, in steps costing s besides: the mean wait (W/k + 1)(s + kc)/2 is least at
+    def _waiting_claim_s(self, step_s: float, rests: Sequence[int]) -> float:
+        """The waiting prompts' claim on a step whose decode takes `step_s`: each its prefill, up
+        to a decode step (a long prompt claims no more than a step), and all of them together at
+        most the geometric mean of the step's own cost and their whole prefill. That is how many
+        a step starts when every step costs a decode and a pass besides its prompts: the first
+        ones wait for fewer behind them, the last for fewer steps (a batch of k of W prompts that
+        each take c, in steps costing s besides: the mean wait (W/k + 1)(s + kc)/2 is least at
         k = sqrt(Ws/c)). One a step, the last of a burst waited for twenty decode steps; all at
         once, the first of them waited for all the others' prefill."""
         costs = [self.passes.seconds(rest) for rest in rests]

@@ -27,8 +27,9 @@ class EngineSettings:
     max_step_ratio: float = setting(
         3.0,
         "with the adaptive step budget: how many times a decode-only step's time a step that "
-        "also prefills may take while few prompts wait (when more wait, each may take two "
-        "decode steps' time per decoding stream, or its own prefill up to a decode step)",
+        "also prefills may take while few prompts wait (when more wait, each may take its own "
+        "prefill's time, up to a decode step's, all of them at most the geometric mean of a "
+        "step's own time and their whole prefill's)",
     )
     # Several short prompts go in one batched pass: ~2x the tokens/s of one prompt alone.
     max_prefill_tokens: int = setting(
