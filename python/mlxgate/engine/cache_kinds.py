@@ -158,11 +158,13 @@ def _kv_row(cache: KVCache | QuantizedKVCache) -> Any:
     data only if `cache` is still alive then."""
     assert cache.keys is not None and cache.values is not None
     length = cache.offset
-    keys, values = (_each(lambda a: a[...], kv) for kv in (cache.keys, cache.values))
-    if (keys[0] if isinstance(keys, tuple) else keys).shape[2] <= length:
-        capacity = -(-(length + 1) // cache.step) * cache.step
+    if capacity(cache) > length:
+        keys, values = (_each(lambda a: a[...], kv) for kv in (cache.keys, cache.values))
+    else:
+        room = -(-(length + 1) // cache.step) * cache.step
         keys, values = (
-            _each(lambda a: _with_room(a[..., :length, :], capacity), kv) for kv in (keys, values)
+            _each(lambda a: _with_room(a[..., :length, :], room), kv)
+            for kv in (cache.keys, cache.values)
         )
     row = _batch_of_kind(cache)
     row.state = (keys, values, mx.array([length]), row.left_padding, length)
@@ -182,7 +184,7 @@ def _each(f: Any, kv: Any) -> Any:
 
 
 def capacity(cache: Any) -> int:
-    """The columns a batch attention cache's buffers have room for (0 before any)."""
+    """The columns an attention cache's buffers have room for (0 before any)."""
     return 0 if cache.keys is None else int(_parts(cache)[0].shape[2])
 
 
