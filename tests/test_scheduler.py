@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 from mlxgate.engine.scheduler import (
     DEFAULT_PREFILL_TOKEN_S,
     MAX_GROUP_ROWS,
+    PROBE_EVERY,
     PassCost,
     PrefillPlan,
     Scheduler,
+    VerifyCost,
     chunk_cost,
     ema,
 )
@@ -322,3 +324,88 @@ def test_the_youngest_sequences_are_preempted_first_and_the_oldest_never() -> No
     assert Scheduler.preemption_order(running) == [12, 10, 13]
     assert Scheduler.preemption_order([(10, 3.0)]) == []
     assert Scheduler.preemption_order([]) == []
+
+
+def test_a_verify_pass_costs_a_fixed_part_and_a_part_per_guess_fitted_to_the_passes() -> None:
+    cost = VerifyCost()
+    for guessed in [1, 3, 5, 7, 2, 8, 4]:  # one row: a 17 ms step and 2.5 ms a guess
+        cost.add(guessed, 0.017 + 0.0025 * guessed, prior_guess_s=0.002)
+    assert cost.fixed_s == pytest.approx(0.017) and cost.guess_s == pytest.approx(0.0025)
+    assert cost.seconds(4) == pytest.approx(0.027)
+
+
+def test_verify_passes_of_one_width_keep_a_guess_cost_and_move_the_fixed_part() -> None:
+    cost = VerifyCost()
+    for _ in range(10):
+        cost.add(4, 0.047, prior_guess_s=0.002)  # four rows guessing one each
+    # Through one width the line cannot tell a guess from the pass: a guess keeps the prior cost.
+    assert cost.guess_s == pytest.approx(0.002)
+    assert cost.fixed_s == pytest.approx(0.039)
+    for _ in range(10):
+        cost.add(4, 0.067, prior_guess_s=0.002)  # the context grew
+    assert cost.guess_s == pytest.approx(0.002)
+    assert cost.fixed_s == pytest.approx(0.059, rel=0.05)
+
+
+def geometric(wanted: int, p: float) -> list[float]:
+    """The guesses a row keeps on average for 0, 1, ... `wanted` guesses, each kept with chance
+    `p` where the one before it was."""
+    return [sum(p**i for i in range(1, width + 1)) for width in range(wanted + 1)]
+
+
+def verifying(plain_s: float, fixed_s: float, guess_s: float) -> Scheduler:
+    """A scheduler that has seen plain decode steps and verify passes of these costs."""
+    policy = Scheduler(SETTINGS, plain_s=plain_s)
+    policy.verify = VerifyCost(fixed_s, guess_s)
+    return policy
+
+
+def test_before_a_verify_pass_is_measured_every_row_guesses_what_it_wants() -> None:
+    policy = Scheduler(SETTINGS)
+    assert policy.guesses([geometric(4, 0.5), geometric(2, 0.5)], running=2, slots=2) == 4
+    policy.decoded(0.017)  # a plain step alone prices no guess
+    assert policy.guesses([geometric(4, 0.5)], running=1, slots=1) == 4
+    assert policy.guesses([], running=1, slots=1) == 0
+
+
+def test_a_verify_pass_is_as_wide_as_makes_the_most_tokens_a_second() -> None:
+    # One row that keeps nearly every guess: guessing is cheap against its step, so all of them.
+    one = verifying(plain_s=0.017, fixed_s=0.018, guess_s=0.0025)
+    assert one.guesses([geometric(8, 0.95)], running=1, slots=1) == 8
+    # A row that keeps few: a guess is not worth its position.
+    assert one.guesses([geometric(8, 0.1)], running=1, slots=1) == 0
+    # Four rows (measured: a plain step 26 ms, a verify pass ~30 ms and 5 ms a position): at
+    # eight guesses a row the pass costs 6x a plain step for 4.7 more tokens a row; fewer pay.
+    four = verifying(plain_s=0.026, fixed_s=0.030, guess_s=0.005)
+    rows = [geometric(8, 0.9)] * 4
+    width = four.guesses(rows, running=4, slots=4)
+    assert 1 <= width < 8
+
+    def rate(w: int) -> float:
+        kept = sum(row[w] for row in rows)
+        return (4 + kept) / (four.verify.seconds(4 * w) if w else 0.026)
+
+    assert rate(width) == max(rate(w) for w in range(9))
+    # Slots of a free row pay for the guesses too.
+    assert four.guesses([rows[0]], running=1, slots=4) < four.guesses([rows[0]], 1, 1)
+
+
+def test_a_row_that_stopped_guessing_is_tried_again() -> None:
+    policy = verifying(plain_s=0.017, fixed_s=0.030, guess_s=0.003)
+    row = geometric(3, 0.4)
+    widths = [policy.guesses([row], running=1, slots=1) for _ in range(3 * PROBE_EVERY)]
+    tried = [step for step, width in enumerate(widths) if width]
+    assert tried == [PROBE_EVERY, 2 * PROBE_EVERY + 1]
+    # The best width of one or more: two guesses (1.56 tokens in 36 ms; one: 1.4 in 33 ms).
+    assert widths[PROBE_EVERY] == 2
+
+
+def test_decode_steps_price_plain_steps_and_verify_passes_apart() -> None:
+    policy = Scheduler(SETTINGS)
+    policy.decoded(0.020)
+    for guesses in [1, 8, 2, 7, 4]:
+        policy.decoded(0.022 + 0.004 * guesses, slots=2, guesses=guesses)
+    assert policy.plain_s == pytest.approx(0.020)
+    assert policy.verify.guess_s == pytest.approx(0.002)  # a guessed position, of two slots
+    assert policy.verify.fixed_s == pytest.approx(0.022)
+    assert policy.decode_s is not None and policy.decode_s > 0.020  # every step, for the allowance

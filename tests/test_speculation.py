@@ -30,7 +30,7 @@ from mlxgate._native import Reply, StreamSpec
 from mlxgate.engine import GenerationRequest
 from mlxgate.engine.cache_kinds import UnsupportedCache
 from mlxgate.engine.contract import SamplingParams
-from mlxgate.engine.speculation import Lookup, continuation
+from mlxgate.engine.speculation import Lookup, Speculation, continuation
 from support.forced import forced_model_dir, serve_args
 from support.servers import REPO, free_port, start_server, stop_server
 from support.tiny_engine import (
@@ -311,6 +311,43 @@ def test_a_sequence_guesses_more_while_right_and_pauses_while_wrong() -> None:
     assert lookup.wanted(6, room=100) == 0  # paused
     assert lookup.wanted(6 + 8, room=100) == 1
     assert lookup.wanted(6 + 8, room=0) == 0  # no room left in the context
+
+
+def test_the_guesses_a_row_keeps_are_read_from_its_own_passes() -> None:
+    lookup = Lookup.of([1, 2, 3], max_draft=8)
+    assert lookup.expected_kept(2) == [0.0, 0.5, 0.75]  # an even start
+    # A row that copies: runs of four kept, or none.
+    for step in range(10):
+        lookup.verified(step, drafted=4, kept=4 if step % 2 else 0, max_draft=8)
+    kept = lookup.expected_kept(6)
+    assert kept[1] == pytest.approx(0.5, abs=0.05)  # the first guess: half the passes
+    # Past the first, a guess is kept where the one before it was: the next three guesses keep
+    # more than two (a geometric run at the first guess's chance: 0.44).
+    assert kept[4] - kept[1] > 2 * kept[1]
+    assert kept[6] > kept[4]  # positions never checked: the chance of the one before
+    for _ in range(60):  # steps without a verify pass: back towards the even start
+        lookup.fade()
+    assert lookup.expected_kept(2) == pytest.approx([0.0, 0.5, 0.75], abs=0.01)
+
+
+def test_the_guesses_a_step_verifies_are_as_many_as_they_pay_for() -> None:
+    speculation = Speculation(max_draft=8, context=1000)
+    history = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6]  # "5 6" was followed by 7 8 9 ...
+    for stream_id in (1, 2):
+        speculation.lookups[stream_id] = Lookup.of(history, max_draft=8)
+    slots = np.array([1, 0, 2])  # a free slot between the two rows
+    asked: list[Any] = []
+
+    def worth(rows: list[list[float]], running: int, slot_count: int) -> int:
+        asked.append((rows, running, slot_count))
+        return 2
+
+    drafts = speculation.drafts(slots, worth)
+    even = [0.0, 0.5, 0.75, 0.875, 0.9375]  # each row's start: four guesses wanted
+    assert asked == [([even, even], 2, 3)]
+    assert drafts is not None and drafts.counts.tolist() == [2, 0, 2]
+    assert drafts.tokens[0].tolist() == [7, 8]
+    assert speculation.drafts(slots, lambda *_: 0) is None  # none pay: a plain decode step
 
 
 ANSWER = "The quick brown fox jumps over the lazy dog, and the lazy dog sleeps in the sun all day."

@@ -1,12 +1,14 @@
 """The scheduler: what each engine step does, decided before the step runs.
 
 Between two steps the engine asks the scheduler for the step's plan (engine/plan.py): which
-decoding sequences make room for the KV memory budget (the youngest first), and how much the
+decoding sequences make room for the KV memory budget (the youngest first), how many guesses
+the decode step verifies (as many as pay for their positions in the pass), and how much the
 step prefills: its token budget, its time allowance, the order in which the waiting prompts are
 served (the least prefill left first, a long wait counting for a prompt too), the chunk sizes and
 the prompt groups. Its inputs are the settings and what the engine measured as it ran: a decode
-step's time and a prefill pass's (a fixed part, every weight read once, plus a part per token:
-a line fitted to the passes). It never touches MLX, so its decisions are tested alone
+step's time, a verify pass's (a fixed part plus a part per guessed position) and a prefill
+pass's (a fixed part, every weight read once, plus a part per token: lines fitted to the
+passes). It never touches MLX, so its decisions are tested alone
 (tests/test_scheduler.py). Across ranks, rank 0's plan is the one every rank runs.
 """
 
@@ -32,6 +34,8 @@ DEFAULT_PREFILL_TOKEN_S = 0.005
 MIN_SIZE_SPREAD = 0.5
 # Weight of a prompt's latest pass in the time its next chunk is sized from.
 CHUNK_WEIGHT = 0.5
+# Steps without guesses, while rows want to guess, after which a verify pass is tried again.
+PROBE_EVERY = 16
 # Passes after more context than this are left out of the line: their attention costs a token
 # more the longer the prompt (a chunk at 10k tokens: ~5x one at the start), which a line does not
 # fit, and a prompt in prefill sizes its chunks from its own passes.
@@ -56,10 +60,32 @@ def chunk_cost(
 
 
 @dataclass
+class DecayedLine:
+    """The least-squares line through (x, y) samples, each older one weighing `1 - EMA_WEIGHT` of
+    the next."""
+
+    # Decayed sums: weight, x, y, x squared, x times y.
+    _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def add(self, x: float, y: float) -> tuple[float, float, float | None]:
+        """Take a sample; returns the means of x and y, and the slope, None where the samples'
+        x are too alike to tell it (their spread under MIN_SIZE_SPREAD of their mean)."""
+        keep = 1.0 - EMA_WEIGHT
+        w, sx, sy, sxx, sxy = (keep * total for total in self._sums)
+        self._sums = (w + 1, sx + x, sy + y, sxx + x * x, sxy + x * y)
+        w, sx, sy, sxx, sxy = self._sums
+        mean_x, mean_y = sx / w, sy / w
+        spread = sxx / w - mean_x * mean_x
+        if spread <= (MIN_SIZE_SPREAD * mean_x) ** 2:
+            return mean_x, mean_y, None
+        return mean_x, mean_y, (sxy / w - mean_x * mean_y) / spread
+
+
+@dataclass
 class PassCost:
     """What a prefill pass costs: `fixed_s` (every weight read once, whatever its size) plus
-    `token_s` a token (rows times columns, padding included), the least-squares line through the
-    passes measured, each older pass weighing `1 - EMA_WEIGHT` of the next one.
+    `token_s` a token (rows times columns, padding included), the line through the passes
+    measured.
 
     On CPU the fixed part is about five tokens' worth (SmolLM2-135M: ~11 ms, then ~2 ms a token),
     so a per-token average over passes of 4-40 tokens overprices a token by half and starves a
@@ -67,27 +93,45 @@ class PassCost:
 
     fixed_s: float = 0.0
     token_s: float | None = None
-    # Decayed sums: weight, tokens, seconds, tokens squared, tokens times seconds.
-    _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    line: DecayedLine = field(default_factory=DecayedLine)
 
     def add(self, tokens: int, seconds: float) -> None:
-        keep = 1.0 - EMA_WEIGHT
-        w, x, y, xx, xy = (keep * total for total in self._sums)
-        self._sums = (w + 1, x + tokens, y + seconds, xx + tokens * tokens, xy + tokens * seconds)
-        w, x, y, xx, xy = self._sums
-        mean_x, mean_y = x / w, y / w
-        spread = xx / w - mean_x * mean_x
+        mean_x, mean_y, slope = self.line.add(tokens, seconds)
         # Passes of sizes too alike to tell the two parts apart (a long prompt's chunks, whose
         # times vary by a fifth) keep the fixed part they had.
-        if spread > (MIN_SIZE_SPREAD * mean_x) ** 2:
-            slope = (xy / w - mean_x * mean_y) / spread
-            if slope > 0:
-                self.fixed_s = max(0.0, mean_y - slope * mean_x)
+        if slope is not None and slope > 0:
+            self.fixed_s = max(0.0, mean_y - slope * mean_x)
         self.fixed_s = min(self.fixed_s, 0.5 * mean_y)
         self.token_s = (mean_y - self.fixed_s) / mean_x
 
     def seconds(self, tokens: int) -> float:
         return self.fixed_s + tokens * (self.token_s or DEFAULT_PREFILL_TOKEN_S)
+
+
+@dataclass
+class VerifyCost:
+    """What a verify pass costs: `fixed_s` (a plain decode step's work, and more where the pass
+    leaves the decode kernels' path) plus `guess_s` a guessed position (every slot's, padding
+    included), the line through the verify passes measured. Passes of widths too alike to tell
+    the two apart keep the cost a guess had (at first a prefilled token's) and move the fixed
+    part: through passes of one width alone, the line priced a guess at all of the pass."""
+
+    fixed_s: float = 0.0
+    guess_s: float | None = None
+    line: DecayedLine = field(default_factory=DecayedLine)
+
+    def add(self, guessed: int, seconds: float, prior_guess_s: float) -> None:
+        """A verify pass over `guessed` guessed positions took `seconds`."""
+        mean_x, mean_y, slope = self.line.add(guessed, seconds)
+        if slope is not None and slope > 0:
+            self.guess_s = slope
+        elif self.guess_s is None:
+            self.guess_s = prior_guess_s
+        self.fixed_s = max(0.0, mean_y - self.guess_s * mean_x)
+
+    def seconds(self, guessed: int) -> float:
+        assert self.guess_s is not None
+        return self.fixed_s + guessed * self.guess_s
 
 
 class Waiting(Protocol):
@@ -133,14 +177,49 @@ class Scheduler:
     settings: EngineSettings
     decode_s: float | None = None  # a decode step, seconds (running average)
     passes: PassCost = field(default_factory=PassCost)
+    plain_s: float | None = None  # a decode step without guesses
+    verify: VerifyCost = field(default_factory=VerifyCost)
+    unguessed: int = 0  # steps running in which rows wanted to guess and none paid
 
     @property
     def prefill_token_s(self) -> float | None:
         return self.passes.token_s
 
-    def decoded(self, seconds: float) -> None:
-        """A step's decode took `seconds`."""
+    def decoded(self, seconds: float, slots: int = 0, guesses: int = 0) -> None:
+        """A step's decode took `seconds`: a plain one, or a verify pass over `guesses` guessed
+        positions after each of its `slots` rows' input token."""
         self.decode_s = ema(self.decode_s, seconds)
+        if not guesses:
+            self.plain_s = ema(self.plain_s, seconds)
+        else:
+            prior = self.prefill_token_s or DEFAULT_PREFILL_TOKEN_S
+            self.verify.add(slots * guesses, seconds, prior)
+
+    def guesses(self, rows: Sequence[Sequence[float]], running: int, slots: int) -> int:
+        """How many guesses after its input token each row of a verify pass over `slots` rows
+        (`running` of them streams) may feed: the number that makes the most tokens a second.
+        `rows`: each guessing row's guesses kept on average if it guesses 0, 1, ... up to the
+        most it wants.
+
+        Every slot pays for the widest row's guesses, whichever rows keep theirs. On CPU, where
+        the kernels made a decode step cheap, four rows guessing up to eight tokens each took 4-7x
+        a plain step and kept 3.5 tokens a row: 0.7x the plain steps' tokens a second. Before
+        any verify pass is measured, every row guesses what it wants; after PROBE_EVERY steps
+        running without guesses, the best width of at least one is tried again (what a pass
+        costs and how well rows guess change as they go, and are learnt from passes alone)."""
+        most = max((len(kept) - 1 for kept in rows), default=0)
+        if self.plain_s is None or self.verify.guess_s is None or not most:
+            return most
+        rates = [running / self.plain_s]
+        for width in range(1, most + 1):
+            kept = sum(row[min(width, len(row) - 1)] for row in rows)
+            rates.append((running + kept) / self.verify.seconds(slots * width))
+        best = max(range(len(rates)), key=rates.__getitem__)
+        self.unguessed = self.unguessed + 1 if best == 0 else 0
+        if self.unguessed > PROBE_EVERY:
+            self.unguessed = 0
+            return max(range(1, len(rates)), key=rates.__getitem__)
+        return best
 
     def passed(self, tokens: int, seconds: float, context: int) -> None:
         """A prefill pass over `tokens` (its rows times its columns) after `context` tokens

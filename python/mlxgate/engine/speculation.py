@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import mlx.nn as nn
 import numpy as np
 
+from mlxgate.engine.batch import FREE
 from mlxgate.engine.cache_kinds import CacheLayout
 from mlxgate.engine.contract import GenerationRequest
 from mlxgate.engine.drafter import DraftModel
@@ -51,10 +52,21 @@ MAX_MATCH = 4
 # as long after each further pause (a chat reply seldom repeats its prompt).
 MISSES = 3
 PAUSE = 8
+# What a row's guesses kept and missed count for, a verify pass (or a step it did not guess in)
+# later: the chance it keeps a guess follows its latest passes, and one that guessed badly is
+# tried again a few dozen steps on.
+EVIDENCE_KEPT = 0.9
+# How many passes' worth a position's chance of a kept guess starts from, before its own.
+PRIOR_PASSES = 2.0
+# Guessed positions whose chances a row keeps (guesses beyond take the last one's).
+MAX_POSITIONS = 32
 
 
 # Guesses up to `k` tokens to follow `tokens` (a sequence's prompt and output so far).
 Propose = Callable[[np.ndarray, int], np.ndarray]
+# How many guesses a row of a verify pass may feed, given each guessing row's guesses kept on
+# average for 0, 1, ... up to the guesses it wants, the streams running and the pass's slots.
+Worth = Callable[[list[list[float]], int, int], int]
 
 
 @dataclass
@@ -69,6 +81,10 @@ class Lookup:
     paused_until: int = 0  # the step before which this row does not guess
     drafted: int = 0
     accepted: int = 0
+    # Per guessed position (the first at 0): the passes that checked it (every guess before it
+    # kept), and those that kept it; fading (EVIDENCE_KEPT a step).
+    checked: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITIONS))
+    hit: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITIONS))
 
     @classmethod
     def of(cls, prompt_ids: list[int], max_draft: int) -> Lookup:
@@ -89,6 +105,25 @@ class Lookup:
     def history(self) -> np.ndarray:
         return self.tokens[: self.length]
 
+    def expected_kept(self, most: int) -> list[float]:
+        """The guesses this row keeps on average if it guesses 0, 1, ... `most` tokens, from its
+        own passes: at each position the chance it keeps that guess where it kept the ones before
+        it (a position it never reached takes the chance of the one before; the first, an even
+        one). A row that copies keeps long runs of guesses or none, which one chance a guess for
+        every position (a geometric run) underrates: an edit's verify passes kept 2 a pass where
+        that priced 8 guesses as 1.5."""
+        kept, reach, chance = [0.0], 1.0, 0.5
+        for i in range(min(most, MAX_POSITIONS)):
+            chance = (self.hit[i] + PRIOR_PASSES * chance) / (self.checked[i] + PRIOR_PASSES)
+            reach *= chance
+            kept.append(kept[-1] + reach)
+        return kept
+
+    def fade(self) -> None:
+        """A step passed: what this row's earlier passes showed counts for less."""
+        self.checked *= EVIDENCE_KEPT
+        self.hit *= EVIDENCE_KEPT
+
     def wanted(self, step: int, room: int) -> int:
         """How many tokens to guess this step (none while paused); at most `room`."""
         return 0 if step < self.paused_until else max(0, min(self.draft_len, room))
@@ -97,6 +132,9 @@ class Lookup:
         """`kept` of the `drafted` guesses were right."""
         self.drafted += drafted
         self.accepted += kept
+        reached = min(drafted, kept + 1, MAX_POSITIONS)
+        self.checked[:reached] += 1
+        self.hit[: min(kept, MAX_POSITIONS)] += 1
         if kept == drafted:
             self.draft_len = min(max_draft, self.draft_len + GROW)
             self.misses = 0
@@ -239,17 +277,24 @@ class Speculation:
                 lookup.drafted,
             )
 
-    def drafts(self, stream_ids: np.ndarray) -> Drafts | None:
-        """This step's guesses for the slots `stream_ids`; None when no row guesses (a plain
-        decode step)."""
+    def drafts(self, stream_ids: np.ndarray, worth: Worth | None = None) -> Drafts | None:
+        """This step's guesses for the slots `stream_ids`, as many a row as `worth` says pay
+        (engine/scheduler.py's `Scheduler.guesses`); None when no row guesses (a plain decode
+        step)."""
         self.steps += 1
         rows = []  # (slot, stream id, lookup, tokens wanted)
         for slot, stream_id in enumerate(stream_ids.tolist()):
             lookup = self.lookups.get(stream_id)
             if lookup is not None:
+                lookup.fade()
                 # The cache holds all but the last token; the pass adds it and the guesses.
                 k = lookup.wanted(self.steps, self.context - lookup.length)
                 rows.append((slot, stream_id, lookup, k))
+        if worth is not None and rows:
+            running = int(np.count_nonzero(stream_ids != FREE))
+            kept = [lookup.expected_kept(k) for _, _, lookup, k in rows if k]
+            most = worth(kept, running, len(stream_ids))
+            rows = [(slot, sid, lookup, min(k, most)) for slot, sid, lookup, k in rows]
         if not any(k for *_, k in rows):
             return None
         if self.draft_model is None:
