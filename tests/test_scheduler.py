@@ -401,7 +401,7 @@ def test_a_row_that_stopped_guessing_is_tried_again() -> None:
 
 
 def test_decode_steps_price_plain_steps_and_verify_passes_apart() -> None:
-    policy = Scheduler(SETTINGS)
+    policy = Scheduler(SETTINGS, passes=PassCost(0.011, 0.001))  # a prefilled token: 1 ms
     policy.decoded(0.020)
     for guesses in [1, 8, 2, 7, 4]:
         policy.decoded(0.022 + 0.004 * guesses, slots=2, guesses=guesses)
@@ -409,3 +409,19 @@ def test_decode_steps_price_plain_steps_and_verify_passes_apart() -> None:
     assert policy.verify.guess_s == pytest.approx(0.002)  # a guessed position, of two slots
     assert policy.verify.fixed_s == pytest.approx(0.022)
     assert policy.decode_s is not None and policy.decode_s > 0.020  # every step, for the allowance
+
+
+def test_a_plain_step_costs_no_more_than_a_verify_pass_without_guesses() -> None:
+    # A plain step measured once at 48 ms (beside a cache's growth), verify passes since at 25 ms
+    # and 5 ms a guessed position: at 48 ms every width would seem to pay.
+    stale = verifying(plain_s=0.048, fixed_s=0.025, guess_s=0.005)
+    assert stale.guesses([geometric(6, 0.75)] * 4, running=4, slots=4) == 0
+
+
+def test_a_guess_costs_at_least_a_prefilled_token() -> None:
+    # One row's passes, their times varying: the line's slope alone would be near nothing.
+    policy = Scheduler(SETTINGS, passes=PassCost(0.011, 0.0025))
+    for guesses, seconds in [(1, 0.030), (8, 0.031), (2, 0.024), (7, 0.029), (4, 0.033)]:
+        policy.decoded(seconds, slots=1, guesses=guesses)
+    assert policy.verify.guess_s == pytest.approx(0.0025)
+    assert policy.verify.seconds(0) < 0.025
