@@ -400,15 +400,29 @@ def test_a_row_that_stopped_guessing_is_tried_again() -> None:
     assert widths[PROBE_EVERY] == 2
 
 
+@dataclass
+class Guesses:
+    """A verify pass's guesses, as the scheduler reads them."""
+
+    slots: int
+    width: int
+    made_s: float = 0.0
+
+
 def test_decode_steps_price_plain_steps_and_verify_passes_apart() -> None:
     policy = Scheduler(SETTINGS, passes=PassCost(0.011, 0.001))  # a prefilled token: 1 ms
     policy.decoded(0.020)
     for guesses in [1, 8, 2, 7, 4]:
-        policy.decoded(0.022 + 0.004 * guesses, slots=2, guesses=guesses)
+        # Half the time in the pass, half in making the guesses (a draft model).
+        policy.decoded(0.011 + 0.002 * guesses, Guesses(2, guesses + 1, 0.011 + 0.002 * guesses))
     assert policy.plain_s == pytest.approx(0.020)
     assert policy.verify.guess_s == pytest.approx(0.002)  # a guessed position, of two slots
     assert policy.verify.fixed_s == pytest.approx(0.022)
-    assert policy.decode_s is not None and policy.decode_s > 0.020  # every step, for the allowance
+    # Every step, the guessing left out, for the allowance.
+    expected = None
+    for seconds in [0.020, *(0.011 + 0.002 * g for g in [1, 8, 2, 7, 4])]:
+        expected = ema(expected, seconds)
+    assert policy.decode_s == pytest.approx(expected)
 
 
 def test_a_plain_step_costs_no_more_than_a_verify_pass_without_guesses() -> None:
@@ -422,6 +436,6 @@ def test_a_guess_costs_at_least_a_prefilled_token() -> None:
     # One row's passes, their times varying: the line's slope alone would be near nothing.
     policy = Scheduler(SETTINGS, passes=PassCost(0.011, 0.0025))
     for guesses, seconds in [(1, 0.030), (8, 0.031), (2, 0.024), (7, 0.029), (4, 0.033)]:
-        policy.decoded(seconds, slots=1, guesses=guesses)
+        policy.decoded(seconds, Guesses(1, guesses + 1))
     assert policy.verify.guess_s == pytest.approx(0.0025)
     assert policy.verify.seconds(0) < 0.025

@@ -114,7 +114,6 @@ class Engine:
             look_up=self.lockstep.ranks == 1,
         )
         self._gone: set[int] = set()  # cancelled stream ids not yet dropped
-        self._drafting_s = 0.0  # the last plan's guessing (a draft model's steps), seconds
         self._thread: threading.Thread | None = None
         self._engine_thread_state(banded, vision)
 
@@ -283,13 +282,7 @@ class Engine:
         decoding = len(decoder)
         if decoding:
             self._gone.update(decoder.step(plan.drafts, self.router))  # dropped as the next starts
-            drafts = plan.drafts
-            if drafts is None:
-                scheduler.decoded(time.perf_counter() - started)
-            else:
-                # The guessing (a draft model's steps) is part of what a guess costs.
-                took = time.perf_counter() - started + self._drafting_s
-                scheduler.decoded(took, len(drafts.counts), drafts.width - 1)
+            scheduler.decoded(time.perf_counter() - started, plan.drafts)
         if plan.prefill is not None:
             prefill.run(plan.prefill, len(decoder))
         prefill.ping()
@@ -338,10 +331,7 @@ class Engine:
         speculation, batch = self.speculation, self.decoder.batch
         if speculation is None or not len(batch) or len(batch) > self.settings.speculation_max_rows:
             return None
-        started = time.perf_counter()
-        drafts = speculation.drafts(batch.stream_ids, self.scheduler.guesses)
-        self._drafting_s = time.perf_counter() - started
-        return drafts
+        return speculation.drafts(batch.stream_ids, self.scheduler.guesses)
 
     def _prefill_plan(self) -> PrefillPlan | None:
         """The step's prefill, where prompts wait: the room the KV memory budget leaves them is

@@ -59,7 +59,7 @@ class StepPlan:
             stalled,
             state,
             preempted,
-            None if drafts is None else Drafts(*(np.array(a, dtype=np.int64) for a in drafts)),
+            None if drafts is None else _decoded_drafts(drafts),
             None if prefill is None else _decoded_prefill(prefill),
         )
 
@@ -81,6 +81,11 @@ def _decoded_pending(encoded: list[Any]) -> Pending:
     lead, *siblings = [Pending(stream_id, request, None, scaled) for stream_id in ids]
     lead.siblings = siblings
     return lead
+
+
+def _decoded_drafts(encoded: list[Any]) -> Drafts:
+    counts, tokens = (np.array(a, dtype=np.int64) for a in encoded)
+    return Drafts(counts, tokens)
 
 
 def _encoded_prefill(plan: PrefillPlan) -> list[Any]:

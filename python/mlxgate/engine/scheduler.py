@@ -136,6 +136,18 @@ class VerifyCost:
         return self.fixed_s + guessed * self.guess_s
 
 
+class Guessed(Protocol):
+    """What the scheduler reads of a verify pass's guesses (engine/speculation.py's `Drafts`)."""
+
+    made_s: float  # seconds spent making them
+
+    @property
+    def slots(self) -> int: ...
+
+    @property
+    def width(self) -> int: ...  # positions each slot feeds: its input token and the guesses
+
+
 class Waiting(Protocol):
     """What the scheduler reads of a waiting prompt (engine/prefill.py's `Pending`)."""
 
@@ -187,15 +199,15 @@ class Scheduler:
     def prefill_token_s(self) -> float | None:
         return self.passes.token_s
 
-    def decoded(self, seconds: float, slots: int = 0, guesses: int = 0) -> None:
-        """A step's decode took `seconds`: a plain one, or a verify pass over `guesses` guessed
-        positions after each of its `slots` rows' input token."""
+    def decoded(self, seconds: float, drafts: Guessed | None = None) -> None:
+        """A step's decode took `seconds`: a plain one, or a verify pass over `drafts`."""
         self.decode_s = ema(self.decode_s, seconds)
-        if not guesses:
+        if drafts is None:
             self.plain_s = ema(self.plain_s, seconds)
-        else:
+        else:  # making the guesses (a draft model's steps) is part of what they cost
             prior = self.prefill_token_s or DEFAULT_PREFILL_TOKEN_S
-            self.verify.add(slots * guesses, seconds, prior)
+            guessed = drafts.slots * (drafts.width - 1)
+            self.verify.add(guessed, seconds + drafts.made_s, prior)
 
     def guesses(self, rows: Sequence[Sequence[float]], running: int, slots: int) -> int:
         """How many guesses after its input token each row of a verify pass over `slots` rows
@@ -204,16 +216,17 @@ class Scheduler:
         most it wants.
 
         Every slot pays for the widest row's guesses, whichever rows keep theirs. On CPU, where
-        the kernels made a decode step cheap, four rows guessing up to eight tokens each took 4-7x
-        a plain step and kept 3.5 tokens a row: 0.7x the plain steps' tokens a second. Before
-        any verify pass is measured, every row guesses what it wants; after PROBE_EVERY steps
-        running without guesses, the best width of at least one is tried again (what a pass
-        costs and how well rows guess change as they go, and are learnt from passes alone)."""
+        the kernels made a decode step cheap, four rows guessing up to eight tokens each took
+        5-10x a plain step and kept 3.5 tokens a row: 0.7x the plain steps' tokens a second.
+        Until a plain step and a verify pass are measured, every row guesses what it wants; after
+        PROBE_EVERY steps running without guesses, the best width of at least one is tried again
+        (what a pass costs and how well rows guess change as they go, and are learnt from passes
+        alone)."""
         most = max((len(kept) - 1 for kept in rows), default=0)
         if self.plain_s is None or self.verify.guess_s is None or not most:
             return most
-        # A plain step costs no more than a verify pass without guesses (where the line puts
-        # one above nothing): measured once beside a slow step (a cache growing, a prefill's
+        # A plain step costs no more than a verify pass without guesses (where the line's fixed
+        # part is above nothing): measured once beside a slow step (a cache growing, a prefill's
         # memory), its average would stand while every step verifies.
         plain_s = self.plain_s
         if self.verify.fixed_s > 0:

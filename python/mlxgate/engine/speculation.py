@@ -26,6 +26,7 @@ save on this CPU; speculation is off for models with such layers (`CacheLayout.c
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -195,6 +196,11 @@ class Drafts:
 
     counts: np.ndarray  # [slots]
     tokens: np.ndarray  # [slots, width - 1], zero past each row's count
+    made_s: float = 0.0  # the guessing's seconds (a draft model's steps), on the rank that guessed
+
+    @property
+    def slots(self) -> int:
+        return len(self.counts)
 
     @property
     def width(self) -> int:
@@ -281,6 +287,7 @@ class Speculation:
         """This step's guesses for the slots `stream_ids`, as many a row as `worth` says pay
         (engine/scheduler.py's `Scheduler.guesses`); None when no row guesses (a plain decode
         step)."""
+        started = time.perf_counter()
         self.steps += 1
         rows = []  # (slot, stream id, lookup, tokens wanted)
         for slot, stream_id in enumerate(stream_ids.tolist()):
@@ -290,7 +297,7 @@ class Speculation:
                 # The cache holds all but the last token; the pass adds it and the guesses.
                 k = lookup.wanted(self.steps, self.context - lookup.length)
                 rows.append((slot, stream_id, lookup, k))
-        if worth is not None and rows:
+        if worth is not None and any(k for *_, k in rows):
             running = int(np.count_nonzero(stream_ids != FREE))
             kept = [lookup.expected_kept(k) for _, _, lookup, k in rows if k]
             most = worth(kept, running, len(stream_ids))
@@ -313,7 +320,7 @@ class Speculation:
         for (slot, *_), guess in zip(rows, guesses, strict=True):
             counts[slot] = guess.size
             tokens[slot, : guess.size] = guess
-        return Drafts(counts, tokens) if width else None
+        return Drafts(counts, tokens, time.perf_counter() - started) if width else None
 
     def emitted(
         self, stream_ids: np.ndarray, drafts: Drafts | None, kept: np.ndarray, tokens: np.ndarray
