@@ -208,6 +208,31 @@ def test_a_side_call_is_replayed_beside_the_turn_it_came_during(fake: FakeServer
     assert later.sent_at - max(first.ended_at, side.ended_at) == pytest.approx(0.1, abs=0.02)
 
 
+def test_staggered_sessions_start_once_the_one_before_has_answered(fake: FakeServer) -> None:
+    """`--staggered`: session 1 sends its first turn when session 0's first has its answer, so
+    that it prefills beside session 0's next turns; at once, both first turns go together."""
+    body = {"model": "m", "max_tokens": 8, "stream": True, "messages": []}
+    first_session = [
+        Turn("a", 0, 0.0, None, "/v1/messages", body),
+        Turn("a", 1, 0.5, 0.0, "/v1/messages", body),
+    ]
+    second_session = [Turn("b", 0, 0.0, None, "/v1/messages", body)]
+
+    def firsts(staggered: bool) -> tuple[Record, Record, Record]:
+        records = asyncio.run(
+            replay(fake.url, [first_session, second_session], 2, staggered=staggered)
+        )
+        by_key = {(r.session, r.index): r for r in records}
+        return by_key[("0", 0)], by_key[("0", 1)], by_key[("1", 0)]
+
+    first, next_turn, other = firsts(staggered=True)
+    assert all(r.ok for r in (first, next_turn, other))
+    assert other.sent_at >= first.ended_at
+    assert other.sent_at - first.ended_at < 0.02 and next_turn.sent_at - first.ended_at < 0.02
+    first, _, other = firsts(staggered=False)
+    assert abs(other.sent_at - first.sent_at) < 0.02
+
+
 def test_a_replayed_reply_is_held_to_the_runs_max_tokens() -> None:
     """Agents ask for up to 128,000 tokens; a replay holds each reply to `--max-tokens`, in each
     dialect's own field, and leaves a smaller recorded limit alone."""

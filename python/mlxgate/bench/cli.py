@@ -93,12 +93,19 @@ def parser() -> argparse.ArgumentParser:
         help="small scenario sizes, for a smoke run",
     )  # fmt: skip
     bench.add_argument(
-        "--trace", type=Path, default=None, metavar="FILE",
-        help="an agent trace (`mlxgate serve --record-trace FILE`) for the agent scenario",
+        "--trace", type=Path, action="append", default=[], metavar="FILE",
+        help="an agent trace (`mlxgate serve --record-trace FILE`) for the agent scenario; "
+        "repeat it for the sessions of several",
     )  # fmt: skip
     bench.add_argument(
         "--sessions", type=int, default=1, metavar="N",
-        help="agent sessions replayed at once (default: 1)",
+        help="agent sessions replayed at once, session k the traces' recorded session k modulo "
+        "their number (default: 1)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--staggered", action="store_true",
+        help="each agent session starts when the one before has its first answer, so that its "
+        "first turn prefills while the earlier sessions' next turns run",
     )  # fmt: skip
     bench.add_argument(
         "--out", type=Path, default=None, metavar="DIR",
@@ -115,9 +122,9 @@ def main(argv: list[str]) -> None:
         sweep = Sweep(args.concurrency, args.requests_per_client, args.max_tokens, args.rate)
     replay = None
     if "agent" in args.scenarios:
-        if args.trace is None:
+        if not args.trace:
             bench.error("the agent scenario replays a --trace FILE")
-        replay = Replay(args.trace, args.sessions, args.max_tokens)
+        replay = Replay(tuple(args.trace), args.sessions, args.max_tokens, args.staggered)
     if not args.target and not args.spawn:
         bench.error("name a --target to measure, or --spawn a server")
     if args.gguf is not None and not args.gguf.is_file():

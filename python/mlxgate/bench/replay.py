@@ -56,10 +56,13 @@ async def replay(
     chat: bool = False,
     timeout_s: float = 1800.0,
     stall_s: float = 600.0,
+    staggered: bool = False,
     on_done: Callable[[Record], object] = lambda _: None,
 ) -> list[Record]:
     """`sessions` sessions at once, session k replaying recorded session k % len(recorded);
-    every turn as a chat completion if `chat`."""
+    every turn as a chat completion if `chat`; `staggered`, each session once the one before has
+    its first answer (its first turn, a long prompt, then prefills beside the others' next
+    turns)."""
     check_loopback(url)
     # Each recorded turn made ready once, before the clock starts: not per session, and not on
     # the event loop while other sessions' streams are being timed.
@@ -73,9 +76,14 @@ async def replay(
         on_done(record)
         return record
 
+    # Set once each session's first turn has its answer.
+    answered = [asyncio.Event() for _ in range(sessions)]
+
     async def session(
         number: int, turns: list[Turn], bodies: list[tuple[str, dict[str, Any]]]
     ) -> list[Record]:
+        if staggered and number:
+            await answered[number - 1].wait()
         in_flight: list[asyncio.Future[Record]] = []
         done: list[Record] = []
         previous: tuple[float, float] | None = None  # the last send: (our clock, its at_s)
@@ -92,6 +100,8 @@ async def replay(
                     await asyncio.sleep(turn.after_s)
             previous = (time.monotonic(), turn.at_s)
             in_flight.append(asyncio.ensure_future(one(number, turn, dialect, body)))
+            if turn is turns[0]:
+                in_flight[-1].add_done_callback(lambda _: answered[number].set())
         return done + list(await asyncio.gather(*in_flight))
 
     async with make_client(sessions, stall_s) as client:

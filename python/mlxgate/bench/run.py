@@ -56,12 +56,14 @@ CONCURRENCY: dict[str, Callable[[Sizes], int]] = {
 
 @dataclass(frozen=True)
 class Replay:
-    """The agent-trace scenario: `sessions` recorded sessions from `trace` at once, each reply
-    held to `max_tokens` where the recorded request allowed more."""
+    """The agent-trace scenario: `sessions` sessions at once, session k the recorded session k
+    (modulo their number) of `traces`, each reply held to `max_tokens` where the recorded request
+    allowed more; `staggered`: each starts when the one before has its first answer."""
 
-    trace: Path
+    traces: tuple[Path, ...]
     sessions: int = 1
     max_tokens: int | None = None
+    staggered: bool = False
 
 
 def run_bench(
@@ -88,7 +90,9 @@ def run_bench(
         },
         "targets": [asdict(t) for t in targets],
         "sweep": None if sweep is None else asdict(sweep),
-        "replay": None if replay is None else {**asdict(replay), "trace": str(replay.trace)},
+        "replay": None
+        if replay is None
+        else {**asdict(replay), "traces": [str(path) for path in replay.traces]},
         "scenarios": list(scenarios),
         "sizes": asdict(sizes),
         "runs": [],
@@ -148,14 +152,14 @@ def run_bench(
                     measured(target, name, CONCURRENCY[name](sizes), scenario)
                     bar.update()
         if replay is not None:
-            recorded = sessions(read_trace(replay.trace))
+            recorded = sessions([turn for path in replay.traces for turn in read_trace(path)])
             turns = sum(len(recorded[k % len(recorded)]) for k in range(replay.sessions))
             with tqdm(total=turns * len(targets), desc="agent") as bar:
                 for target in targets:
                     agents = replay_trace(
                         target.url, recorded, replay.sessions, model=target.model,
                         max_tokens=replay.max_tokens, chat=target.trace_as_chat,
-                        on_done=lambda _: bar.update(),
+                        staggered=replay.staggered, on_done=lambda _: bar.update(),
                     )  # fmt: skip
                     measured(target, "agent", replay.sessions, agents)
     summary["machine"]["load_after"] = load_average()
@@ -221,9 +225,11 @@ def report(summary: dict[str, Any]) -> str:
             *_table(summary, "sweep"),
         ]
     if (replay := summary["replay"]) is not None:
+        when = "each once the one before has answered" if replay["staggered"] else "at once"
+        traces = ", ".join(f"`{path}`" for path in replay["traces"])
         lines += [
             "",
-            f"## Agent replay: {replay['sessions']} sessions at once from `{replay['trace']}`",
+            f"## Agent replay: {replay['sessions']} sessions {when} from {traces}",
             "",
             *_table(summary, "agent"),
             "",
