@@ -141,6 +141,7 @@ def test_the_layout_names_each_layer_kind(arch: str, described: str) -> None:
     layout = CacheLayout.of(ModelAdapter(model).make_cache())
     assert layout.describe() == described
     assert layout.cuttable == (arch == "llama")
+    assert layout.rewindable == (arch != "qwen3_next")  # a window can, a recurrent state cannot
 
 
 @pytest.mark.parametrize(

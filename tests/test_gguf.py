@@ -295,3 +295,36 @@ def test_gemma3s_greedy_tokens_follow_llama_cpp(
         assert gaps.max() < TIE_NATS, (item["text"], gaps.tolist())
     print(f"tokens agreeing with llama.cpp's, of 64, per prompt: {agreed}")
     assert sum(n == 64 for n in agreed) >= FULLY_AGREED, agreed
+
+
+def test_gemma3_guesses_across_its_sliding_windows_and_changes_no_token(
+    gemma3_loaded: tuple[LoadedModel, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculation over Gemma 3's sliding windows (512 tokens, five layers in six): a file asked
+    back with a rename, its prompt past the window, and a short story beside it (padded in the
+    batch's windows) decode with prompt lookup's guesses, through windows that decode steps
+    rotate and verify passes take positions back from; the tokens are those of an engine that
+    never guesses."""
+    from support import tiny_engine
+
+    loaded, _ = gemma3_loaded
+    monkeypatch.setattr(tiny_engine, "VOCAB", loaded.model.args.vocab_size)
+    assert loaded.tokenizer is not None
+    listing = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(60))
+    texts = [
+        f"```python\n{listing}\n```\nThe same file, f7 renamed g7:\n```python\n",
+        "Once upon a time, in a small village by the sea,",
+    ]
+    prompts = [[2, *loaded.tokenizer.encode(text)] for text in texts]  # 2: <bos>
+    assert len(prompts[0]) > 2 * 512
+    answers = []
+    for draft_tokens in (0, 8):
+        served = tiny_engine.Served(loaded.model, max_draft_tokens=draft_tokens)
+        try:
+            readers = [served.submit(prompt, steps=160) for prompt in prompts]
+            answers.append([served.result(reader)[0] for reader in readers])
+            metrics = served.engine.metrics
+        finally:
+            served.engine.stop()
+    assert answers[1] == answers[0]
+    assert metrics.accepted_tokens > 100 and metrics.verify_passes > 10

@@ -179,6 +179,12 @@ class DecodeBatch:
             band.inputs = tokens[start:stop] if len(self.bands) > 1 else tokens
             start = stop
 
+    def in_temporal_order(self) -> None:
+        """Before a verify pass: its sliding windows put back in temporal order."""
+        for band in self.bands:
+            for cache in band.caches:
+                cache_kinds.in_temporal_order(cache)
+
     def rewind(self, kept: np.ndarray, width: int) -> None:
         """After a verify pass of `width` positions per slot: each slot keeps the keys/values of
         its input and its `kept[slot]` right guesses; the other positions are taken back."""

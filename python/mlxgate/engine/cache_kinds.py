@@ -14,9 +14,13 @@ and values is then a triple of arrays (packed, scales, biases) that every copy b
 What a kind allows:
 - a row can be written into a free slot of the batch: attention and recurrent state, not a
   rotated window (its rows share one write position);
-- a cached prefix can be cut at any token, and the positions of rejected guesses taken back
-  (speculative decoding): attention keys/values only. A window or a state holds exactly the
-  tokens it has seen, so it is reused only whole (a snapshot), and speculation is off.
+- a cached prefix can be cut at any token: attention keys/values only. A window or a state
+  holds exactly the tokens it has seen, so it is reused only whole (a snapshot);
+- the positions of rejected guesses taken back (speculative decoding): attention keys/values,
+  and sliding windows. A verify pass writes a window's keys/values in temporal order and keeps
+  every one it evicts until the next step (mlx-lm's window holds `max_size - 1` tokens before
+  a pass of several), so cutting its last positions leaves the window it had. A recurrent
+  state is overwritten in place: speculation is off for models with one.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,
+    BatchRotatingKVCache,
     CacheList,
     KVCache,
     QuantizedKVCache,
@@ -65,6 +70,7 @@ class CacheLayout:
     kinds: tuple[str, ...]  # per layer, e.g. "attention", "recurrent", "attention+recurrent"
     attention_layer: int | None  # a layer with plain attention keys/values, if any
     cuttable: bool  # a cached prefix can be cut at any token (attention layers only)
+    rewindable: bool  # rejected guesses can be taken back (attention and sliding windows)
     slots: bool  # rows can be written into free slots of the batch (no sliding windows)
 
     @classmethod
@@ -76,6 +82,7 @@ class CacheLayout:
             kinds=kinds,
             attention_layer=attention[0] if attention else None,
             cuttable=all(type(leaf) in _ATTENTION for leaf in singles),
+            rewindable=all(type(leaf) in (*_ATTENTION, RotatingKVCache) for leaf in singles),
             slots=not any(isinstance(leaf, RotatingKVCache) for leaf in singles),
         )
 
@@ -318,15 +325,28 @@ def drop_columns(cache: Any, unused: int, padding: mx.array) -> None:
             own_buffers(leaf)
 
 
+def in_temporal_order(cache: Any) -> None:
+    """Before a verify pass: a sliding window rotated by decode steps put back in temporal order,
+    as the pass's write will put it. (mlx-lm's window works out the pass's mask before that
+    write, from its rotated state, one column off for rows still padded.)"""
+    for leaf in leaves(cache):
+        if type(leaf) is BatchRotatingKVCache:
+            leaf._temporal_order()
+
+
 def rewind(cache: Any, surplus: int, shift: np.ndarray) -> None:
     """Take back the columns of a verify pass that rows did not keep: the last `surplus` of every
     row, and `shift[row]` more of a row that kept fewer than the most, by moving its columns
-    right over them (its left padding grows by as much). Attention keys/values only."""
+    right over them (its left padding grows by as much). Attention keys/values, and sliding
+    windows (whose pass left them in temporal order)."""
     rows = np.flatnonzero(shift).tolist()
     for leaf in leaves(cache):
-        if type(leaf) not in _BATCH_ATTENTION:
+        if type(leaf) is BatchRotatingKVCache:
+            _cut_window(leaf, surplus)
+        elif type(leaf) not in _BATCH_ATTENTION:
             raise UnsupportedCache(f"a {type(leaf).__name__} cannot take back positions")
-        leaf.trim(surplus)
+        else:
+            leaf.trim(surplus)
         if not rows:
             continue
         assert leaf.keys is not None and leaf.values is not None
@@ -338,6 +358,17 @@ def rewind(cache: Any, surplus: int, shift: np.ndarray) -> None:
         moved = mx.array(shift.astype(np.int32))
         leaf.left_padding = leaf.left_padding + moved
         leaf.offset = leaf.offset - moved
+
+
+def _cut_window(window: BatchRotatingKVCache, surplus: int) -> None:
+    """A window's last `surplus` columns dropped. Its buffer is cut too: the next decode step
+    takes the buffer's end for the window's, and writes over its oldest column."""
+    if not surplus:
+        return
+    assert not window.rotated and window.keys is not None and window.values is not None
+    window.trim(surplus)
+    window.keys = window.keys[..., : window._idx, :]
+    window.values = window.values[..., : window._idx, :]
 
 
 def snapshot(cache: Any, *, owned: bool = False) -> Any:

@@ -106,6 +106,7 @@ class Decoder:
         else:
             guesses = mx.array(drafts.tokens.astype(np.uint32))
             fed = mx.concatenate([batch.inputs[:, None], guesses], axis=1)
+            batch.in_temporal_order()
             logits = self.adapter.verify(fed, batch.caches, scaled, deltas)
             sample = functools.partial(self._sample_positions, logits, drafts)
         took = functools.partial(self._took, slot_ids, drafts)

@@ -17,10 +17,10 @@ probability p(d), else the sample is drawn from p without d): the distribution i
 and since each emitted token is sampled with the key its own step would have used, a seed gives
 the same tokens with speculation on or off.
 
-Only attention layers can take back the positions of rejected guesses (their keys and values
-are cut: `cache_kinds.rewind`). A recurrent state or a sliding window is updated in place by
-the verify pass, and keeping one snapshot per guessed position would cost more than the guesses
-save on this CPU; speculation is off for models with such layers (`CacheLayout.cuttable`).
+Attention layers and sliding windows take back the positions of rejected guesses (their keys
+and values are cut: `cache_kinds.rewind`). A recurrent state is updated in place by the verify
+pass, and keeping one snapshot per guessed position would cost more than the guesses save on
+this CPU; speculation is off for models with such layers (`CacheLayout.rewindable`).
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ class Speculation:
         s = settings
         if not s.max_draft_tokens or s.speculation_max_rows < 1:
             return None
-        if not layout.cuttable:
+        if not layout.rewindable:
             log.info(
                 "speculative decoding is off: this model's layers (%s) cannot take back the "
                 "positions of rejected guesses",
