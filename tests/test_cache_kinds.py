@@ -93,7 +93,7 @@ def test_a_window_takes_back_rejected_guesses_and_verifies_after_rotating() -> N
         cache_kinds.in_temporal_order(batch)
         step(3)
         columns = np.array(kept) + 1
-        cache_kinds.rewind(batch, 3 - int(columns.max()), columns.max() - columns)
+        cache_kinds.rewind(batch, columns, 3)
         length = [p + int(c) for p, c in zip(length, columns, strict=True)]
         if kept != [2, 2]:  # a decode step after this pass (after the other: another pass)
             step(1)

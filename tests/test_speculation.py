@@ -55,10 +55,12 @@ TARGETS = [
     ("gemma2", None),  # decodes one sequence at a time (mlx-lm batches it wrong)
     ("gemma3_text", None),  # sliding windows of 8 tokens: rotated while prompts and replies run
     ("gpt_oss", None),  # sliding windows with attention sinks
+    ("qwen3_next", None),  # gated delta layers: recurrent states restored from the pass's record
+    ("qwen3_5", None),
 ]
 # A draft model's own layers are plain attention (engine/drafter.py): these are drafted for by
 # a draft model of another family only (test_a_draft_model_of_another_family_guesses_too).
-WINDOWED = {"gemma3_text", "gpt_oss"}
+NOT_CUTTABLE = {"gemma3_text", "gpt_oss", "qwen3_next", "qwen3_5"}
 
 
 @pytest.fixture(params=TARGETS, ids=lambda p: p[0] if p[1] is None else f"{p[0]}-4bit")
@@ -131,7 +133,7 @@ def test_cancelling_a_stream_between_verify_passes_leaves_the_others_exact(
         assert_same(served.result(reader)[0], expected[i], f"row {i}")
 
 
-@pytest.fixture(params=[arch for arch, q in TARGETS if q is None and arch not in WINDOWED])
+@pytest.fixture(params=[arch for arch, q in TARGETS if q is None and arch not in NOT_CUTTABLE])
 def drafted(request: pytest.FixtureRequest) -> Iterator[tuple[Served, Any]]:
     """A target served with a draft model: its own weights quantized to 4 bits, whose guesses
     are right often and wrong often (rows keep all, some or none of them in one pass)."""
@@ -173,11 +175,11 @@ def test_a_draft_model_changes_no_greedy_token(drafted: tuple[Served, Any]) -> N
     assert_same(served.generate(longer, STEPS)[0], reference(model, longer, STEPS), "next turn")
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text", "qwen3_5"])
 def test_a_draft_model_of_another_family_guesses_too(arch: str) -> None:
-    """Any model with the served model's tokenizer: here a llama guesses for a qwen3_moe or a
-    windowed gemma3 (its guesses are seldom right), and the draft's rows follow the batch's joins
-    and ends."""
+    """Any model with the served model's tokenizer: here a llama guesses for a qwen3_moe, a
+    windowed gemma3 or a recurrent qwen3_5 (its guesses are seldom right: rows keep some and not
+    others), and the draft's rows follow the batch's joins and ends."""
     served_model, model = twins(arch)
     served = Served(served_model, draft_model=build("llama", seed=7), speculation_max_rows=64)
     try:
@@ -192,8 +194,9 @@ def test_a_draft_model_of_another_family_guesses_too(arch: str) -> None:
         served.engine.stop()
 
 
-def test_speculation_is_off_where_a_layer_cannot_take_positions_back() -> None:
-    served = Served(twins("qwen3_next")[0])  # recurrent layers
+@pytest.mark.parametrize("arch", ["nemotron_h", "lfm2"])  # Mamba, short convolutions
+def test_speculation_is_off_where_a_layer_cannot_take_positions_back(arch: str) -> None:
+    served = Served(twins(arch)[0])
     try:
         assert served.engine.speculation is None
     finally:

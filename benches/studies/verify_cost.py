@@ -74,7 +74,7 @@ def main() -> None:
                 mx.eval(adapter.verify(inputs, caches))
                 times[width].append(time.perf_counter() - started)
                 for cache in caches:
-                    cache_kinds.rewind(cache, width - 1, np.zeros(rows, dtype=np.int64))
+                    cache_kinds.rewind(cache, np.ones(rows, dtype=np.int64), width)
         base = statistics.median(times[widths[0]][1:])
         cells = []
         for width in widths:

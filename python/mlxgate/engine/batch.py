@@ -22,7 +22,7 @@ engine/batch_sampler.py.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -185,13 +185,15 @@ class DecodeBatch:
             for cache in band.caches:
                 cache_kinds.in_temporal_order(cache)
 
-    def rewind(self, kept: np.ndarray, width: int) -> None:
+    def rewind(self, kept: np.ndarray, width: int, states: Sequence[Any] = ()) -> None:
         """After a verify pass of `width` positions per slot: each slot keeps the keys/values of
-        its input and its `kept[slot]` right guesses; the other positions are taken back."""
+        its input and its `kept[slot]` right guesses; the other positions are taken back
+        (`states`: the pass's record of its recurrent layers, which keep one band)."""
         start = 0
+        recorded = iter(states) if states else None
         for band in self.bands:
             stop = start + len(band.stream_ids)
-            band.rewind(kept[start:stop] + 1, width)
+            band.rewind(kept[start:stop] + 1, width, recorded)
             start = stop
 
 
@@ -297,13 +299,11 @@ class _Band:
         for mine, theirs in zip(self.caches, caches, strict=True):
             cache_kinds.append_rows(mine, theirs, rows)
 
-    def rewind(self, columns: np.ndarray, width: int) -> None:
+    def rewind(self, columns: np.ndarray, width: int, states: Iterator[Any] | None) -> None:
         """Keep `columns[slot]` of the last pass's `width` columns of each slot."""
-        most = int(columns.max())
-        shift = most - columns
         for cache in self.caches:
-            cache_kinds.rewind(cache, width - most, shift)
-        if shift.any():
+            cache_kinds.rewind(cache, columns, width, states)
+        if (columns != columns.max()).any():
             self._trim()
 
     def drop(self, ended: np.ndarray, compact: bool = False) -> None:

@@ -20,14 +20,16 @@ What a kind allows:
   and sliding windows. A verify pass writes a window's keys/values in temporal order and keeps
   every one it evicts until the next step (mlx-lm's window holds `max_size - 1` tokens before
   a pass of several), so cutting its last positions leaves the window it had. A recurrent
-  state is overwritten in place: speculation is off for models with one.
+  state is overwritten in place; a gated delta layer's (Qwen3-Next, Qwen3.5) is restored from
+  what the pass recorded (models/recurrent_guesses.py), other recurrent layers turn
+  speculation off.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,19 +72,23 @@ class CacheLayout:
     kinds: tuple[str, ...]  # per layer, e.g. "attention", "recurrent", "attention+recurrent"
     attention_layer: int | None  # a layer with plain attention keys/values, if any
     cuttable: bool  # a cached prefix can be cut at any token (attention layers only)
-    rewindable: bool  # rejected guesses can be taken back (attention and sliding windows)
+    rewindable: bool  # rejected guesses can be taken back (attention, windows, watched states)
     slots: bool  # rows can be written into free slots of the batch (no sliding windows)
 
     @classmethod
-    def of(cls, caches: Sequence[Any]) -> CacheLayout:
+    def of(cls, caches: Sequence[Any], watched: int = 0) -> CacheLayout:
+        """The layout of a model's caches; `watched`: how many of its recurrent layers record
+        verify passes (models/recurrent_guesses.py), which makes them rewindable if all do."""
         kinds = tuple(_kind(cache) for cache in caches)
         singles = [leaf for cache in caches for leaf in leaves(cache)]
+        recurrent = sum(isinstance(leaf, ArraysCache) for leaf in singles)
         attention = [i for i, cache in enumerate(caches) if type(cache) in _ATTENTION]
         return cls(
             kinds=kinds,
             attention_layer=attention[0] if attention else None,
             cuttable=all(type(leaf) in _ATTENTION for leaf in singles),
-            rewindable=all(type(leaf) in (*_ATTENTION, RotatingKVCache) for leaf in singles),
+            rewindable=recurrent <= watched
+            and all(type(leaf) in (*_ATTENTION, RotatingKVCache, ArraysCache) for leaf in singles),
             slots=not any(isinstance(leaf, RotatingKVCache) for leaf in singles),
         )
 
@@ -334,13 +340,26 @@ def in_temporal_order(cache: Any) -> None:
             leaf._temporal_order()
 
 
-def rewind(cache: Any, surplus: int, shift: np.ndarray) -> None:
-    """Take back the columns of a verify pass that rows did not keep: the last `surplus` of every
-    row, and `shift[row]` more of a row that kept fewer than the most, by moving its columns
-    right over them (its left padding grows by as much). Attention keys/values, and sliding
-    windows (whose pass left them in temporal order)."""
+def rewind(
+    cache: Any, columns: np.ndarray, width: int, states: Iterator[Any] | None = None
+) -> None:
+    """After a verify pass of `width` columns a row, each row keeps `columns[row]` of them.
+    Attention keys/values and sliding windows (which the pass left in temporal order) lose the
+    last `width - most` columns of every row (`most`: the most any row keeps), and a row that
+    kept fewer has its columns moved right over its rejected ones (its left padding grows by as
+    much). A recurrent state is restored from the pass's record of its layer (`states`: one a
+    recurrent layer, in layer order; models/recurrent_guesses.py)."""
+    most = int(columns.max())
+    surplus, shift = width - most, most - columns
     rows = np.flatnonzero(shift).tolist()
     for leaf in leaves(cache):
+        if isinstance(leaf, ArraysCache):
+            if states is None:
+                raise UnsupportedCache("a recurrent state takes back positions only from a record")
+            recorded = next(states)
+            if int(columns.min()) < width:  # else the pass's own state is the one kept
+                recorded.restore(leaf, mx.array(columns))
+            continue
         if type(leaf) is BatchRotatingKVCache:
             _cut_window(leaf, surplus)
         elif type(leaf) not in _BATCH_ATTENTION:

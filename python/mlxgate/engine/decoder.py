@@ -36,6 +36,7 @@ from mlxgate.engine.prefix_cache import PrefixCache
 from mlxgate.engine.sampling import Sampler
 from mlxgate.engine.scheduler import Scheduler
 from mlxgate.engine.speculation import Drafts, Speculation
+from mlxgate.models import recurrent_guesses
 from mlxgate.models.adapter import ModelAdapter
 from mlxgate.models.rope_switch import ScaledRows
 
@@ -100,6 +101,7 @@ class Decoder:
         slot_ids = batch.stream_ids
         scaled, deltas = self._scaled_rows(), self._rope_deltas()
         sample: Callable[[], tuple[np.ndarray, np.ndarray]]
+        states: list[recurrent_guesses.LayerPass] = []
         if drafts is None:
             logits = self.adapter.decode(batch.inputs, batch.caches, scaled, deltas)
             sample = functools.partial(self._sample, logits)
@@ -107,9 +109,10 @@ class Decoder:
             guesses = mx.array(drafts.tokens.astype(np.uint32))
             fed = mx.concatenate([batch.inputs[:, None], guesses], axis=1)
             batch.in_temporal_order()
-            logits = self.adapter.verify(fed, batch.caches, scaled, deltas)
+            with recurrent_guesses.recording() as states:
+                logits = self.adapter.verify(fed, batch.caches, scaled, deltas)
             sample = functools.partial(self._sample_positions, logits, drafts)
-        took = functools.partial(self._took, slot_ids, drafts)
+        took = functools.partial(self._took, slot_ids, drafts, states)
         tokens, kept, finished, cancelled = self.lockstep.share(
             lambda: self._emit(router, slot_ids, *took(*sample())),
             _encode_step,
@@ -214,15 +217,21 @@ class Decoder:
         )
 
     def _took(
-        self, slot_ids: np.ndarray, drafts: Drafts | None, tokens: np.ndarray, kept: np.ndarray
+        self,
+        slot_ids: np.ndarray,
+        drafts: Drafts | None,
+        states: list[recurrent_guesses.LayerPass],
+        tokens: np.ndarray,
+        kept: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """What a step's tokens change (`kept`: the guesses each row keeps): the caches, the
-        samplers, the next inputs, the guessing state. (On rank 0 before the router hears of
-        them: a stream it ends has its step counted.)"""
+        """What a step's tokens change (`kept`: the guesses each row keeps; `states`: a verify
+        pass's record of its recurrent layers): the caches, the samplers, the next inputs, the
+        guessing state. (On rank 0 before the router hears of them: a stream it ends has its
+        step counted.)"""
         batch, speculation = self.batch, self.speculation
         if drafts is not None:
             self.sampler.keep(kept)
-            batch.rewind(kept, drafts.width)  # the caches keep the kept guesses only
+            batch.rewind(kept, drafts.width, states)  # the caches keep the kept guesses only
         self.sampler.seen(batch.samplers, tokens, kept)
         inputs = mx.array(tokens[np.arange(len(tokens)), kept])  # each row's last token
         # Free slots were computed too: their tokens go nowhere.

@@ -93,7 +93,7 @@ class Engine:
         if tokenizer is not None:
             self.vocabulary = Vocabulary(tokenizer.tokenizer, end_ids or sorted(tokenizer.eos_ids))
         # Raises UnsupportedCache for a layer cache the engine cannot batch: at start-up.
-        self.layout = CacheLayout.of(self._adapter.make_cache())
+        self.layout = CacheLayout.of(self._adapter.make_cache(), self._adapter.watched)
         self._caches()
         # Bands of rows need the attention that attends band by band.
         banded = self._adapter.banded_attention

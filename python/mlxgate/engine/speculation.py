@@ -18,9 +18,11 @@ and since each emitted token is sampled with the key its own step would have use
 the same tokens with speculation on or off.
 
 Attention layers and sliding windows take back the positions of rejected guesses (their keys
-and values are cut: `cache_kinds.rewind`). A recurrent state is updated in place by the verify
-pass, and keeping one snapshot per guessed position would cost more than the guesses save on
-this CPU; speculation is off for models with such layers (`CacheLayout.rewindable`).
+and values are cut: `cache_kinds.rewind`), and so do gated delta layers, whose states are
+restored from the pass's record (models/recurrent_guesses.py). Other recurrent states are
+updated in place by the verify pass, and keeping one snapshot per guessed position would cost
+more than the guesses save on this CPU; speculation is off for models with such layers
+(`CacheLayout.rewindable`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from mlxgate.models import rope_switch
+from mlxgate.models import recurrent_guesses, rope_switch
 from mlxgate.models.cpu import attention
 from mlxgate.models.rope_switch import ScaledRows
 
@@ -65,6 +65,8 @@ class ModelAdapter:
         # ranks a check costs a collective).
         self.stop_every = 1
         self._rope_rows = rope_switch.rows_of(model)
+        # Recurrent layers whose verify passes can be taken back (models/recurrent_guesses.py).
+        self.watched = recurrent_guesses.watch(model)
 
     def make_cache(self) -> list[Any]:
         """A fresh single-sequence cache per layer, of the kinds the model asks for (plain

@@ -28,7 +28,7 @@ def install(model: nn.Module, name: str, original: Any, replacement: Any) -> boo
         return False
     taken = False
     for module in model.modules():
-        if _bound(type(module), name) is original:
+        if bound(type(module), name) is original:
             module.__class__ = _rebound_class(type(module), name, replacement)
             taken = True
     return taken
@@ -37,11 +37,11 @@ def install(model: nn.Module, name: str, original: Any, replacement: Any) -> boo
 def installed(model: nn.Module, name: str, replacement: Any) -> bool:
     """Whether every module of `model` that calls the global `name` calls `replacement`, and one
     does."""
-    bound = [b for m in model.modules() if (b := _bound(type(m), name)) is not None]
-    return bool(bound) and all(b is replacement for b in bound)
+    found = [b for m in model.modules() if (b := bound(type(m), name)) is not None]
+    return bool(found) and all(b is replacement for b in found)
 
 
-def _bound(cls: type, name: str) -> Any:
+def bound(cls: type, name: str) -> Any:
     """What the global `name` is in `cls.__call__`, or None if it calls no such global."""
     call = getattr(cls, "__call__", None)  # noqa: B004 (the method itself, not a test)
     if not isinstance(call, types.FunctionType) or name not in call.__code__.co_names:
