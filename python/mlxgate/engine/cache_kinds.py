@@ -359,6 +359,9 @@ def rewind(
             recorded = next(states)
             if int(columns.min()) < width:  # else the pass's own state is the one kept
                 recorded.restore(leaf, mx.array(columns))
+                # Computed now, so that the verify pass's step is priced with it (the scheduler
+                # weighs guesses by what their steps took).
+                mx.eval(leaf.cache)
             continue
         if type(leaf) is BatchRotatingKVCache:
             _cut_window(leaf, surplus)
