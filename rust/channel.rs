@@ -59,6 +59,11 @@ pub struct Outcome {
     pub first_token: Option<Duration>,
     /// "running" until it ends: "finished", "cancelled", or the error kind that ended it.
     pub end: &'static str,
+    /// Tokens guessed for it that verify passes checked, and of them those it kept.
+    pub guessed: u64,
+    pub guesses_kept: u64,
+    /// What guessed them: "prompt-lookup" or "draft-model" ("" for nothing).
+    pub drafter: &'static str,
 }
 
 /// The `id:` lines of a streamed response: every event gets the next number.
@@ -121,6 +126,9 @@ impl<W> Channel<W> {
                 cached_from: "",
                 first_token: None,
                 end: "running",
+                guessed: 0,
+                guesses_kept: 0,
+                drafter: "",
             },
         };
         Self {
@@ -229,6 +237,14 @@ impl<W> Channel<W> {
         let outcome = &mut self.lock().outcome;
         outcome.cached_tokens = cached_tokens;
         outcome.cached_from = cached_from;
+    }
+
+    /// A verify pass checked `guessed` tokens `drafter` guessed for it, and it kept `kept`.
+    pub fn guessed(&self, guessed: u64, kept: u64, drafter: &'static str) {
+        let outcome = &mut self.lock().outcome;
+        outcome.guessed += guessed;
+        outcome.guesses_kept += kept;
+        outcome.drafter = drafter;
     }
 
     /// One more token generated (by any choice); the first one's time is kept.

@@ -30,6 +30,13 @@ pub enum CoreError {
     UnknownCompaction(String),
     UnknownSearchKind(String),
     UnknownCacheTier(String),
+    UnknownDrafter(String),
+    /// `Router::guessed`'s per-stream counts do not match its stream ids.
+    GuessedLengths {
+        stream_ids: usize,
+        guessed: usize,
+        kept: usize,
+    },
 }
 
 impl fmt::Display for CoreError {
@@ -73,6 +80,19 @@ impl fmt::Display for CoreError {
             }
             Self::EmptyThinkTag => write!(f, "think tags must not be empty"),
             Self::UnknownErrorKind(kind) => write!(f, "unknown error kind {kind:?}"),
+            Self::UnknownDrafter(name) => write!(
+                f,
+                "unknown drafter {name:?} (expected \"prompt-lookup\" or \"draft-model\")"
+            ),
+            Self::GuessedLengths {
+                stream_ids,
+                guessed,
+                kept,
+            } => write!(
+                f,
+                "guessed arguments differ in length: {stream_ids} stream ids, {guessed} guessed, \
+                 {kept} kept"
+            ),
             Self::UnknownCacheTier(tier) => {
                 write!(
                     f,

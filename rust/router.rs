@@ -438,6 +438,32 @@ impl<W> Router<W> {
         Ok(())
     }
 
+    /// Verify passes checked `guessed[i]` tokens that `drafter` ("prompt-lookup", "draft-model")
+    /// guessed for stream `stream_ids[i]`, which kept `kept[i]` of them: the request log says so.
+    /// Unknown ids are ignored.
+    pub fn guessed(
+        &self,
+        stream_ids: &[u64],
+        guessed: &[u64],
+        kept: &[u64],
+        drafter: &str,
+    ) -> Result<(), CoreError> {
+        let drafter = drafter_kind(drafter)?;
+        if guessed.len() != stream_ids.len() || kept.len() != stream_ids.len() {
+            return Err(CoreError::GuessedLengths {
+                stream_ids: stream_ids.len(),
+                guessed: guessed.len(),
+                kept: kept.len(),
+            });
+        }
+        for ((id, guessed), kept) in stream_ids.iter().zip(guessed).zip(kept) {
+            if let Some(stream) = self.streams.get(id) {
+                stream.channel.guessed(*guessed, *kept, drafter);
+            }
+        }
+        Ok(())
+    }
+
     /// Ends with an `overloaded` error every response whose reader has lagged past the unread-byte
     /// bound for longer than `timeout` (the engine never waits for a reader) and appends, sorted,
     /// the ids of its streams. Appends the wakers to `wake`.
@@ -481,6 +507,15 @@ pub fn cache_tier(name: &str) -> Result<&'static str, CoreError> {
         "disk" => Ok("disk"),
         "in-flight" => Ok("in-flight"),
         _ => Err(CoreError::UnknownCacheTier(name.to_owned())),
+    }
+}
+
+/// The drafter's name as the request log gives it.
+pub fn drafter_kind(name: &str) -> Result<&'static str, CoreError> {
+    match name {
+        "prompt-lookup" => Ok("prompt-lookup"),
+        "draft-model" => Ok("draft-model"),
+        _ => Err(CoreError::UnknownDrafter(name.to_owned())),
     }
 }
 
@@ -792,6 +827,31 @@ mod tests {
             (cancelled.outcome().end, cancelled.tokens()),
             ("cancelled", 1)
         );
+    }
+
+    #[test]
+    fn a_channel_counts_the_guesses_its_streams_kept() {
+        let mut r = TestRouter::new(vocab(), 1 << 20);
+        let guessing = open(&mut r, 1, false, &[], 10).unwrap();
+        let plain = open(&mut r, 2, false, &[], 10).unwrap();
+        r.guessed(&[1, 2, 9], &[4, 0, 4], &[3, 0, 1], "prompt-lookup")
+            .unwrap();
+        r.guessed(&[1], &[4], &[4], "prompt-lookup").unwrap();
+        let outcome = guessing.outcome();
+        assert_eq!(
+            (outcome.guessed, outcome.guesses_kept, outcome.drafter),
+            (8, 7, "prompt-lookup")
+        );
+        assert_eq!(plain.outcome().drafter, "prompt-lookup");
+        assert_eq!(plain.outcome().guessed, 0);
+        assert!(matches!(
+            r.guessed(&[1], &[1], &[1], "oracle"),
+            Err(CoreError::UnknownDrafter(_))
+        ));
+        assert!(matches!(
+            r.guessed(&[1, 2], &[1], &[1, 1], "draft-model"),
+            Err(CoreError::GuessedLengths { .. })
+        ));
     }
 
     #[test]

@@ -290,6 +290,19 @@ def test_errors_are_native_value_errors() -> None:
         router.step("ab", [1])  # type: ignore[arg-type]
     with pytest.raises(NativeError, match="unknown prefix cache tier"):
         router.cached(1, 5, "swap")
+    with pytest.raises(NativeError, match="unknown drafter"):
+        router.guessed([1], [2], [1], "oracle")
+    with pytest.raises(NativeError, match="guessed arguments differ in length"):
+        router.guessed([1, 2], [2], [1, 1], "prompt-lookup")
+
+
+def test_a_reader_says_how_many_guesses_its_verify_passes_kept() -> None:
+    router = Router(text_vocab())
+    reader = open_text(router, 1)
+    assert reader.guesses == ("", 0, 0)
+    router.guessed([1, 7], [4, 4], [3, 0], "prompt-lookup")  # 7: not open, ignored
+    router.guessed([1], [2], [2], "prompt-lookup")
+    assert reader.guesses == ("prompt-lookup", 6, 5)
 
 
 def test_a_reader_says_where_its_cached_tokens_came_from() -> None:

@@ -387,15 +387,23 @@ def test_a_served_draft_model_guesses_and_the_reply_is_the_served_models(tmp_pat
         assert ask(0) == ANSWER
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(ask, range(1, 5))) == [ANSWER] * 4
-        metrics = {
-            sample.name: sample.value
+        samples = [
+            sample
             for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
             for sample in family.samples
-        }
+            if sample.name.startswith("mlxgate_engine_")
+        ]
+        metrics = {sample.name: sample.value for sample in samples}
         drafted = metrics["mlxgate_engine_drafted_tokens_total"]
         accepted = metrics["mlxgate_engine_accepted_tokens_total"]
         assert 0 < accepted < drafted
-        assert "speculative decoding: a draft model (1 attention layers)" in server.log()
+        guesses = ("verify_passes", "drafted_tokens", "accepted_tokens")
+        names = {f"mlxgate_engine_{name}_total" for name in guesses}
+        assert {s.labels.get("drafter") for s in samples if s.name in names} == {"draft-model"}
+        log = server.log()
+        assert "speculative decoding: a draft model (1 attention layers)" in log
+        # Each request's line says what its verify passes kept.
+        assert log.count("guesses kept, draft-model)") >= 5
     finally:
         stop_server(server)
 

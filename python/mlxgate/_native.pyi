@@ -367,6 +367,10 @@ class Reader:
     def cached_from(self) -> str:
         """Where its cached prompt tokens came from: "memory", "disk", "in-flight", or ""."""
     @property
+    def guesses(self) -> tuple[str, int, int]:
+        """(what guessed for it: "prompt-lookup", "draft-model" or "", tokens guessed, of them
+        kept), over its verify passes."""
+    @property
     def output_tokens(self) -> int:
         """Tokens generated so far (all of them once the stream ended)."""
     @property
@@ -442,6 +446,14 @@ class Router:
         """Queue a keep-alive (streaming only), e.g. during a long prefill: Anthropic's `ping`
         event, an empty OpenAI chunk, Responses' `response.in_progress`. Only a response's
         first choice pings."""
+
+    def guessed(
+        self, stream_ids: list[int], guessed: list[int], kept: list[int], drafter: str
+    ) -> None:
+        """Verify passes checked `guessed[i]` tokens `drafter` ("prompt-lookup" or
+        "draft-model") guessed for stream `stream_ids[i]`, which kept `kept[i]` of them; the
+        request log says so. Raises NativeError for another drafter or lengths that differ;
+        unknown ids are ignored."""
 
     def cached(self, stream_id: int, cached_tokens: int, cached_from: str) -> None:
         """The stream's prompt reused `cached_tokens` from the prefix cache's tier `cached_from`

@@ -59,6 +59,7 @@ def request_ended(fields: dict[str, Any], readers: Sequence[Reader]) -> None:
         tier = readers[0].cached_from
         ttfts = [r.ttft_s for r in readers if r.ttft_s is not None]
         ends = {_ENDS.get(r.end, "error") for r in readers}
+        drafter, guessed, kept = readers[0].guesses  # a response's choices share one record
         fields |= {
             "prompt_tokens": prompt,
             "cached_tokens": cached,
@@ -66,6 +67,9 @@ def request_ended(fields: dict[str, Any], readers: Sequence[Reader]) -> None:
             "output_tokens": sum(r.output_tokens for r in readers),
             "ttft_s": round(min(ttfts) + (waited or 0.0), 4) if ttfts else None,
             "end": min(ends, key=["error", "drained", "stalled", "cancelled", "finished"].index),
+            "drafter": drafter or None,
+            "guessed_tokens": guessed,
+            "guesses_kept": kept,
         }
     else:
         fields["end"] = "finished" if 0 < status < 400 else "cancelled" if not status else "error"
@@ -74,7 +78,9 @@ def request_ended(fields: dict[str, Any], readers: Sequence[Reader]) -> None:
         text += (
             f": {fields['prompt_tokens']} prompt tokens ({fields['cached_tokens']} cached"
             f"{' from ' + tier if tier else ''}), "
-            f"{fields['output_tokens']} generated, first after {fields['ttft_s']} s"
+            f"{fields['output_tokens']} generated"
+            + (f" ({kept} of {guessed} guesses kept, {drafter})" if guessed else "")
+            + f", first after {fields['ttft_s']} s"
             + (f" ({fields['model_wait_s']} s loading the model)," if waited is not None else ",")
         )
     text += f" {fields['duration_s']:.3f} s [{fields['id']}]"

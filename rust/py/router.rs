@@ -99,6 +99,14 @@ impl PyReader {
         self.channel.outcome().cached_from
     }
 
+    /// (what guessed for it: "prompt-lookup", "draft-model" or "", tokens guessed, of them
+    /// kept), over its verify passes.
+    #[getter]
+    fn guesses(&self) -> (&'static str, u64, u64) {
+        let outcome = self.channel.outcome();
+        (outcome.drafter, outcome.guessed, outcome.guesses_kept)
+    }
+
     /// Tokens generated so far (all of them once the stream ended).
     #[getter]
     fn output_tokens(&self) -> u64 {
@@ -267,6 +275,18 @@ impl PyRouter {
     /// the usage reported at its end says so, and the request log the tier.
     fn cached(&self, stream_id: u64, cached_tokens: u64, cached_from: &str) -> PyResult<()> {
         Ok(self.lock().cached(stream_id, cached_tokens, cached_from)?)
+    }
+
+    /// Verify passes checked `guessed[i]` tokens `drafter` guessed for stream `stream_ids[i]`,
+    /// which kept `kept[i]` of them; the request log says so.
+    fn guessed(
+        &self,
+        stream_ids: Vec<u64>,
+        guessed: Vec<u64>,
+        kept: Vec<u64>,
+        drafter: &str,
+    ) -> PyResult<()> {
+        Ok(self.lock().guessed(&stream_ids, &guessed, &kept, drafter)?)
     }
 
     /// Ends with an `overloaded` error every response whose reader has held more than

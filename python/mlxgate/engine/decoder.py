@@ -114,7 +114,7 @@ class Decoder:
             sample = functools.partial(self._sample_positions, logits, drafts)
         took = functools.partial(self._took, slot_ids, drafts, states)
         tokens, kept, finished, cancelled = self.lockstep.share(
-            lambda: self._emit(router, slot_ids, *took(*sample())),
+            lambda: self._emit(router, slot_ids, drafts, *took(*sample())),
             _encode_step,
             _decode_step,
             evaluated=logits,
@@ -257,12 +257,25 @@ class Decoder:
         return tokens, drafts.kept(tokens)
 
     def _emit(
-        self, router: Router, slot_ids: np.ndarray, tokens: np.ndarray, kept: np.ndarray
+        self,
+        router: Router,
+        slot_ids: np.ndarray,
+        drafts: Drafts | None,
+        tokens: np.ndarray,
+        kept: np.ndarray,
     ) -> StepResult:
-        """The step's tokens to the router (their log-probabilities first); with them, the
-        streams it finished and those whose clients left."""
+        """The step's tokens to the router (their log-probabilities, and the guesses each stream
+        kept, first); with them, the streams it finished and those whose clients left."""
         if sampled := self.sampler.logprobs(slot_ids):
             router.logprobs(sampled)
+        if drafts is not None and self.speculation is not None:
+            guessed = drafts.counts > 0
+            router.guessed(
+                slot_ids[guessed].tolist(),
+                drafts.counts[guessed].tolist(),
+                kept[guessed].tolist(),
+                self.speculation.drafter,
+            )
         # Each row's emitted tokens in order: the router ends a stream at the first that ends it.
         stream_ids, token_ids = _emitted(slot_ids, tokens, kept)
         ended = router.step(stream_ids, token_ids)

@@ -104,6 +104,7 @@ class Engine:
         self.speculation = Speculation.configured(
             self.settings, self.layout, loaded.context_length, draft_model
         )
+        self.metrics.guessing(self.speculation.drafter if self.speculation else "none")
         self.admission = Admission(
             loaded,
             self.settings,

@@ -42,10 +42,14 @@ class _Field:
     def __set__(self, metrics: EngineMetrics, value: float) -> None:
         previous = metrics._values.get(self.name, self.zero)
         metrics._values[self.name] = value
-        self.record(metrics._metrics[self.name], previous, value)
+        self.record(self.series(metrics, metrics._metrics[self.name]), previous, value)
 
     def declare(self, registry: CollectorRegistry) -> Counter | Gauge:
         raise NotImplementedError
+
+    def series(self, metrics: EngineMetrics, metric: Any) -> Any:
+        """The series of `metric` a change goes to: the metric itself, unlabelled."""
+        return metric
 
     def record(self, metric: Any, previous: float, value: float) -> None:
         raise NotImplementedError
@@ -59,6 +63,16 @@ class Count(_Field):
 
     def record(self, metric: Counter, previous: float, value: float) -> None:
         metric.inc(value - previous)
+
+
+class DrafterCount(Count):
+    """A speculation counter, labelled with what guesses (`metrics.drafter`)."""
+
+    def declare(self, registry: CollectorRegistry) -> Counter:
+        return Counter(PREFIX + self.name, self.doc, ["drafter"], registry=registry)
+
+    def series(self, metrics: EngineMetrics, metric: Any) -> Any:
+        return metric.labels(drafter=metrics.drafter)
 
 
 class Level(_Field):
@@ -111,11 +125,11 @@ class EngineMetrics:
     requests_finished = Count("requests that finished generating")
     requests_cancelled = Count("requests whose client went away")
     loop_stops = Count("replies the loop guard ended because they repeated themselves")
-    verify_passes = Count("speculative decoding: decode steps that checked guessed tokens")
-    drafted_tokens = Count(
+    verify_passes = DrafterCount("speculative decoding: decode steps that checked guessed tokens")
+    drafted_tokens = DrafterCount(
         "speculative decoding: tokens guessed (by prompt lookup or a draft model)"
     )
-    accepted_tokens = Count("speculative decoding: guessed tokens the model confirmed")
+    accepted_tokens = DrafterCount("speculative decoding: guessed tokens the model confirmed")
     busy_s = Count("seconds the engine spent in steps", 0.0)
     plan_s = Count("seconds rank 0 spent planning steps (engine/scheduler.py)", 0.0)
     heap_trims = Count("times the engine gave the C heap's free pages back to the system")
@@ -128,6 +142,7 @@ class EngineMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._values: dict[str, float] = {}
+        self.drafter = "none"  # what guesses (`guessing`): the label of the speculation counts
         self._metrics: dict[str, Counter | Gauge] = {
             name: field.declare(self.registry)
             for name, field in vars(type(self)).items()
@@ -177,6 +192,13 @@ class EngineMetrics:
         if self._last_decode is not None and self.steps == self._last_decode[0] + 1:
             self.inter_token_s.append(now - self._last_decode[1])
         self._last_decode = (self.steps, now)
+
+    def guessing(self, drafter: str) -> None:
+        """What guesses for this engine ("none" where speculation is off): the speculation
+        counters' label, each at 0 until counted."""
+        self.drafter = drafter
+        for name in ("verify_passes", "drafted_tokens", "accepted_tokens"):
+            setattr(self, name, getattr(self, name))
 
     def _acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0

@@ -229,6 +229,11 @@ class Speculation:
     lookups: dict[int, Lookup] = field(default_factory=dict)
     steps: int = 0
 
+    @property
+    def drafter(self) -> str:
+        """What guesses, as `/metrics` and the request log name it."""
+        return "prompt-lookup" if self.draft_model is None else "draft-model"
+
     @classmethod
     def configured(
         cls,
